@@ -1,0 +1,334 @@
+"""Load roster.yaml into a `Roster`, or report every problem as `file:line:col: field: message`.
+
+The YAML is composed once into a node tree: the tree gives each key and value its line and
+column, and the same nodes are constructed into plain data. pydantic validates the data;
+its error locations (`('models', 1, 'sleep_level')`) are mapped back to node marks.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from config.schema import (
+    IDENTITY_KEYS,
+    Auth,
+    Listen,
+    ModelDefaults,
+    ModelSpec,
+    Queue,
+    Roster,
+    Swap,
+)
+
+Path_ = tuple[Any, ...]
+SECTIONS: dict[str, type[BaseModel]] = {"listen": Listen, "auth": Auth, "queue": Queue, "swap": Swap}
+TOP_LEVEL_KEYS = (*SECTIONS, "defaults", "models")
+SECRET_PATHS = (("auth", "admin_key"), ("auth", "api_keys"))
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+@dataclass(frozen=True, order=True)
+class Issue:
+    source: str
+    line: int
+    col: int
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.line}:{self.col}: {self.field}: {self.message}"
+
+
+class RosterError(Exception):
+    """Every problem found in a roster, in file order."""
+
+    def __init__(self, issues: Iterable[Issue]):
+        self.issues = sorted(set(issues))
+        super().__init__("\n".join(map(str, self.issues)))
+
+
+def load_roster(path: str | os.PathLike[str], environ: Optional[Mapping[str, str]] = None) -> Roster:
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RosterError([Issue(source, 1, 1, "roster", f"cannot read file: {exc}")]) from None
+    return parse_roster(text, source, environ)
+
+
+def parse_roster(text: str, source: str = "<roster>", environ: Optional[Mapping[str, str]] = None) -> Roster:
+    return _Loader(source, os.environ if environ is None else environ).load(text)
+
+
+def format_field(path: Path_) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "roster"
+
+
+class _Loader:
+    def __init__(self, source: str, environ: Mapping[str, str]):
+        self.source = source
+        self.environ = environ
+        self.issues: list[Issue] = []
+        self.value_marks: dict[Path_, tuple[int, int]] = {}
+        self.key_marks: dict[Path_, tuple[int, int]] = {}
+
+    # -- reporting -------------------------------------------------------------------
+
+    def report(self, path: Path_, message: str, *, at_key: bool = False) -> None:
+        field = format_field(path)
+        if any(issue.field == field for issue in self.issues):
+            return  # one problem per field: the first is the cause (an unset ${VAR} makes an empty string)
+        line, col = self.mark(path, at_key=at_key)
+        self.issues.append(Issue(self.source, line, col, field, message))
+
+    def mark(self, path: Path_, *, at_key: bool = False) -> tuple[int, int]:
+        if at_key and path in self.key_marks:
+            return self.key_marks[path]
+        while path not in self.value_marks and path:
+            path = path[:-1]
+        return self.value_marks.get(path, (1, 1))
+
+    # -- stages ----------------------------------------------------------------------
+
+    def load(self, text: str) -> Roster:
+        data = self.parse_yaml(text)
+        if not self.issues:
+            data = self.resolve_env(data, ())
+            roster = self.validate(data)
+            if not self.issues and roster is not None:
+                return roster
+        raise RosterError(self.issues)
+
+    def parse_yaml(self, text: str) -> Any:
+        loader = None
+        try:
+            loader = yaml.SafeLoader(text)
+            node = loader.get_single_node()
+            if node is None:
+                self.issues.append(Issue(self.source, 1, 1, "roster", "file is empty; a roster needs at least `models:`"))
+                return None
+            self.index(node, ())
+            data = loader.construct_document(node)
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+            what = " ".join(filter(None, [exc.context, exc.problem]))
+            self.issues.append(Issue(self.source, line, col, "yaml", f"syntax error: {what}"))
+            return None
+        except yaml.reader.ReaderError as exc:
+            line, col = _line_col(text, exc.position)
+            self.issues.append(Issue(self.source, line, col, "yaml", f"character {exc.character!r} is not allowed in YAML"))
+            return None
+        finally:
+            if loader is not None:
+                loader.dispose()
+        if not isinstance(data, dict):
+            kind = type(data).__name__ if data is not None else "null"
+            self.report((), f"must be a mapping with `models:` (and optionally {', '.join(SECTIONS)}, defaults); found a {kind}")
+        return data
+
+    def index(self, node: yaml.Node, path: Path_) -> None:
+        self.value_marks[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, value_node in node.value:
+                key = key_node.value
+                child = (*path, key)
+                self.key_marks[child] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+                if key in seen:
+                    # PyYAML keeps the last duplicate silently; an operator's edit would vanish.
+                    self.report(child, "duplicate key (the later one would silently win)", at_key=True)
+                seen.add(key)
+                self.index(value_node, child)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self.index(item, (*path, i))
+
+    def resolve_env(self, value: Any, path: Path_) -> Any:
+        if isinstance(value, dict):
+            return {k: self.resolve_env(v, (*path, k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.resolve_env(v, (*path, i)) for i, v in enumerate(value)]
+        if not isinstance(value, str):
+            return value
+        if path[:2] in SECRET_PATHS and not _ENV_REF.search(value):
+            self.report(path, "write secrets as ${ENV_VAR} and set them in the environment, never in the file")
+            return value
+
+        def substitute(match: re.Match[str]) -> str:
+            name, fallback = match.group(1), match.group(2)
+            if name in self.environ:
+                return self.environ[name]
+            if fallback is not None:
+                return fallback
+            self.report(path, f"environment variable {name} is not set (referenced as ${{{name}}})")
+            return ""
+
+        return _ENV_REF.sub(substitute, value)
+
+    def validate(self, data: dict[str, Any]) -> Optional[Roster]:
+        for key in data:
+            if key not in TOP_LEVEL_KEYS:
+                self.report((key,), _unknown_key(key, TOP_LEVEL_KEYS), at_key=True)
+        sections = {name: self.validate_model(cls, data.get(name) or {}, (name,)) for name, cls in SECTIONS.items()}
+        defaults = self.check_defaults(data.get("defaults") or {})
+        raw_models = data.get("models")
+        if not isinstance(raw_models, list) or not raw_models:
+            self.report(("models",), "needs at least one model (a list of mappings with `name:`)", at_key="models" in data)
+            return None
+        models = [self.validate_entry(entry, defaults, i) for i, entry in enumerate(raw_models)]
+        self.check_across(raw_models, defaults, sections["listen"])
+        if self.issues:
+            return None
+        return Roster(source=self.source, models=models, **sections)
+
+    def validate_model(self, cls: type[BaseModel], value: Any, path: Path_, blame=None) -> Any:
+        if not isinstance(value, dict):
+            self.report(path, f"must be a mapping (found {type(value).__name__})")
+            return None
+        try:
+            return cls.model_validate(value)
+        except ValidationError as exc:
+            for err in exc.errors():
+                where = (blame or (lambda loc: (*path, *loc)))(err["loc"])
+                self.report(where, _message(err, cls, err["loc"]), at_key=err["type"] == "extra_forbidden")
+            return None
+
+    def check_defaults(self, defaults: Any) -> dict[str, Any]:
+        if not isinstance(defaults, dict):
+            self.report(("defaults",), "must be a mapping of model keys")
+            return {}
+        kept = {}
+        for key, value in defaults.items():
+            if key in IDENTITY_KEYS:
+                self.report(("defaults", key), f"'{key}' identifies one engine; set it on each model, not in defaults", at_key=True)
+            elif key not in ModelDefaults.model_fields:
+                self.report(("defaults", key), _unknown_key(key, ModelDefaults.model_fields), at_key=True)
+            else:
+                kept[key] = value
+        return kept
+
+    def validate_entry(self, entry: Any, defaults: dict[str, Any], index: int) -> Optional[ModelSpec]:
+        path = ("models", index)
+        if not isinstance(entry, dict):
+            self.report(path, "must be a mapping with at least `name:` and one of model, command, url")
+            return None
+
+        def blame(loc: Path_) -> Path_:
+            # An error in a merged value belongs to whoever wrote that value.
+            if _has_path(entry, loc) or not _has_path(defaults, loc):
+                return (*path, *loc)
+            return ("defaults", *loc)
+
+        return self.validate_model(ModelSpec, merge_defaults(defaults, entry), path, blame)
+
+    def check_across(self, entries: list[Any], defaults: dict[str, Any], listen: Optional[Listen]) -> None:
+        """Names, ports and group defaults must be unique across models.
+
+        Runs on the raw entries, so a clash is reported even beside a model's other errors.
+        """
+        owners: dict[str, Path_] = {}
+        ports: dict[int, Path_] = {listen.port: ("listen", "port")} if listen else {}
+        group_default: dict[str, Path_] = {}
+
+        def claim(table: dict[Any, Path_], key: Any, where: Path_, message: str) -> None:
+            if key in table:
+                self.report(where, message.format(key=key, other=format_field(table[key])))
+            else:
+                table[key] = where
+
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, dict):
+                continue
+            merged = merge_defaults(defaults, entry)
+            base: Path_ = ("models", i)
+            aliases = merged.get("aliases") if isinstance(merged.get("aliases"), list) else []
+            for where, name in [((*base, "name"), merged.get("name")), *(((*base, "aliases", j), a) for j, a in enumerate(aliases))]:
+                if isinstance(name, str):
+                    claim(owners, name, where, "'{key}' is already used by {other}; names and aliases must be unique")
+            if isinstance(merged.get("port"), int):
+                claim(ports, merged["port"], (*base, "port"), "port {key} is already taken by {other}")
+            if merged.get("default") is True:
+                group = merged.get("group", "default")
+                claim(group_default, group, (*base, "default"), "group '{key}' already has its default model at {other}")
+
+
+def merge_defaults(defaults: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """The model's own value wins; env and gate merge key by key; args append."""
+    merged = dict(defaults)
+    for key, value in entry.items():
+        base = merged.get(key)
+        if key in ("env", "gate") and isinstance(base, dict) and isinstance(value, dict):
+            merged[key] = {**base, **value}
+        elif key == "args" and base is not None:
+            merged[key] = _as_argv(base) + _as_argv(value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _line_col(text: str, position: int) -> tuple[int, int]:
+    before = text[:position]
+    return before.count("\n") + 1, position - (before.rfind("\n") + 1) + 1
+
+
+def _as_argv(value: Any) -> list[Any]:
+    if isinstance(value, str):
+        return shlex.split(value)
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _has_path(data: Any, loc: Path_) -> bool:
+    for part in loc:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            data = data[part]
+        else:
+            return False
+    return True
+
+
+def _unknown_key(key: Any, known: Iterable[str]) -> str:
+    known = list(known)
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
+    return f"unknown key '{key}'{hint}"
+
+
+def _section_class(cls: type[BaseModel], loc: Path_) -> type[BaseModel]:
+    """The pydantic model that owns the last element of `loc` (for 'did you mean')."""
+    for part in loc[:-1]:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        annotation = field.annotation if field else None
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            cls = annotation
+    return cls
+
+
+def _message(err: dict[str, Any], cls: type[BaseModel], loc: Path_) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return _unknown_key(loc[-1], _section_class(cls, loc).model_fields)
+    if kind == "missing":
+        return "is required"
+    if kind == "literal_error":
+        return f"must be {err['ctx']['expected']} (found {err['input']!r})"
+    if kind == "value_error":
+        return str(err["ctx"]["error"])
+    msg = re.sub(r"^(Input|Value|String|List|Dictionary) should", "must", err["msg"])
+    if isinstance(err.get("input"), (str, int, float, bool)):
+        msg += f" (found {err['input']!r})"
+    return msg

@@ -1,0 +1,292 @@
+"""The roster schema: what an operator may write in roster.yaml, with its defaults.
+
+One pydantic model per section. `ModelSpec` is a model *after* `defaults` have been merged
+into it; `ModelDefaults` (derived from it) is what the `defaults:` section may hold.
+Cross-model rules (duplicate names, port collisions) live in `config.loader`, which sees
+the whole file and its line numbers.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+# Flags the router composes itself; an operator setting them in `args` would fight it.
+ROUTER_OWNED_FLAGS = (
+    "--host",
+    "--port",
+    "--enable-sleep-mode",
+    "--speculative-config",
+    "--worker-extension-cls",
+    "--served-model-name",
+)
+
+DEFAULT_LAUNCHER = ("vllm", "serve")
+_SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+DEFAULT_GATE_PROMPT = (
+    "Write one paragraph about the history of the printing press, in plain words."
+)
+WAKE_PHASES = (
+    "sleep",
+    "wake_weights",
+    "reload_draft",
+    "reload_weights",
+    "wake_kv_cache",
+    "reset_prefix_cache",
+    "gate",
+)
+
+
+def _argv(value: Any) -> Any:
+    # Operators write `args: "--max-model-len 4096"` as often as a list; split like a shell.
+    if isinstance(value, str):
+        return shlex.split(value)
+    return value
+
+
+def _flag_name(arg: str) -> str:
+    return arg.split("=", 1)[0]
+
+
+def _no_router_owned_flags(args: list[str]) -> list[str]:
+    for arg in args:
+        if _flag_name(arg) in ROUTER_OWNED_FLAGS:
+            raise ValueError(
+                f"{_flag_name(arg)} is set by the router; remove it from args "
+                f"(router-owned flags: {', '.join(ROUTER_OWNED_FLAGS)})"
+            )
+    return args
+
+
+def _output_check(value: str) -> str:
+    if value in ("exact", "off") or re.fullmatch(r"prefix:[1-9][0-9]*", value):
+        return value
+    raise ValueError("must be 'exact', 'off' or 'prefix:N' (N characters, N >= 1)")
+
+
+Argv = Annotated[list[str], BeforeValidator(_argv)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listen(Section):
+    host: str = Field("127.0.0.1", description="Address the router binds; loopback unless you mean otherwise.")
+    port: int = Field(8080, ge=1, le=65535)
+    max_body_mb: float = Field(32, gt=0, description="Largest request body accepted (413 above).")
+
+
+class Auth(Section):
+    api_keys: list[NonEmptyStr] = Field(
+        default_factory=list,
+        description="Client keys (Bearer). Write each as ${ENV_VAR}. Empty: no client auth.",
+    )
+    admin_key: Optional[NonEmptyStr] = Field(
+        None, description="Key for /admin/*. Write it as ${ENV_VAR}. Unset: /admin is loopback-only."
+    )
+
+
+class Queue(Section):
+    max_waiting: int = Field(256, ge=1, description="Waiting requests per model before 429.")
+    max_wait_s: float = Field(300, gt=0, description="A waiting request gets 503 after this long.")
+
+
+class StepTimeouts(Section):
+    """Seconds each step of a swap may take before the engine is marked FAILED."""
+
+    sleep: float = Field(120, gt=0)
+    wake_weights: float = Field(120, gt=0)
+    reload_draft: float = Field(300, gt=0)
+    reload_weights: float = Field(600, gt=0)
+    wake_kv_cache: float = Field(120, gt=0)
+    reset_prefix_cache: float = Field(60, gt=0)
+    gate: float = Field(120, gt=0)
+
+
+class Swap(Section):
+    min_active_s: float = Field(5, ge=0, description="An engine stays awake at least this long (no thrash).")
+    max_hold_s: float = Field(30, gt=0, description="Oldest waiter of another model forces a swap after this long.")
+    idle_sleep_s: Optional[float] = Field(None, gt=0, description="Park an engine idle this long even if nobody waits.")
+    drain_timeout_s: float = Field(30, ge=0, description="In-flight requests get this long before sleep aborts them.")
+    boot_timeout_s: float = Field(900, gt=0, description="A cold boot must be healthy within this.")
+    timeouts: StepTimeouts = Field(default_factory=StepTimeouts)
+
+
+class Gate(Section):
+    enabled: bool = True
+    prompt: NonEmptyStr = DEFAULT_GATE_PROMPT
+    max_tokens: int = Field(64, ge=1, le=4096)
+    min_acceptance_ratio: float = Field(
+        0.5, ge=0, le=1, description="Refuse when MAL_after-1 < ratio * (MAL_baseline-1)."
+    )
+    min_acceptance_length: float = Field(1.2, ge=1, description="Refuse when MAL_after is below this.")
+    output_check: Annotated[str, AfterValidator(_output_check)] = Field(
+        "exact", description="'exact', 'prefix:N' (first N characters) or 'off'."
+    )
+    on_fail: Literal["restart", "refuse", "allow"] = "restart"
+    on_midlife: Literal["log", "restart"] = "log"
+
+
+class ModelSpec(Section):
+    """One engine, with `defaults` already merged in.
+
+    Field order matters: a field's validator sees the fields above it (`info.data`),
+    which is how each cross-field error lands on the key that is wrong.
+    """
+
+    name: NonEmptyStr = Field(description="What clients put in `model`.")
+    aliases: list[NonEmptyStr] = Field(default_factory=list)
+    group: NonEmptyStr = Field("default", description="Engines in one group share GPUs: one awake at a time.")
+    default: bool = Field(False, description="The model left awake in its group after boot.")
+    model: Optional[NonEmptyStr] = Field(None, description="Path or id given to `vllm serve`.")
+    url: Optional[NonEmptyStr] = Field(None, description="Attach to an engine something else runs.")
+    port: Optional[int] = Field(None, ge=1, le=65535, description="Engine port; picked free when unset.")
+    command: Optional[Argv] = Field(None, description="Full argv; {port}, {model}, {name} are filled in.")
+    env: dict[str, str] = Field(default_factory=dict)
+    speculative: Optional[dict[str, Any]] = Field(None, description="Becomes --speculative-config (JSON).")
+    sleep_level: Literal[1, 2] = 2
+    draft_restore: Optional[Literal["reload", "preserve", "none"]] = Field(
+        None,
+        validate_default=True,
+        description="How the draft survives Level-2 sleep; 'reload' when speculative is set, else 'none'.",
+    )
+    gate: Gate = Field(default_factory=Gate)
+    launcher: Argv = Field(default_factory=lambda: list(DEFAULT_LAUNCHER), min_length=1)
+    args: Annotated[Argv, AfterValidator(_no_router_owned_flags)] = Field(default_factory=list)
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_http(cls, url: Optional[str]) -> Optional[str]:
+        if url is not None and not re.match(r"https?://[^/]+", url):
+            raise ValueError("must be an http:// or https:// URL, e.g. http://127.0.0.1:8001")
+        return url
+
+    @field_validator("command")
+    @classmethod
+    def _command_placeholders(cls, command: Optional[list[str]], info: ValidationInfo) -> Optional[list[str]]:
+        if command is None:
+            return None
+        if not command:
+            raise ValueError("must not be empty")
+        text = " ".join(command)
+        unknown = set(re.findall(r"\{([^{}]*)\}", text)) - {"port", "model", "name"}
+        if unknown:
+            raise ValueError(f"unknown placeholder(s) {sorted(unknown)}; known: {{port}}, {{model}}, {{name}}")
+        if "{port}" not in text and info.data.get("port") is None:
+            raise ValueError("needs {port} or an explicit port, so the router knows where the engine listens")
+        return command
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative_tokens(cls, spec: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if spec is not None:
+            n = spec.get("num_speculative_tokens")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError("needs num_speculative_tokens, an integer >= 1")
+        return spec
+
+    @field_validator("draft_restore")
+    @classmethod
+    def _draft_restore(cls, value: Optional[str], info: ValidationInfo) -> str:
+        has_draft = info.data.get("speculative") is not None
+        if value is None:
+            return "reload" if has_draft else "none"
+        if value != "none" and not has_draft and "speculative" in info.data:
+            raise ValueError(f"'{value}' needs speculative (without it there is no draft to restore)")
+        return value
+
+    @field_validator("args")
+    @classmethod
+    def _stats_kept_for_gate(cls, args: list[str], info: ValidationInfo) -> list[str]:
+        gate = info.data.get("gate")
+        if gate is not None and gate.enabled and "--disable-log-stats" in args:
+            raise ValueError(
+                "--disable-log-stats removes the spec-decode counters the gate reads; "
+                "drop it or set gate.enabled: false"
+            )
+        return args
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSpec":
+        sources = [k for k in ("model", "command", "url") if getattr(self, k) is not None]
+        if len(sources) != 1:
+            found = ", ".join(sources) if sources else "none of them"
+            raise ValueError(f"set exactly one of model, command, url (found {found})")
+        return self
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name, *self.aliases]
+
+    @property
+    def managed(self) -> bool:
+        """The router starts and stops this engine's process (not attached by url)."""
+        return self.url is None
+
+
+# Keys that identify one engine: a default for them would make every model the same.
+IDENTITY_KEYS = frozenset({"name", "aliases", "default", "model", "command", "url", "port"})
+
+ModelDefaults = create_model(
+    "ModelDefaults",
+    __base__=Section,
+    **{
+        name: (Optional[field.annotation], Field(None, description=field.description))
+        for name, field in ModelSpec.model_fields.items()
+        if name not in IDENTITY_KEYS
+    },
+)
+ModelDefaults.__doc__ = "Keys merged into every model (the model's own value wins; env and gate merge key by key; args append)."
+
+
+class RosterFile(Section):
+    """The roster file as written (models still without their defaults)."""
+
+    listen: Listen = Field(default_factory=Listen)
+    auth: Auth = Field(default_factory=Auth)
+    queue: Queue = Field(default_factory=Queue)
+    swap: Swap = Field(default_factory=Swap)
+    defaults: ModelDefaults = Field(default_factory=ModelDefaults)  # type: ignore[valid-type]
+    models: list[ModelSpec] = Field(min_length=1)
+
+
+class Roster(Section):
+    """The resolved roster every other part of hotswap reads."""
+
+    source: str
+    listen: Listen
+    auth: Auth
+    queue: Queue
+    swap: Swap
+    models: list[ModelSpec]
+
+    def groups(self) -> dict[str, list[ModelSpec]]:
+        out: dict[str, list[ModelSpec]] = {}
+        for m in self.models:
+            out.setdefault(m.group, []).append(m)
+        return out
+
+    def redacted(self) -> dict[str, Any]:
+        """The roster as plain data with secrets masked (for `hotswap check` and /admin)."""
+        data = self.model_dump(mode="json")
+        data["auth"]["api_keys"] = ["***"] * len(self.auth.api_keys)
+        if self.auth.admin_key:
+            data["auth"]["admin_key"] = "***"
+        for m in data["models"]:
+            m["env"] = {k: ("***" if _SECRET_NAME.search(k) else v) for k, v in m["env"].items()}
+        return data

@@ -1,0 +1,111 @@
+"""`hotswap` command line: serve, check, schema, status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+import yaml
+
+from config import DEMO_ROSTER, Roster, RosterError, RosterFile, load_roster
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_ROSTER = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hotswap",
+        description="One OpenAI-compatible endpoint in front of several vLLM engines that share GPUs: "
+        "routes by `model`, parks idle engines in vLLM sleep, wakes the one a request needs, "
+        "and refuses to promote a woken engine whose speculative-decoding acceptance collapsed.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the router",
+        description="Boot every engine in the roster (one group member at a time), record each "
+        "engine's cold-boot baseline, then serve the OpenAI API. SIGTERM/SIGINT drain and stop.",
+    )
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", metavar="ROSTER.yaml", help="the model roster")
+    source.add_argument("--demo", action="store_true", help=f"the built-in demo roster ({DEMO_ROSTER.name}: simulated engines, no GPU)")
+    serve.add_argument("--host", help="override listen.host")
+    serve.add_argument("--port", type=int, help="override listen.port")
+
+    check = commands.add_parser(
+        "check",
+        help="validate a roster and print it resolved",
+        description="Validate a roster. Prints the resolved roster (defaults applied, secrets masked) "
+        "and exits 0, or prints every error as file:line:col: field: message and exits 2.",
+    )
+    check.add_argument("--config", metavar="ROSTER.yaml", required=True)
+
+    commands.add_parser(
+        "schema",
+        help="print the roster's JSON Schema",
+        description="Print the roster's JSON Schema, for editor completion and validation.",
+    )
+
+    status = commands.add_parser(
+        "status",
+        help="show a running router's engines",
+        description="Print a running router's groups, engines, states, queues and last swaps.",
+    )
+    status.add_argument("--url", default="http://127.0.0.1:8080", help="the router (default %(default)s)")
+    status.add_argument("--admin-key", help="admin key (default: $HOTSWAP_ADMIN_KEY)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"serve": cmd_serve, "check": cmd_check, "schema": cmd_schema, "status": cmd_status}[args.command]
+    return handler(args)
+
+
+def _load(path: str) -> Optional[Roster]:
+    try:
+        return load_roster(path)
+    except RosterError as exc:
+        for issue in exc.issues:
+            print(issue, file=sys.stderr)
+        noun = "error" if len(exc.issues) == 1 else "errors"
+        print(f"{path}: {len(exc.issues)} {noun}; nothing was started", file=sys.stderr)
+        return None
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    roster = _load(args.config)
+    if roster is None:
+        return EXIT_BAD_ROSTER
+    yaml.safe_dump(roster.redacted(), sys.stdout, sort_keys=False)
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    json.dump(RosterFile.model_json_schema(), sys.stdout, indent=2)
+    print()
+    return EXIT_OK
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    roster = _load(str(DEMO_ROSTER) if args.demo else args.config)
+    if roster is None:
+        return EXIT_BAD_ROSTER
+    from router.daemon import run  # imported late: `check` and `schema` need no event loop
+
+    return run(roster, host=args.host, port=args.port)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from router.status_cli import show
+
+    return show(args.url, args.admin_key)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""The roster: defaults, validation messages an operator can act on, and the CLI around them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from hypothesis import given, settings, strategies as st
+
+from config import EXAMPLES, RosterError, RosterFile, parse_roster
+
+ENV = {"KEY_A": "sk-client-secret", "ADMIN": "sk-admin-secret"}
+
+
+def load(text: str, environ=ENV):
+    return parse_roster(textwrap.dedent(text), "roster.yaml", environ)
+
+
+def errors(text: str, environ=ENV) -> list[str]:
+    with pytest.raises(RosterError) as info:
+        load(text, environ)
+    return [str(issue) for issue in info.value.issues]
+
+
+MINIMAL = """
+models:
+  - name: a
+    model: /models/a
+"""
+
+
+def test_a_minimal_roster_gets_every_default():
+    roster = load(MINIMAL)
+    (m,) = roster.models
+    assert (roster.listen.host, roster.listen.port) == ("127.0.0.1", 8080)
+    assert m.group == "default" and m.sleep_level == 2 and m.draft_restore == "none"
+    assert m.launcher == ["vllm", "serve"] and m.args == [] and m.managed
+    assert (m.gate.min_acceptance_ratio, m.gate.min_acceptance_length, m.gate.on_fail) == (0.5, 1.2, "restart")
+    assert m.gate.max_tokens == 64 and m.gate.output_check == "exact"
+
+
+def test_speculative_turns_draft_restore_to_reload():
+    roster = load("""
+        models:
+          - name: a
+            model: /m/a
+            speculative: {num_speculative_tokens: 2}
+          - name: b
+            model: /m/b
+            speculative: {num_speculative_tokens: 2}
+            draft_restore: preserve
+    """)
+    assert [m.draft_restore for m in roster.models] == ["reload", "preserve"]
+
+
+def test_defaults_merge_into_every_model_and_the_model_wins():
+    roster = load("""
+        defaults:
+          group: gpu0
+          sleep_level: 1
+          env: {CUDA_VISIBLE_DEVICES: "0", A: "1"}
+          args: [--max-model-len, "4096"]
+          gate: {max_tokens: 32, on_fail: refuse}
+        models:
+          - name: a
+            model: /m/a
+            env: {A: "2"}
+            args: "--dtype float16"
+            gate: {on_fail: allow}
+          - name: b
+            model: /m/b
+            sleep_level: 2
+            group: gpu1
+    """)
+    a, b = roster.models
+    assert a.group == "gpu0" and a.sleep_level == 1
+    assert a.env == {"CUDA_VISIBLE_DEVICES": "0", "A": "2"}
+    assert a.args == ["--max-model-len", "4096", "--dtype", "float16"]
+    assert (a.gate.max_tokens, a.gate.on_fail) == (32, "allow")
+    assert (b.group, b.sleep_level, b.gate.on_fail) == ("gpu1", 2, "refuse")
+    assert list(roster.groups()) == ["gpu0", "gpu1"]
+
+
+def test_env_references_resolve_and_secrets_stay_out_of_the_printout():
+    roster = load("""
+        auth:
+          api_keys: ["${KEY_A}"]
+          admin_key: "${ADMIN}"
+        models:
+          - name: a
+            model: ${MODEL_DIR:-/default}/a
+            env: {HF_TOKEN: "${KEY_A}", CUDA_VISIBLE_DEVICES: "1"}
+    """)
+    assert roster.auth.api_keys == ["sk-client-secret"] and roster.auth.admin_key == "sk-admin-secret"
+    assert roster.models[0].model == "/default/a"
+    shown = json.dumps(roster.redacted())
+    assert "secret" not in shown
+    assert roster.redacted()["models"][0]["env"] == {"HF_TOKEN": "***", "CUDA_VISIBLE_DEVICES": "1"}
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/a
+                sleep_level: 3
+            """, "roster.yaml:5:18: models[0].sleep_level: must be 1 or 2 (found 3)", id="sleep-level"),
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/a
+                sleep_levl: 1
+            """, "roster.yaml:5:5: models[0].sleep_levl: unknown key 'sleep_levl'; did you mean 'sleep_level'?", id="unknown-key"),
+        pytest.param("""
+            swap:
+              max_hold: 3
+            models: [{name: a, model: /m/a}]
+            """, "roster.yaml:3:3: swap.max_hold: unknown key 'max_hold'; did you mean 'max_hold_s'?", id="unknown-section-key"),
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/a
+                gate: {on_fial: refuse}
+            """, "roster.yaml:5:12: models[0].gate.on_fial: unknown key 'on_fial'; did you mean 'on_fail'?", id="unknown-nested-key"),
+        pytest.param("""
+            models: [{name: a, model: /m/a}]
+            modles: []
+            """, "roster.yaml:3:1: modles: unknown key 'modles'; did you mean 'models'?", id="unknown-top-level"),
+        pytest.param("""
+            models:
+              - name: a
+            """, "roster.yaml:3:5: models[0]: set exactly one of model, command, url (found none of them)", id="no-source"),
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/a
+                url: http://127.0.0.1:9000
+            """, "roster.yaml:3:5: models[0]: set exactly one of model, command, url (found model, url)", id="two-sources"),
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/a
+                args: [--dtype, float16, --port=9000]
+            """, "roster.yaml:5:11: models[0].args: --port is set by the router", id="router-owned-flag"),
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/a
+                args: "--enable-sleep-mode"
+            """, "roster.yaml:5:11: models[0].args: --enable-sleep-mode is set by the router", id="router-owned-flag-string"),
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/a
+                speculative: {num_speculative_tokens: 2}
+                args: [--disable-log-stats]
+            """, "roster.yaml:6:11: models[0].args: --disable-log-stats removes the spec-decode counters the gate reads", id="stats-off-with-gate"),
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/${NOT_SET}
+            """, "roster.yaml:4:12: models[0].model: environment variable NOT_SET is not set (referenced as ${NOT_SET})", id="unset-env"),
+        pytest.param("""
+            auth:
+              api_keys: [sk-literal]
+            models: [{name: a, model: /m/a}]
+            """, "roster.yaml:3:14: auth.api_keys[0]: write secrets as ${ENV_VAR}", id="literal-secret"),
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/a
+                draft_restore: reload
+            """, "roster.yaml:5:20: models[0].draft_restore: 'reload' needs speculative", id="restore-without-draft"),
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/a
+                gate: {output_check: "prefix:x"}
+            """, "roster.yaml:5:26: models[0].gate.output_check: must be 'exact', 'off' or 'prefix:N'", id="output-check"),
+        pytest.param("""
+            models:
+              - name: a
+                command: [my-engine, --listen, "{host}"]
+            """, "roster.yaml:4:14: models[0].command: unknown placeholder(s) ['host']", id="command-placeholder"),
+        pytest.param("""
+            defaults:
+              model: /m/shared
+            models: [{name: a, model: /m/a}]
+            """, "roster.yaml:3:3: defaults.model: 'model' identifies one engine; set it on each model, not in defaults", id="identity-in-defaults"),
+        pytest.param("""
+            defaults:
+              sleep_level: 0
+            models: [{name: a, model: /m/a}, {name: b, model: /m/b}]
+            """, "roster.yaml:3:16: defaults.sleep_level: must be 1 or 2 (found 0)", id="bad-default-blamed-once"),
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/a
+                model: /m/b
+            """, "roster.yaml:5:5: models[0].model: duplicate key (the later one would silently win)", id="duplicate-yaml-key"),
+    ],
+)
+def test_each_mistake_is_reported_at_its_line_and_column(text, expected):
+    found = errors(text)
+    assert len(found) == 1, found
+    assert found[0].startswith(expected), found
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        pytest.param("", "roster.yaml:1:1: roster: file is empty", id="empty"),
+        pytest.param("# only a comment\n", "roster.yaml:1:1: roster: file is empty", id="comment-only"),
+        pytest.param("- a\n- b\n", "roster.yaml:1:1: roster: must be a mapping with `models:`", id="a-list"),
+        pytest.param("models: [\n  {name: a\n", "roster.yaml:3:1: yaml: syntax error", id="yaml-syntax"),
+        pytest.param("listen: {port: 1}\n", "roster.yaml:1:1: models: needs at least one model", id="no-models"),
+        pytest.param("models: []\n", "roster.yaml:1:1: models: needs at least one model", id="empty-models"),
+    ],
+)
+def test_a_broken_file_says_what_is_wrong_with_it(text, expected):
+    found = errors(text)
+    assert found and found[0].startswith(expected), found
+
+
+def test_clashes_across_models_point_at_the_second_one():
+    found = errors("""
+        listen: {port: 8080}
+        models:
+          - name: a
+            aliases: [alpha]
+            model: /m/a
+            port: 9001
+            default: true
+          - name: alpha
+            model: /m/b
+            port: 9001
+            default: true
+          - name: c
+            aliases: [a]
+            model: /m/c
+            port: 8080
+    """)
+    assert found == [
+        "roster.yaml:9:11: models[1].name: 'alpha' is already used by models[0].aliases[0]; names and aliases must be unique",
+        "roster.yaml:11:11: models[1].port: port 9001 is already taken by models[0].port",
+        "roster.yaml:12:14: models[1].default: group 'default' already has its default model at models[0].default",
+        "roster.yaml:14:15: models[2].aliases[0]: 'a' is already used by models[0].name; names and aliases must be unique",
+        "roster.yaml:16:11: models[2].port: port 8080 is already taken by listen.port",
+    ]
+
+
+def test_every_error_in_a_file_is_reported_together_in_file_order():
+    found = errors("""
+        listen: {port: 0}
+        queue: {max_waiting: -1}
+        models:
+          - name: a
+            model: /m/a
+            sleep_level: 9
+          - name: b
+            url: ftp://elsewhere
+          - name: a
+            model: /m/c
+    """)
+    assert [f.split(": ")[1] for f in found] == [
+        "listen.port", "queue.max_waiting", "models[0].sleep_level", "models[1].url", "models[2].name",
+    ]
+    assert [int(f.split(":")[1]) for f in found] == [2, 3, 7, 9, 10]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=200))
+def test_any_text_either_loads_or_raises_roster_error(text):
+    try:
+        parse_roster(text, "fuzz.yaml", {})
+    except RosterError as exc:
+        assert exc.issues and all(str(i).startswith("fuzz.yaml:") for i in exc.issues)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(
+        ["models", "name", "model", "url", "command", "port", "args", "gate", "defaults", "speculative", "aliases", "x"]), inner, max_size=4),
+    max_leaves=20,
+))
+def test_any_yaml_shape_either_loads_or_raises_roster_error(data):
+    text = yaml.safe_dump(data)
+    try:
+        parse_roster(text, "fuzz.yaml", {})
+    except RosterError as exc:
+        assert exc.issues
+
+
+# -- the CLI, as an operator runs it -------------------------------------------------------
+
+def hotswap(*args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_check_prints_the_resolved_roster_and_exits_0():
+    run = hotswap("check", "--config", str(EXAMPLES / "demo.yaml"))
+    assert run.returncode == 0, run.stderr
+    printed = yaml.safe_load(run.stdout)
+    assert [m["name"] for m in printed["models"]] == ["chat-small", "chat-spec", "chat-fragile"]
+    assert printed["models"][1]["draft_restore"] == "reload"
+
+
+def test_check_prints_every_error_and_exits_2(tmp_path: Path):
+    roster = tmp_path / "bad.yaml"
+    roster.write_text("models:\n  - name: a\n    model: /m\n    sleep_level: 5\n  - name: a\n    url: http://x:1\n")
+    run = hotswap("check", "--config", str(roster))
+    assert run.returncode == 2 and run.stdout == ""
+    lines = run.stderr.splitlines()
+    assert lines[0] == f"{roster}:4:18: models[0].sleep_level: must be 1 or 2 (found 5)"
+    assert lines[1] == f"{roster}:5:11: models[1].name: 'a' is already used by models[0].name; names and aliases must be unique"
+    assert "2 errors" in lines[2]
+
+
+def test_check_of_a_missing_file_exits_2():
+    run = hotswap("check", "--config", "/nonexistent/roster.yaml")
+    assert run.returncode == 2 and "/nonexistent/roster.yaml:1:1: roster: cannot read file" in run.stderr
+
+
+def test_help_describes_every_command():
+    text = hotswap("--help").stdout
+    for command in ("serve", "check", "schema", "status"):
+        assert command in text
+    assert "--demo" in hotswap("serve", "--help").stdout
+
+
+def test_schema_validates_every_example_and_rejects_a_typo():
+    run = hotswap("schema")
+    assert run.returncode == 0
+    schema = json.loads(run.stdout)
+    assert schema == RosterFile.model_json_schema()
+    for example in sorted(EXAMPLES.glob("*.yaml")):
+        jsonschema.validate(yaml.safe_load(example.read_text()), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"models": [{"name": "a", "model": "m", "sleep_levl": 1}]}, schema)
