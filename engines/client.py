@@ -1,0 +1,121 @@
+"""An async client for one vLLM server's HTTP API: one method per endpoint, each with a timeout.
+
+Failures are classified so that callers (and operators reading the message) can tell a
+dead engine (`EngineRefused`), a stuck one (`EngineTimeout`) and one that answered with an
+error (`EngineHTTPError`, with status and body) apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional, Sequence
+
+import aiohttp
+
+
+class EngineError(Exception):
+    """A call to an engine failed. `str()` names the endpoint and the cause."""
+
+    def __init__(self, endpoint: str, cause: str):
+        self.endpoint = endpoint
+        self.cause = cause
+        super().__init__(f"{endpoint}: {cause}")
+
+
+class EngineRefused(EngineError):
+    """Nothing listens (not started yet, or dead)."""
+
+
+class EngineTimeout(EngineError):
+    """No answer within the call's timeout."""
+
+
+class EngineHTTPError(EngineError):
+    def __init__(self, endpoint: str, status: int, body: str):
+        self.status = status
+        self.body = body
+        super().__init__(endpoint, f"HTTP {status}: {body[:500]}")
+
+
+class VLLMClient:
+    """Talks to one engine at `base_url`, on a session the caller owns and shares."""
+
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, api_key: Optional[str] = None):
+        self.base_url = base_url.rstrip("/")
+        self.session = session
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        timeout: float,
+        params: Any = None,
+        json: Any = None,
+        expect_json: bool = True,
+    ) -> Any:
+        endpoint = f"{method} {path}"
+        try:
+            async with self.session.request(
+                method,
+                self.base_url + path,
+                params=params,
+                json=json,
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as resp:
+                body = await resp.read()
+                if resp.status >= 400:
+                    raise EngineHTTPError(endpoint, resp.status, body.decode("utf-8", "replace"))
+                if not expect_json:
+                    return body.decode("utf-8", "replace")
+                if not body:
+                    return None
+                try:
+                    return await resp.json(content_type=None)
+                except ValueError:
+                    raise EngineHTTPError(endpoint, resp.status, "answer is not JSON: " + body[:200].decode("utf-8", "replace")) from None
+        except asyncio.TimeoutError:
+            raise EngineTimeout(endpoint, f"no answer within {timeout:.3g} s") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise EngineRefused(endpoint, f"cannot connect to {self.base_url} ({exc.os_error or exc})") from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as exc:
+            raise EngineRefused(endpoint, f"connection to {self.base_url} lost ({exc})") from None
+
+    # -- serving -----------------------------------------------------------------------
+
+    async def health(self, timeout: float = 5) -> None:
+        await self.request("GET", "/health", timeout=timeout, expect_json=False)
+
+    async def served_models(self, timeout: float = 10) -> list[str]:
+        answer = await self.request("GET", "/v1/models", timeout=timeout)
+        return [m["id"] for m in answer.get("data", [])]
+
+    async def completion(self, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return await self.request("POST", "/v1/completions", json=body, timeout=timeout)
+
+    async def metrics(self, timeout: float = 10) -> str:
+        return await self.request("GET", "/metrics", timeout=timeout, expect_json=False)
+
+    # -- dev endpoints (VLLM_SERVER_DEV_MODE=1) ------------------------------------------
+
+    async def sleep(self, level: int, mode: str = "wait", timeout: float = 120) -> Any:
+        return await self.request("POST", "/sleep", params={"level": str(level), "mode": mode}, timeout=timeout)
+
+    async def wake_up(self, tags: Sequence[str] = (), timeout: float = 120) -> Any:
+        return await self.request("POST", "/wake_up", params=[("tags", t) for t in tags], timeout=timeout)
+
+    async def is_sleeping(self, timeout: float = 10) -> bool:
+        answer = await self.request("GET", "/is_sleeping", timeout=timeout)
+        return bool(answer["is_sleeping"])
+
+    async def collective_rpc(self, method: str, timeout: float, args: Sequence[Any] = (), kwargs: Optional[dict] = None) -> list[Any]:
+        body = {"method": method, "args": list(args), "kwargs": kwargs or {}, "timeout": timeout}
+        answer = await self.request("POST", "/collective_rpc", json=body, timeout=timeout + 5)
+        return answer.get("results", []) if isinstance(answer, dict) else []
+
+    async def reset_prefix_cache(self, timeout: float = 30) -> bool:
+        answer = await self.request("POST", "/reset_prefix_cache", timeout=timeout)
+        # vLLM 0.33 answers {"success": bool}; older versions answered an empty 200.
+        return True if answer is None else bool(answer.get("success", True))

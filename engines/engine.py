@@ -1,0 +1,282 @@
+"""One engine's lifecycle as an explicit state machine (see DESIGN.md, "Engine states").
+
+    COLD -> BOOTING -> AWAKE -> DRAINING -> SLEEPING -> WAKING -> VERIFYING -> AWAKE
+    any step that fails, times out, or finds the process dead -> FAILED
+
+Only an AWAKE engine may be leased to client traffic: a vLLM engine that is asleep accepts
+generation requests and hangs them. Every transition goes through `_enter`, and every step
+of a sleep or wake through `_step`, so both are visible in one place (and to the observer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+import aiohttp
+
+from config.schema import ModelSpec, Swap
+from engines import gate
+from engines.client import EngineError, EngineRefused, VLLMClient
+from engines.process import EngineProcess, free_port
+
+HEALTH_POLL_S = 0.25
+
+
+class State(str, enum.Enum):
+    COLD = "cold"
+    BOOTING = "booting"
+    AWAKE = "awake"
+    DRAINING = "draining"
+    SLEEPING = "sleeping"
+    WAKING = "waking"
+    VERIFYING = "verifying"
+    FAILED = "failed"
+
+
+class EngineFailed(Exception):
+    """A lifecycle step failed; the engine is FAILED. The message names engine, step and cause."""
+
+
+class Observer:
+    """Receives what an engine does (the router's metrics and logs implement this)."""
+
+    def state_changed(self, engine: "Engine", old: State, new: State) -> None: ...
+
+    def step_done(self, engine: "Engine", phase: str, seconds: float, ok: bool) -> None: ...
+
+    def verdict(self, engine: "Engine", verdict: gate.Verdict) -> None: ...
+
+
+class Engine:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        swap: Swap,
+        session: aiohttp.ClientSession,
+        log_dir: Path,
+        observer: Optional[Observer] = None,
+    ):
+        self.spec = spec
+        self.name = spec.name
+        self.swap = swap
+        self.session = session
+        self.log_dir = log_dir
+        self.observer = observer or Observer()
+        self.state = State.COLD
+        self.since = time.monotonic()
+        self.failure: Optional[str] = None
+        self.sleep_level: Optional[int] = None
+        self.served_name = spec.name
+        self.process: Optional[EngineProcess] = None
+        self.client: Optional[VLLMClient] = VLLMClient(spec.url, session) if spec.url else None
+        self.port: Optional[int] = spec.port
+        self.boot_deadline: Optional[float] = None
+        self.last_phases: dict[str, float] = {}
+        self.last_verdict: Optional[gate.Verdict] = None
+        self.in_flight = 0
+        self.last_used = time.monotonic()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stopping = False
+        self._watch: Optional[asyncio.Task[None]] = None
+
+    # -- what the router reads -----------------------------------------------------------
+
+    @property
+    def promoted(self) -> bool:
+        return self.state is State.AWAKE
+
+    def last_log_lines(self, n: int = 20) -> list[str]:
+        return self.process.last_lines(n) if self.process else []
+
+    # -- leases: client traffic on an AWAKE engine ----------------------------------------
+
+    def try_lease(self) -> bool:
+        if self.state is not State.AWAKE:
+            return False
+        self.in_flight += 1
+        self._idle.clear()
+        return True
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self.last_used = time.monotonic()
+        if self.in_flight == 0:
+            self._idle.set()
+
+    # -- transitions ---------------------------------------------------------------------
+
+    def _enter(self, new: State, failure: Optional[str] = None) -> None:
+        old, self.state, self.since = self.state, new, time.monotonic()
+        self.failure = failure
+        if new is State.AWAKE:
+            self.sleep_level = None
+        self.observer.state_changed(self, old, new)
+
+    async def _step(self, phase: str, action: Callable[[float], Awaitable[Any]], timeout: Optional[float] = None) -> Any:
+        """Run one named step under its own timeout; record its duration; FAILED on any error."""
+        timeout = timeout if timeout is not None else getattr(self.swap.timeouts, phase)
+        started = time.monotonic()
+        try:
+            result = await asyncio.wait_for(action(timeout), timeout)
+        except (EngineError, asyncio.TimeoutError, OSError) as exc:
+            seconds = time.monotonic() - started
+            self.last_phases[phase] = seconds
+            self.observer.step_done(self, phase, seconds, False)
+            cause = f"no answer within {timeout:.3g} s" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+            if isinstance(exc, EngineRefused):
+                await self._reap_briefly()  # so the message can say how the process ended
+            raise self._fail(f"{phase} failed: {cause}") from None
+        seconds = time.monotonic() - started
+        self.last_phases[phase] = seconds
+        self.observer.step_done(self, phase, seconds, True)
+        return result
+
+    async def _reap_briefly(self, timeout: float = 2.0) -> None:
+        if self.process is not None and self.process.proc is not None:
+            await asyncio.wait({asyncio.ensure_future(self.process.wait())}, timeout=timeout)
+
+    def _fail(self, what: str) -> EngineFailed:
+        message = f"engine {self.name}: {what}"
+        code = self.process.returncode if self.process else None
+        if code is not None:
+            message += f" (process exited with code {code})"
+            lines = self.last_log_lines(8)
+            if lines:
+                message += "; last log lines:\n  " + "\n  ".join(lines)
+        self._enter(State.FAILED, message)
+        return EngineFailed(message)
+
+    # -- boot --------------------------------------------------------------------------------
+
+    async def boot(self) -> None:
+        """Start (or attach), wait until healthy, learn the served name, record the baseline."""
+        self.last_phases = {}
+        self._enter(State.BOOTING)
+        self.boot_deadline = time.monotonic() + self.swap.boot_timeout_s
+        started = time.monotonic()
+        if self.spec.managed:
+            await self._start_process()
+        assert self.client is not None
+        await self._wait_healthy()
+        served = await self._step("boot", lambda t: self.client.served_models(timeout=t), timeout=30)
+        self.served_name = self.spec.name if self.spec.name in served or not served else served[0]
+        self.last_phases["boot"] = time.monotonic() - started
+        self.last_verdict = await self._step("gate", lambda t: self._baseline())
+        self.boot_deadline = None
+        self._enter(State.AWAKE)
+
+    async def _start_process(self) -> None:
+        if self.process is not None:
+            await self.process.stop()
+        self.port = self.spec.port or free_port()
+        self.process = EngineProcess(self.spec, self.port, self.log_dir)
+        self.client = VLLMClient(f"http://127.0.0.1:{self.port}", self.session)
+        self._stopping = False
+        try:
+            await self.process.start()
+        except OSError as exc:
+            raise self._fail(f"cannot start {self.process.argv[0]!r}: {exc}") from None
+        self._watch = asyncio.create_task(self._watch_process(self.process), name=f"watch:{self.name}")
+
+    async def _wait_healthy(self) -> None:
+        assert self.client is not None and self.boot_deadline is not None
+        last_error = "no answer yet"
+        while time.monotonic() < self.boot_deadline:
+            if self.process is not None and self.process.returncode is not None:
+                await self.process.wait()  # the last log lines explain why
+                raise self._fail("exited during boot")
+            try:
+                await self.client.health(timeout=min(5.0, max(0.1, self.boot_deadline - time.monotonic())))
+                return
+            except EngineError as exc:
+                last_error = str(exc)
+            await asyncio.sleep(HEALTH_POLL_S)
+        raise self._fail(f"not healthy within boot_timeout_s={self.swap.boot_timeout_s:g} s (last: {last_error})")
+
+    async def _watch_process(self, process: EngineProcess) -> None:
+        code = await process.wait()
+        if process is self.process and not self._stopping and self.state is not State.FAILED:
+            self._fail(f"process died unexpectedly in state {self.state.value}")
+
+    # -- sleep ---------------------------------------------------------------------------
+
+    async def sleep(self, level: Optional[int] = None) -> None:
+        """Stop leasing, let in-flight requests finish (bounded), then put vLLM to sleep."""
+        level = level or self.spec.sleep_level
+        self._enter(State.DRAINING)
+        self.last_phases = {}
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.swap.drain_timeout_s)
+            mode = "wait"
+        except asyncio.TimeoutError:
+            mode = "abort"  # past the drain deadline the stragglers are cut, not waited on
+        self.last_phases["drain"] = time.monotonic() - started
+        self.observer.step_done(self, "drain", self.last_phases["drain"], True)
+        await self._step("sleep", lambda t: self.client.sleep(level, mode, timeout=t))
+        self.sleep_level = level
+        self._enter(State.SLEEPING)
+
+    # -- wake ----------------------------------------------------------------------------
+
+    async def wake(self) -> None:
+        """The staged wake, then the promotion gate. AWAKE on success; FAILED (raised) otherwise."""
+        assert self.state is State.SLEEPING, self.state
+        self.last_phases = {}
+        self._enter(State.WAKING)
+        if self.sleep_level == 2:
+            await self._wake_level2()
+        else:
+            await self._step("wake_kv_cache", lambda t: self.client.wake_up((), timeout=t))
+            await self._step("reset_prefix_cache", self._reset_prefix_cache)
+        self._enter(State.VERIFYING)
+        self.last_verdict = await self._step("gate", lambda t: self._verify())
+        self.observer.verdict(self, self.last_verdict)
+        self._enter(State.AWAKE)
+
+    async def _wake_level2(self) -> None:
+        client = self.client
+        await self._step("wake_weights", lambda t: client.wake_up(["weights"], timeout=t))
+        if self.spec.draft_restore == "reload":
+            # Draft first: the target reload that follows stays authoritative for shared tensors.
+            await self._step("reload_draft", lambda t: client.collective_rpc("hotswap_reload_draft", timeout=t))
+        await self._step("reload_weights", lambda t: client.collective_rpc("reload_weights", timeout=t))
+        await self._step("wake_kv_cache", lambda t: client.wake_up(["kv_cache"], timeout=t))
+        await self._step("reset_prefix_cache", self._reset_prefix_cache)
+
+    async def _reset_prefix_cache(self, timeout: float) -> None:
+        # vLLM answers success=false while blocks are still held; they free up shortly.
+        deadline = time.monotonic() + timeout
+        delay = 0.02
+        while not await self.client.reset_prefix_cache(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() + delay > deadline:
+                raise EngineError("POST /reset_prefix_cache", f"still answering success=false after {timeout:g} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    # -- the promotion gate (issue: gate) --------------------------------------------------
+
+    async def _baseline(self) -> gate.Verdict:
+        return gate.skipped("gate not implemented yet: promoted without a canary")
+
+    async def _verify(self) -> gate.Verdict:
+        return gate.skipped("gate not implemented yet: promoted without a canary")
+
+    # -- stop and restart -------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self.process is not None:
+            await self.process.stop()
+        if self._watch is not None:
+            await asyncio.wait({self._watch}, timeout=2)
+        self._enter(State.COLD)
+
+    async def restart(self) -> None:
+        await self.stop()
+        await self.boot()

@@ -1,0 +1,144 @@
+"""One managed engine process: its argv and env, its log (file and in-memory tail), start, stop.
+
+Every engine runs under `engines.reaper`, which leads the engine's process group and takes
+the whole group down when the router dies, SIGKILL included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from config.schema import ModelSpec
+
+WORKER_EXTENSION = "engines.vllm_ext.HotswapWorkerExtension"
+PRESERVE_DRAFT = "draft.*"
+TAIL_LINES = 200
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def compose_argv(spec: ModelSpec, port: int) -> list[str]:
+    """The engine's command line: `command` as written, or launcher + what the router owns + args."""
+    if spec.command is not None:
+        fill = {"port": str(port), "model": spec.model or spec.name, "name": spec.name}
+        return [_resolve_python(part.format(**fill)) if i == 0 else part.format(**fill) for i, part in enumerate(spec.command)]
+    argv = [_resolve_python(spec.launcher[0]), *spec.launcher[1:], str(spec.model)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", spec.name, "--enable-sleep-mode"]
+    if spec.speculative is not None:
+        argv += ["--speculative-config", json.dumps(spec.speculative, separators=(",", ":"))]
+    if spec.draft_restore == "reload":
+        argv += ["--worker-extension-cls", WORKER_EXTENSION]
+    elif spec.draft_restore == "preserve":
+        argv += ["--sleep-preserve-parameter-names", PRESERVE_DRAFT]
+    return argv + list(spec.args)
+
+
+def _resolve_python(program: str) -> str:
+    # Engines launched as `python -m ...` (the simulator, wrappers) run on the router's own
+    # interpreter, whatever PATH says: a venv that is not activated is the common case.
+    return sys.executable if program in ("python", "python3") else program
+
+
+class EngineProcess:
+    def __init__(self, spec: ModelSpec, port: int, log_dir: Path):
+        self.spec = spec
+        self.port = port
+        self.log_path = log_dir / f"{spec.name}.log"
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.proc: Optional[asyncio.subprocess.Process] = None
+        self.started_at = 0.0
+        self._pump: Optional[asyncio.Task[None]] = None
+
+    @property
+    def argv(self) -> list[str]:
+        return compose_argv(self.spec, self.port)
+
+    def env(self) -> dict[str, str]:
+        env = {**os.environ, **self.spec.env}
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # the sleep/wake/collective_rpc endpoints
+        env["HOTSWAP_REAPER_PARENT"] = str(os.getpid())
+        env.setdefault("PYTHONUNBUFFERED", "1")  # the log tail must be current when we quote it
+        return env
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.proc.returncode if self.proc else None
+
+    async def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "engines.reaper", "--", *self.argv]
+        header = f"=== hotswap {time.strftime('%Y-%m-%dT%H:%M:%S')}: starting {self.spec.name}: {' '.join(self.argv)}\n"
+        with self.log_path.open("a", encoding="utf-8") as log:
+            log.write(header)
+        self.tail.clear()
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=self.env(),
+            start_new_session=True,
+            limit=1 << 20,
+        )
+        self.started_at = time.monotonic()
+        self._pump = asyncio.create_task(self._pump_output(self.proc.stdout), name=f"log:{self.spec.name}")
+
+    async def _pump_output(self, stream: Optional[asyncio.StreamReader]) -> None:
+        assert stream is not None
+        with self.log_path.open("a", encoding="utf-8", errors="replace") as log:
+            while True:
+                try:
+                    raw = await stream.readline()
+                except ValueError:  # a line longer than the limit: take it in pieces
+                    raw = await stream.read(1 << 20)
+                if not raw:
+                    return
+                line = raw.decode("utf-8", "replace")
+                log.write(line)
+                log.flush()
+                self.tail.append(line.rstrip("\n"))
+
+    async def wait(self) -> int:
+        assert self.proc is not None
+        code = await self.proc.wait()
+        if self._pump is not None:
+            await asyncio.wait({self._pump}, timeout=2)  # let the last lines reach the tail
+        return code
+
+    async def stop(self, grace_s: float = 15) -> Optional[int]:
+        """SIGTERM the engine's group, wait `grace_s`, then SIGKILL it."""
+        if self.proc is None or self.proc.returncode is not None:
+            return self.returncode
+        self._signal_group(signal.SIGTERM)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self.wait()), grace_s)
+        except asyncio.TimeoutError:
+            self._signal_group(signal.SIGKILL)
+            return await self.wait()
+
+    def _signal_group(self, sig: int) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def last_lines(self, n: int = 20) -> list[str]:
+        return list(self.tail)[-n:]

@@ -1,0 +1,234 @@
+"""An engine's lifecycle against real simulated vLLM processes over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from engines.engine import Engine, EngineFailed, Observer, State
+from engines.process import compose_argv
+from tests.support import eventually, pid_alive, sim_model, sim_roster
+
+WAKE_L2 = ["wake_weights", "reload_draft", "reload_weights", "wake_kv_cache", "reset_prefix_cache"]
+
+
+class Recorder(Observer):
+    def __init__(self) -> None:
+        self.states: list[tuple[str, str]] = []
+        self.steps: list[tuple[str, bool]] = []
+
+    def state_changed(self, engine, old, new):
+        self.states.append((old.value, new.value))
+
+    def step_done(self, engine, phase, seconds, ok):
+        self.steps.append((phase, ok))
+
+
+@pytest.fixture
+async def make_engine(tmp_path: Path):
+    engines: list[Engine] = []
+    async with aiohttp.ClientSession() as session:
+
+        async def make(model: dict, **sections) -> Engine:
+            roster = sim_roster(model, **sections)
+            engine = Engine(roster.models[0], roster.swap, session, tmp_path, Recorder())
+            engines.append(engine)
+            return engine
+
+        yield make
+        for engine in engines:
+            await engine.stop()
+
+
+async def sim(engine: Engine, method: str, path: str, **kw):
+    async with engine.session.request(method, f"http://127.0.0.1:{engine.port}{path}", **kw) as resp:
+        return await resp.json(content_type=None)
+
+
+async def dev_calls(engine: Engine) -> list[str]:
+    return [c["step"] for c in await sim(engine, "GET", "/sim/log") if c["step"] != "generate"]
+
+
+async def test_a_level2_wake_calls_the_five_steps_in_order(make_engine):
+    engine = await make_engine(sim_model("a", spec=True))
+    await engine.boot()
+    assert engine.state is State.AWAKE and engine.served_name == "a"
+    await engine.sleep()
+    assert (engine.state, engine.sleep_level) == (State.SLEEPING, 2)
+    await engine.wake()
+    assert engine.state is State.AWAKE
+    assert await dev_calls(engine) == ["sleep", *WAKE_L2]
+    assert [p for p, ok in engine.observer.steps if ok][-6:] == [*WAKE_L2, "gate"]
+    assert set(engine.last_phases) == {*WAKE_L2, "gate"}
+    assert engine.observer.states[-4:] == [("draining", "sleeping"), ("sleeping", "waking"), ("waking", "verifying"), ("verifying", "awake")]
+
+
+async def test_without_a_draft_to_reload_the_wake_skips_the_draft_step(make_engine):
+    engine = await make_engine(sim_model("a", spec=True, draft_restore="preserve"))
+    await engine.boot()
+    await engine.sleep()
+    await engine.wake()
+    assert await dev_calls(engine) == ["sleep", "wake_weights", "reload_weights", "wake_kv_cache", "reset_prefix_cache"]
+    assert "--sleep-preserve-parameter-names" in engine.process.argv
+
+
+async def test_a_level1_wake_is_one_wake_up_and_a_prefix_reset(make_engine):
+    engine = await make_engine(sim_model("a", sleep_level=1))
+    await engine.boot()
+    await engine.sleep()
+    await engine.wake()
+    calls = await sim(engine, "GET", "/sim/log")
+    assert [c["step"] for c in calls] == ["sleep", "wake", "reset_prefix_cache"]
+    assert calls[0]["query"] == {"level": "1", "mode": "wait"}
+
+
+async def test_reset_prefix_cache_is_retried_while_vllm_answers_false(make_engine):
+    engine = await make_engine(sim_model("a", args=("--sim-reset-prefix-false", "3")))
+    await engine.boot()
+    await engine.sleep()
+    await engine.wake()
+    assert (await dev_calls(engine)).count("reset_prefix_cache") == 4
+    assert engine.state is State.AWAKE
+
+
+async def test_sleep_waits_for_in_flight_requests_then_sleeps_in_wait_mode(make_engine):
+    engine = await make_engine(sim_model("a"))
+    await engine.boot()
+    assert engine.try_lease()
+    sleeping = asyncio.create_task(engine.sleep())
+    await eventually(lambda: engine.state is State.DRAINING, what="draining")
+    assert not engine.try_lease(), "a draining engine must not take new traffic"
+    await asyncio.sleep(0)  # let the sleep task run; it must still be waiting for the lease
+    assert not sleeping.done()
+    engine.release()
+    await asyncio.wait_for(sleeping, 5)
+    assert (await sim(engine, "GET", "/sim/log"))[-1]["query"]["mode"] == "wait"
+
+
+async def test_a_drain_that_outlasts_its_deadline_sleeps_in_abort_mode(make_engine):
+    engine = await make_engine(sim_model("a"), swap={"drain_timeout_s": 0.2})
+    await engine.boot()
+    assert engine.try_lease()
+    await engine.sleep()
+    assert (await sim(engine, "GET", "/sim/log"))[-1]["query"] == {"level": "2", "mode": "abort"}
+
+
+@pytest.mark.parametrize("kind", ["crash", "hang", "http500"])
+@pytest.mark.parametrize("step", [*WAKE_L2, "sleep"])
+async def test_a_fault_at_any_step_leaves_the_engine_failed_naming_the_step(make_engine, step, kind):
+    engine = await make_engine(sim_model("a", spec=True), swap={"timeouts": {step: 1}})
+    await engine.boot()
+    await sim(engine, "POST", "/sim/faults", json={"step": step, "kind": kind})
+    with pytest.raises(EngineFailed) as failed:
+        if step != "sleep":
+            await engine.sleep()
+        await engine.sleep() if step == "sleep" else await engine.wake()
+    assert engine.state is State.FAILED
+    message = str(failed.value)
+    assert message.startswith(f"engine a: {step} failed: ") and engine.failure == message
+    expected = {"hang": "no answer within 1 s", "http500": "HTTP 500", "crash": "process exited with code 1"}[kind]
+    assert expected in message, message
+    assert (step, False) in engine.observer.steps
+
+
+async def test_an_engine_that_dies_while_awake_is_noticed_at_once(make_engine):
+    engine = await make_engine(sim_model("a"))
+    await engine.boot()
+    sim_pid = (await sim(engine, "GET", "/sim/state"))["pid"]
+    os.kill(sim_pid, signal.SIGKILL)
+    await eventually(lambda: engine.state is State.FAILED, what="FAILED after the crash")
+    assert "process died unexpectedly in state awake" in engine.failure
+    assert "code 137" in engine.failure
+
+
+async def test_a_failed_boot_quotes_the_engines_last_log_lines(make_engine):
+    engine = await make_engine(sim_model("a", args=("--sim-fail-boot",)))
+    with pytest.raises(EngineFailed) as failed:
+        await engine.boot()
+    assert engine.state is State.FAILED
+    assert "engine a: exited during boot (process exited with code 1); last log lines:" in str(failed.value)
+    assert "simulated boot failure" in str(failed.value)
+    assert "simulated boot failure" in engine.process.log_path.read_text()
+
+
+async def test_a_boot_that_never_gets_healthy_times_out(make_engine):
+    engine = await make_engine(sim_model("a", args=("--sim-boot-s", "30")), swap={"boot_timeout_s": 0.5})
+    with pytest.raises(EngineFailed, match=r"not healthy within boot_timeout_s=0.5 s"):
+        await engine.boot()
+
+
+async def test_a_missing_launcher_is_reported_not_raised_raw(make_engine):
+    engine = await make_engine(sim_model("a", launcher=["/nonexistent/vllm", "serve"]))
+    with pytest.raises(EngineFailed) as failed:
+        await engine.boot()
+    assert str(failed.value) == (
+        "engine a: exited during boot (process exited with code 127); last log lines:\n"
+        "  hotswap: cannot start engine command '/nonexistent/vllm': No such file or directory"
+    )
+
+
+async def test_restart_brings_a_failed_engine_back(make_engine):
+    engine = await make_engine(sim_model("a"))
+    await engine.boot()
+    first = engine.process.pid
+    await sim(engine, "POST", "/sim/faults", json={"step": "sleep", "kind": "http500"})
+    with pytest.raises(EngineFailed):
+        await engine.sleep()
+    await engine.restart()
+    assert engine.state is State.AWAKE and engine.process.pid != first
+
+
+def test_argv_is_launcher_then_what_the_router_owns_then_the_operators_args():
+    roster = sim_roster({"name": "a", "model": "sim/a", "port": 9123, "args": ["--dtype", "half"],
+                         "speculative": {"num_speculative_tokens": 3}})
+    assert compose_argv(roster.models[0], 9123) == [
+        "vllm", "serve", "sim/a", "--host", "127.0.0.1", "--port", "9123", "--served-model-name", "a",
+        "--enable-sleep-mode", "--speculative-config", '{"num_speculative_tokens":3}',
+        "--worker-extension-cls", "engines.vllm_ext.HotswapWorkerExtension", "--dtype", "half",
+    ]
+
+
+def test_a_command_override_is_used_as_written_with_placeholders_filled():
+    roster = sim_roster({"name": "a", "command": "my-engine --listen 127.0.0.1:{port} --served {name}"})
+    assert compose_argv(roster.models[0], 9200) == ["my-engine", "--listen", "127.0.0.1:9200", "--served", "a"]
+
+
+SUPERVISOR = textwrap.dedent("""
+    import asyncio, sys, aiohttp
+    from pathlib import Path
+    from engines.engine import Engine
+    from tests.support import sim_model, sim_roster
+
+    async def main():
+        roster = sim_roster(sim_model("a"))
+        async with aiohttp.ClientSession() as session:
+            engine = Engine(roster.models[0], roster.swap, session, Path(sys.argv[1]))
+            await engine.boot()
+            async with session.get(f"http://127.0.0.1:{engine.port}/sim/state") as r:
+                print((await r.json())["pid"], engine.process.pid, engine.port, flush=True)
+            await asyncio.Event().wait()
+
+    asyncio.run(main())
+""")
+
+
+async def test_no_engine_outlives_a_supervisor_killed_with_sigkill(tmp_path: Path):
+    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(supervisor.stdout.readline), 30)
+        sim_pid, reaper_pid, port = map(int, line.split())
+        assert pid_alive(sim_pid) and pid_alive(reaper_pid)
+        supervisor.kill()
+        await eventually(lambda: not pid_alive(sim_pid) and not pid_alive(reaper_pid), what="engine and reaper gone")
+    finally:
+        supervisor.kill()
+        supervisor.wait()
