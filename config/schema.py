@@ -234,6 +234,16 @@ class ModelSpec(Section):
         return [self.name, *self.aliases]
 
     @property
+    def engine_api_key(self) -> Optional[str]:
+        """The key the engine itself demands on /v1 (its `--api-key` or VLLM_API_KEY), for the router's own calls."""
+        for i, arg in enumerate(self.args):
+            if arg == "--api-key" and i + 1 < len(self.args):
+                return self.args[i + 1]
+            if arg.startswith("--api-key="):
+                return arg.split("=", 1)[1]
+        return self.env.get("VLLM_API_KEY")
+
+    @property
     def managed(self) -> bool:
         """The router starts and stops this engine's process (not attached by url)."""
         return self.url is None

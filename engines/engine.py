@@ -72,7 +72,7 @@ class Engine:
         self.sleep_level: Optional[int] = None
         self.served_name = spec.name
         self.process: Optional[EngineProcess] = None
-        self.client: Optional[VLLMClient] = VLLMClient(spec.url, session) if spec.url else None
+        self.client: Optional[VLLMClient] = VLLMClient(spec.url, session, spec.engine_api_key) if spec.url else None
         self.port: Optional[int] = spec.port
         self.boot_deadline: Optional[float] = None
         self.last_phases: dict[str, float] = {}
@@ -175,7 +175,7 @@ class Engine:
             await self.process.stop()
         self.port = self.spec.port or free_port()
         self.process = EngineProcess(self.spec, self.port, self.log_dir)
-        self.client = VLLMClient(f"http://127.0.0.1:{self.port}", self.session)
+        self.client = VLLMClient(f"http://127.0.0.1:{self.port}", self.session, self.spec.engine_api_key)
         self._stopping = False
         try:
             await self.process.start()
@@ -276,6 +276,12 @@ class Engine:
         if self._watch is not None:
             await asyncio.wait({self._watch}, timeout=2)
         self._enter(State.COLD)
+
+    async def stop_after_failure(self) -> None:
+        """Kill a FAILED engine's process (a broken engine must not hold GPU memory); stay FAILED."""
+        self._stopping = True
+        if self.process is not None:
+            await self.process.stop()
 
     async def restart(self) -> None:
         await self.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 import yaml
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--demo", action="store_true", help=f"the built-in demo roster ({DEMO_ROSTER.name}: simulated engines, no GPU)")
     serve.add_argument("--host", help="override listen.host")
     serve.add_argument("--port", type=int, help="override listen.port")
+    serve.add_argument("--log-dir", type=Path, help="engine logs (default: $XDG_STATE_HOME/hotswap/logs)")
 
     check = commands.add_parser(
         "check",
@@ -98,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_BAD_ROSTER
     from router.daemon import run  # imported late: `check` and `schema` need no event loop
 
-    return run(roster, host=args.host, port=args.port)
+    return run(roster, host=args.host, port=args.port, log_dir=args.log_dir)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -26,11 +26,7 @@ def sim_model(name: str, *, spec: bool = False, args: tuple[str, ...] = (), **ex
 
 def sim_roster(*models: dict[str, Any], **sections: Any) -> Roster:
     """A roster of simulated engines with short timeouts, so failures show in seconds."""
-    swap = {"min_active_s": 0, "max_hold_s": 5, "drain_timeout_s": 5, "boot_timeout_s": 30,
-            "timeouts": {k: 3 for k in ("sleep", "wake_weights", "reload_draft", "reload_weights", "wake_kv_cache", "reset_prefix_cache", "gate")}}
-    swap.update(sections.pop("swap", {}))
-    data = {"swap": swap, "models": list(models), **sections}
-    return parse_roster(yaml.safe_dump(data), "test-roster.yaml", os.environ)
+    return parse_roster(yaml.safe_dump(roster_dict(*models, **sections)), "test-roster.yaml", os.environ)
 
 
 def free_port() -> int:
@@ -66,3 +62,73 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except OSError:
         return False
+
+
+class RouterProcess:
+    """A real `hotswap serve` process on a free loopback port."""
+
+    def __init__(self, roster: dict[str, Any], tmp_path, env: Optional[dict[str, str]] = None):
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.roster_path = tmp_path / "roster.yaml"
+        self.roster_path.write_text(yaml.safe_dump(roster))
+        self.log_path = tmp_path / "router.log"
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--config", str(self.roster_path), "--port", str(self.port),
+             "--log-dir", str(tmp_path / "engines")],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    async def wait_ready(self, timeout: float = 30, session=None) -> None:
+        import aiohttp
+
+        async def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"router exited with {self.proc.returncode}:\n{self.log()}")
+            async with aiohttp.ClientSession() as s, s.get(self.url + "/ready") as r:
+                return r.status == 200
+
+        async def booted() -> bool:
+            status = await self.status()
+            return all(g["booted"] for g in status["groups"].values())
+
+        await eventually(ready, timeout, interval=0.05, what=f"router ready at {self.url}")
+        await eventually(booted, timeout, interval=0.05, what="every group booted")
+
+    async def status(self) -> dict[str, Any]:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s, s.get(self.url + "/admin/status") as r:
+            return await r.json()
+
+    async def engine(self, name: str) -> dict[str, Any]:
+        status = await self.status()
+        return next(e for g in status["groups"].values() for e in g["engines"] if e["name"] == name)
+
+    def stop(self, timeout: float = 30) -> int:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def roster_dict(*models: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    swap = {"min_active_s": 0, "max_hold_s": 5, "drain_timeout_s": 5, "boot_timeout_s": 30,
+            "timeouts": {k: 5 for k in ("sleep", "wake_weights", "reload_draft", "reload_weights", "wake_kv_cache", "reset_prefix_cache", "gate")}}
+    swap.update(sections.pop("swap", {}))
+    return {"swap": swap, "models": list(models), **sections}

@@ -1,0 +1,293 @@
+"""The router's HTTP surface: the OpenAI proxy, health, readiness, metrics, admin.
+
+Nothing but the routes below exists. The engines' dev endpoints (`/sleep`, `/wake_up`,
+`/collective_rpc`, ...) are never forwarded, whatever the path spelling: there is no
+catch-all route, and the upstream path is the route's own constant, not the client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import aiohttp
+from aiohttp import web
+
+from config.schema import Roster
+from engines.engine import Engine, Observer, State
+from engines.gate import Verdict
+from router.errors import ProxyError, error_response
+from router.metrics import UNKNOWN_MODEL, Metrics
+from router.proxy import forward
+from router.scheduler import GroupScheduler, SwapRecord
+
+log = logging.getLogger("hotswap")
+
+OPENAI_ROUTES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+}
+ROUTER_KEY = web.AppKey("router", "Router")
+
+
+class Router(Observer):
+    """The roster made live: engines, one scheduler per group, and the name -> engine table."""
+
+    def __init__(self, roster: Roster, log_dir: Path, session: aiohttp.ClientSession, proxy_session: aiohttp.ClientSession):
+        self.roster = roster
+        self.session = session
+        self.proxy_session = proxy_session
+        self.metrics = Metrics()
+        self.started = int(time.time())
+        self.engines: dict[str, Engine] = {m.name: Engine(m, roster.swap, session, log_dir, self) for m in roster.models}
+        self.by_name: dict[str, Engine] = {n: self.engines[m.name] for m in roster.models for n in m.names}
+        self.groups: dict[str, GroupScheduler] = {
+            group: GroupScheduler(group, [self.engines[m.name] for m in models], roster.swap, roster.queue, self.metrics.swap_done)
+            for group, models in roster.groups().items()
+        }
+        self.metrics.attach(self)
+
+    def scheduler(self, engine: Engine) -> GroupScheduler:
+        return self.groups[engine.spec.group]
+
+    def lookup(self, model: str) -> Engine:
+        engine = self.by_name.get(model)
+        if engine is None:
+            known = ", ".join(sorted(self.by_name))
+            raise ProxyError(404, f"The model '{model}' does not exist. Available: {known}", "model_not_found", param="model")
+        return engine
+
+    @property
+    def ready(self) -> bool:
+        return any(e.promoted for e in self.engines.values())
+
+    def start(self) -> None:
+        log.info("hotswap: %d engines in %d groups; engine logs in %s", len(self.engines), len(self.groups),
+                 next(iter(self.engines.values())).log_dir)
+        for scheduler in self.groups.values():
+            scheduler.start()
+
+    async def drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(e.in_flight for e in self.engines.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(s.stop() for s in self.groups.values()))
+        await asyncio.gather(*(e.stop() for e in self.engines.values()), return_exceptions=True)
+
+    # -- Observer: engines report here --------------------------------------------------------
+
+    def state_changed(self, engine: Engine, old: State, new: State) -> None:
+        self.metrics.state_changed(engine, old, new)
+        if new is State.FAILED:
+            self.scheduler(engine).poke()
+
+    def step_done(self, engine: Engine, phase: str, seconds: float, ok: bool) -> None:
+        self.metrics.step_done(engine, phase, seconds, ok)
+
+    def verdict(self, engine: Engine, verdict: Verdict) -> None:
+        self.metrics.verdict(engine, verdict)
+        log.log(logging.INFO if verdict.passed else logging.ERROR, "gate %s: %s (%s)", engine.name, verdict.result, verdict.reason)
+
+    # -- status ---------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "ready": self.ready,
+            "groups": {
+                name: {
+                    "active": s.active.name if s.active else None,
+                    "booted": s.booted,
+                    "last_swap": _swap_dict(s.last_swap),
+                    "engines": [self._engine_status(e) for e in s.engines],
+                }
+                for name, s in self.groups.items()
+            },
+        }
+
+    def _engine_status(self, e: Engine) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "name": e.name,
+            "aliases": e.spec.aliases,
+            "state": e.state.value,
+            "for_s": round(now - e.since, 3),
+            "sleep_level": e.sleep_level,
+            "in_flight": e.in_flight,
+            "queued": self.scheduler(e).queued(e),
+            "port": e.port,
+            "pid": e.process.pid if e.process else None,
+            "boot_deadline_in_s": round(e.boot_deadline - now, 1) if e.boot_deadline else None,
+            "last_phases": {k: round(v, 4) for k, v in e.last_phases.items()},
+            "last_verdict": e.last_verdict.as_dict() if e.last_verdict else None,
+            "failures": self.scheduler(e).failures[e.name],
+            "restarts": self.scheduler(e).restarts[e.name],
+            "failure": e.failure,
+            "last_log_lines": e.last_log_lines(20) if e.state is State.FAILED else [],
+        }
+
+
+def _swap_dict(record: Optional[SwapRecord]) -> Optional[dict[str, Any]]:
+    if record is None:
+        return None
+    return {"from": record.from_model, "to": record.to_model, "result": record.result, "seconds": round(record.seconds, 4),
+            "phases": {k: round(v, 4) for k, v in record.phases.items()}, "error": record.error, "at": record.at}
+
+
+# -- handlers ------------------------------------------------------------------------------------
+
+async def openai_endpoint(request: web.Request) -> web.StreamResponse:
+    router = request.app[ROUTER_KEY]
+    path = request.match_info.route.resource.canonical  # type: ignore[union-attr]
+    endpoint = OPENAI_ROUTES[path]
+    started = time.monotonic()
+    label = UNKNOWN_MODEL
+    status = 500
+    stream = "false"
+    try:
+        body = await _json_body(request)
+        engine = router.lookup(body["model"])
+        label = engine.name
+        stream = "true" if body.get("stream") is True else "false"
+        scheduler = router.scheduler(engine)
+        await scheduler.acquire(engine)
+        router.metrics.queue_wait.labels(label).observe(time.monotonic() - started)
+        try:
+            response = await forward(request, router.proxy_session, engine, path, body, request["raw_body"])
+        finally:
+            scheduler.release(engine)
+        status = response.status
+        return response
+    except ProxyError as exc:
+        status = exc.status
+        raise
+    finally:
+        router.metrics.requests.labels(label, endpoint, str(status)).inc()
+        router.metrics.latency.labels(label, endpoint, stream).observe(time.monotonic() - started)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    request["raw_body"] = raw
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProxyError(400, f"The request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, "The request body must be a JSON object.", "invalid_request")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ProxyError(400, "The request needs a 'model' (a string naming a model from GET /v1/models).", "missing_model", param="model")
+    return body
+
+
+async def list_models(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    data = [
+        {"id": name, "object": "model", "created": router.started, "owned_by": "hotswap",
+         "root": engine.spec.model or engine.spec.url or engine.name, "parent": None if name == engine.name else engine.name,
+         "state": engine.state.value, "group": engine.spec.group}
+        for name, engine in router.by_name.items()
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    promoted = [e.name for e in router.engines.values() if e.promoted]
+    return web.json_response({"ready": bool(promoted), "promoted": promoted}, status=200 if promoted else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[ROUTER_KEY].metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def admin_status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ROUTER_KEY].status())
+
+
+# -- middlewares --------------------------------------------------------------------------------
+
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ProxyError as exc:
+        return exc.response()
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(413, f"The request body is larger than listen.max_body_mb ({exc.text}).", "body_too_large")
+    except web.HTTPNotFound:
+        return error_response(404, f"No route {request.method} {request.path}. hotswap serves /v1/chat/completions, "
+                                   "/v1/completions, /v1/embeddings, /v1/models, /health, /ready, /metrics, /admin/*.", "not_found")
+    except web.HTTPMethodNotAllowed as exc:
+        return error_response(405, f"{request.method} is not allowed on {request.path} (allowed: {', '.join(sorted(exc.allowed_methods))}).", "method_not_allowed")
+    except web.HTTPException as exc:
+        return error_response(exc.status, exc.reason, "http_error")
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return error_response(500, "Internal error in the router (logged).", "internal_error")
+
+
+def _auth_middleware(roster: Roster):
+    client_keys = [k.encode() for k in roster.auth.api_keys]
+    admin_key = roster.auth.admin_key.encode() if roster.auth.admin_key else None
+
+    def presented(request: web.Request) -> bytes:
+        header = request.headers.get("Authorization", "")
+        return header[7:].strip().encode() if header[:7].lower() == "bearer " else b""
+
+    def matches(key: bytes, keys: list[bytes]) -> bool:
+        # Compare against every key, so the time taken does not say which one was close.
+        return bool(key) and sum(hmac.compare_digest(key, k) for k in keys) > 0
+
+    @web.middleware
+    async def auth(request: web.Request, handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/") and client_keys and not matches(presented(request), client_keys):
+            return error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.", "invalid_api_key")
+        if request.path.startswith("/admin/"):
+            if admin_key is not None:
+                if not matches(presented(request), [admin_key]):
+                    return error_response(401, "Missing or invalid admin key.", "invalid_admin_key")
+            elif not _is_loopback(request.remote):
+                return error_response(403, "/admin is loopback-only until auth.admin_key is set.", "admin_loopback_only")
+        return await handler(request)
+
+    return auth
+
+
+def _is_loopback(remote: Optional[str]) -> bool:
+    try:
+        return remote is not None and ipaddress.ip_address(remote).is_loopback
+    except ValueError:
+        return False
+
+
+def build_app(router: Router) -> web.Application:
+    roster = router.roster
+    app = web.Application(
+        middlewares=[openai_errors, _auth_middleware(roster)],
+        client_max_size=int(roster.listen.max_body_mb * 1024 * 1024),
+    )
+    app[ROUTER_KEY] = router
+    for path in OPENAI_ROUTES:
+        app.router.add_post(path, openai_endpoint)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/status", admin_status)
+    return app

@@ -1,0 +1,60 @@
+"""Forward one OpenAI request to the engine that holds its lease.
+
+Streams pass through chunk by chunk as they arrive. If the client goes away, the upstream
+connection is closed at once, which makes vLLM abort the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from engines.engine import Engine
+from router.errors import ProxyError, sse_error
+
+UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
+
+
+async def forward(request: web.Request, session: aiohttp.ClientSession, engine: Engine, path: str, body: dict[str, Any], raw: bytes) -> web.StreamResponse:
+    if body["model"] != engine.served_name:
+        body["model"] = engine.served_name
+        raw = json.dumps(body).encode()
+    assert engine.client is not None
+    try:
+        # The client's Authorization is never forwarded; the engine gets its own key, if it has one.
+        headers = {"Content-Type": "application/json", **engine.client.headers}
+        upstream = await session.post(engine.client.base_url + path, data=raw, headers=headers, timeout=UPSTREAM_TIMEOUT)
+    except aiohttp.ClientConnectorError as exc:
+        raise ProxyError(502, f"engine '{engine.name}' is unreachable: {exc.os_error or exc}", "engine_unreachable") from None
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise ProxyError(502, f"engine '{engine.name}' failed before answering: {exc!r}", "engine_error") from None
+    try:
+        content_type = upstream.headers.get("Content-Type", "application/json")
+        if content_type.startswith("text/event-stream"):
+            return await _stream(request, upstream, engine, content_type)
+        try:
+            payload = await upstream.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise ProxyError(502, f"engine '{engine.name}' failed while answering: {exc!r}", "engine_error") from None
+        return web.Response(status=upstream.status, body=payload, headers={"Content-Type": content_type})
+    finally:
+        # close(), not release(): an unfinished upstream must be cut, not returned to the pool
+        upstream.close()
+
+
+async def _stream(request: web.Request, upstream: aiohttp.ClientResponse, engine: Engine, content_type: str) -> web.StreamResponse:
+    response = web.StreamResponse(status=upstream.status, headers={
+        "Content-Type": content_type, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await response.prepare(request)
+    try:
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, asyncio.TimeoutError) as exc:
+        # Headers are gone already: the error travels in the stream, where the SDK raises it.
+        await response.write(sse_error(f"engine '{engine.name}' failed mid-stream: {exc!r}", "engine_error"))
+    await response.write_eof()
+    return response

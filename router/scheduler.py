@@ -1,0 +1,292 @@
+"""One GPU group's swap scheduler: at most one engine awake, every other model's requests queued.
+
+Requests for the awake, promoted model are leased at once. Others wait in their model's
+queue. A swap to the model with the oldest waiter starts when the awake engine is idle, or
+when that waiter has waited `max_hold_s` (fairness), but never before the awake engine has
+been awake `min_active_s` (no thrash). All decisions are made by one loop per group
+(`_decide`), so there is never more than one swap in flight in a group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Optional
+
+from config.schema import Queue, Swap
+from engines.engine import Engine, EngineFailed, State
+from router.errors import ProxyError
+
+log = logging.getLogger("hotswap")
+
+MAX_BACKOFF_S = 60.0
+
+
+@dataclass
+class Waiter:
+    engine: Engine
+    since: float
+    future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass
+class SwapRecord:
+    group: str
+    from_model: Optional[str]
+    to_model: str
+    result: str  # "ok" | "failed"
+    seconds: float
+    phases: dict[str, float]
+    at: float = field(default_factory=time.time)
+    error: Optional[str] = None
+
+
+class GroupScheduler:
+    def __init__(self, name: str, engines: list[Engine], swap: Swap, queue: Queue, on_swap=None):
+        self.name = name
+        self.engines = engines
+        self.swap = swap
+        self.queue = queue
+        self.on_swap = on_swap or (lambda record: None)
+        self.queues: dict[str, collections.deque[Waiter]] = {e.name: collections.deque() for e in engines}
+        self.active: Optional[Engine] = None
+        self.booted = False
+        self.last_swap: Optional[SwapRecord] = None
+        self.failures: dict[str, int] = {e.name: 0 for e in engines}  # consecutive: drives the backoff
+        self.restarts: dict[str, int] = {e.name: 0 for e in engines}
+        self.retry_at: dict[str, float] = {}
+        self._poke = asyncio.Event()
+        self._task: Optional[asyncio.Task[None]] = None
+
+    # -- what handlers call ----------------------------------------------------------------
+
+    async def acquire(self, engine: Engine) -> None:
+        """Return with a lease on `engine` (AWAKE, promoted), or raise a ProxyError."""
+        if engine is self.active and engine.try_lease():
+            return
+        self._refuse_if_backing_off(engine)
+        queue = self.queues[engine.name]
+        if len(queue) >= self.queue.max_waiting:
+            raise ProxyError(429, f"model '{engine.name}' has {len(queue)} requests waiting (queue.max_waiting); retry later",
+                             "queue_full", retry_after=self._expected_wait())
+        waiter = Waiter(engine, time.monotonic())
+        queue.append(waiter)
+        self.poke()
+        try:
+            await asyncio.wait({waiter.future}, timeout=self.queue.max_wait_s)
+        except asyncio.CancelledError:  # the client went away while waiting
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                self.release(engine)
+            self._forget(waiter)
+            raise
+        if not waiter.future.done():
+            self._forget(waiter)
+            raise ProxyError(503, f"model '{engine.name}' did not become ready within queue.max_wait_s={self.queue.max_wait_s:g} s "
+                             f"(engine state: {engine.state.value})", "model_not_ready", retry_after=self._expected_wait())
+        waiter.future.result()  # raises the ProxyError a failed engine left for its waiters
+
+    def release(self, engine: Engine) -> None:
+        engine.release()
+        if engine.in_flight == 0:
+            self.poke()
+
+    def poke(self) -> None:
+        self._poke.set()
+
+    def queued(self, engine: Engine) -> int:
+        return len(self.queues[engine.name])
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"scheduler:{self.name}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for queue in self.queues.values():
+            while queue:
+                self._fail(queue.popleft(), ProxyError(503, "the router is shutting down", "shutting_down", retry_after=5))
+
+    async def _run(self) -> None:
+        await self._boot_all()
+        while True:
+            self._poke.clear()
+            action, wait_s = self._decide(time.monotonic())
+            if action is not None:
+                await action
+                continue
+            try:
+                await asyncio.wait_for(self._poke.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def _decide(self, now: float) -> tuple[Optional[Awaitable[None]], Optional[float]]:
+        """What to do next: (an action to await, or None and how long to wait at most)."""
+        active = self.active
+        if active is not None and active.state is not State.AWAKE:
+            self._engine_failed(active, active.failure or f"engine {active.name} left the awake state")
+            self.active = active = None
+        if active is not None:
+            self._grant(active)
+        target, oldest = self._next_target()
+        if target is None:
+            idle = self.swap.idle_sleep_s
+            if active is not None and idle is not None and active.in_flight == 0:
+                idle_for = now - active.last_used
+                if idle_for >= idle and now - active.since >= self.swap.min_active_s:
+                    return self._park(active), None
+                return None, max(idle - idle_for, self.swap.min_active_s - (now - active.since), 0.01)
+            return None, None
+        if active is None:
+            return self._swap_to(target), None
+        awake_for = now - active.since
+        if awake_for < self.swap.min_active_s:
+            return None, self.swap.min_active_s - awake_for
+        if active.in_flight == 0 or now - oldest >= self.swap.max_hold_s:
+            return self._swap_to(target), None
+        return None, oldest + self.swap.max_hold_s - now
+
+    def _next_target(self) -> tuple[Optional[Engine], float]:
+        """The model (other than the awake one) whose oldest waiter has waited longest."""
+        best: Optional[Engine] = None
+        best_since = float("inf")
+        for engine in self.engines:
+            queue = self.queues[engine.name]
+            if engine is self.active or not queue:
+                continue
+            if self._backing_off(engine):
+                self._fail_waiters(engine, self._unavailable(engine))
+                continue
+            if queue[0].since < best_since:
+                best, best_since = engine, queue[0].since
+        return best, best_since
+
+    def _grant(self, engine: Engine) -> None:
+        queue = self.queues[engine.name]
+        while queue and engine.try_lease():
+            waiter = queue.popleft()
+            if waiter.future.done():  # its client left; give the lease back
+                engine.release()
+            else:
+                waiter.future.set_result(None)
+
+    # -- boot, swap, park ----------------------------------------------------------------------
+
+    async def _boot_all(self) -> None:
+        """Boot one engine at a time, so each sees the whole GPU; the group's default boots last and stays awake."""
+        default = next((e for e in self.engines if e.spec.default), self.engines[0])
+        order = [e for e in self.engines if e is not default] + [default]
+        for i, engine in enumerate(order, 1):
+            log.info("group %s: booting %s (%d/%d)", self.name, engine.name, i, len(order))
+            started = time.monotonic()
+            try:
+                await engine.boot()
+                if engine is not default:
+                    await engine.sleep()
+            except EngineFailed as exc:
+                await self._handle_failure(engine, str(exc))
+                continue
+            log.info("group %s: %s booted in %.1f s%s", self.name, engine.name, time.monotonic() - started,
+                     "" if engine is default else f", asleep at level {engine.sleep_level}")
+        self.active = default if default.state is State.AWAKE else None
+        self.booted = True
+        self.poke()
+
+    async def _swap_to(self, target: Engine) -> None:
+        old = self.active
+        started = time.monotonic()
+        phases: dict[str, float] = {}
+        log.info("group %s: swap %s -> %s (%d waiting)", self.name, old.name if old else "(none)", target.name, self.queued(target))
+        if old is not None:
+            try:
+                await old.sleep()
+            except EngineFailed as exc:
+                await self._handle_failure(old, str(exc))
+            phases.update(old.last_phases)
+        self.active = None
+        try:
+            if target.state is State.SLEEPING:
+                await target.wake()
+            else:
+                self.restarts[target.name] += 1
+                await target.restart()
+        except EngineFailed as exc:
+            phases.update(target.last_phases)
+            await self._handle_failure(target, str(exc))
+            self._record(SwapRecord(self.name, old.name if old else None, target.name, "failed", time.monotonic() - started, phases, error=str(exc)))
+            return
+        phases.update(target.last_phases)
+        self.failures[target.name] = 0
+        self.active = target
+        self._grant(target)
+        self._record(SwapRecord(self.name, old.name if old else None, target.name, "ok", time.monotonic() - started, phases))
+
+    async def _park(self, engine: Engine) -> None:
+        log.info("group %s: %s idle for %.0f s, parking it (sleep level %d)", self.name, engine.name, self.swap.idle_sleep_s, engine.spec.sleep_level)
+        self.active = None
+        try:
+            await engine.sleep()
+        except EngineFailed as exc:
+            await self._handle_failure(engine, str(exc))
+
+    def _record(self, record: SwapRecord) -> None:
+        self.last_swap = record
+        steps = ", ".join(f"{k} {v:.2f}" for k, v in record.phases.items())
+        if record.result == "ok":
+            log.info("group %s: swap %s -> %s took %.2f s: %s", self.name, record.from_model, record.to_model, record.seconds, steps)
+        else:
+            log.error("group %s: swap %s -> %s failed after %.2f s: %s", self.name, record.from_model, record.to_model, record.seconds, record.error)
+        self.on_swap(record)
+
+    # -- failures ------------------------------------------------------------------------------
+
+    async def _handle_failure(self, engine: Engine, reason: str) -> None:
+        log.error("%s", reason)
+        await engine.stop_after_failure()  # a broken engine must not keep holding the GPU
+        self._engine_failed(engine, reason)
+
+    def _engine_failed(self, engine: Engine, reason: str) -> None:
+        self.failures[engine.name] += 1
+        n = self.failures[engine.name]
+        # The first restart is immediate (the next request triggers it); repeats back off.
+        self.retry_at[engine.name] = time.monotonic() + (0 if n == 1 else min(MAX_BACKOFF_S, 2.0 ** (n - 2)))
+        self._fail_waiters(engine, ProxyError(503, f"model '{engine.name}' is unavailable: {reason}", "engine_failed",
+                                              retry_after=max(1.0, self.retry_at[engine.name] - time.monotonic())))
+
+    def _backing_off(self, engine: Engine) -> bool:
+        return engine.state is State.FAILED and time.monotonic() < self.retry_at.get(engine.name, 0)
+
+    def _refuse_if_backing_off(self, engine: Engine) -> None:
+        if self._backing_off(engine):
+            raise self._unavailable(engine)
+
+    def _unavailable(self, engine: Engine) -> ProxyError:
+        wait = self.retry_at[engine.name] - time.monotonic()
+        return ProxyError(503, f"model '{engine.name}' is unavailable, restarting in {wait:.0f} s after "
+                          f"{self.failures[engine.name]} failures; last: {engine.failure}", "engine_failed", retry_after=wait)
+
+    def _fail_waiters(self, engine: Engine, error: ProxyError) -> None:
+        queue = self.queues[engine.name]
+        while queue:
+            self._fail(queue.popleft(), error)
+
+    @staticmethod
+    def _fail(waiter: Waiter, error: ProxyError) -> None:
+        if not waiter.future.done():
+            waiter.future.set_exception(error)
+
+    def _forget(self, waiter: Waiter) -> None:
+        if not waiter.future.done():
+            waiter.future.cancel()
+        try:
+            self.queues[waiter.engine.name].remove(waiter)
+        except ValueError:
+            pass
+
+    def _expected_wait(self) -> float:
+        return self.last_swap.seconds + 1 if self.last_swap else self.swap.max_hold_s
