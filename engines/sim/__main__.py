@@ -1,0 +1,265 @@
+"""`python -m engines.sim serve MODEL [vllm serve flags] [--sim-* knobs]`
+
+Started exactly like `vllm serve`, so a router launches it with the argv it would give
+vLLM. vLLM flags the simulator does not model are accepted and ignored; `--sim-*`
+flags shape the simulated engine (timing, faults, metric lag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+from .control import FAULT_KINDS, STEPS, Control, Fault, InjectedHTTP500
+
+log = logging.getLogger("vllm.sim")
+uvicorn_log = logging.getLogger("uvicorn")
+
+VERSION = "0.33.0"
+# Speculative methods whose proposer has no weights, so sleep cannot break it.
+WEIGHTLESS_METHODS = ("ngram", "suffix")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return obj
+
+
+def _step_pair(kind_check: bool):
+    def parse(text: str) -> tuple[str, str]:
+        step, sep, value = text.partition("=")
+        if not sep or step not in STEPS:
+            raise argparse.ArgumentTypeError(f"expected STEP=VALUE with STEP in {', '.join(STEPS)}: {text!r}")
+        if kind_check and value not in FAULT_KINDS:
+            raise argparse.ArgumentTypeError(f"fault kind must be one of {', '.join(FAULT_KINDS)}: {text!r}")
+        if not kind_check:
+            try:
+                if float(value) < 0:
+                    raise ValueError
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"delay must be a non-negative number of seconds: {text!r}") from None
+        return step, value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: an unknown vLLM flag must never be taken for a prefix of ours.
+    p = argparse.ArgumentParser(prog="python -m engines.sim serve", allow_abbrev=False, description=__doc__)
+    v = p.add_argument_group("vllm serve flags the simulator models")
+    v.add_argument("--model", help="model path or id (also accepted positionally)")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--served-model-name", nargs="+", default=None)
+    v.add_argument("--max-model-len", type=int, default=4096)
+    v.add_argument("--enable-sleep-mode", action="store_true")
+    v.add_argument("--speculative-config", type=_json_object, default=None)
+    v.add_argument("--worker-extension-cls", default=None)
+    v.add_argument("--sleep-preserve-parameter-names", nargs="+", default=[])
+    v.add_argument("--api-key", default=None)
+    v.add_argument("--disable-log-stats", action="store_true")
+    s = p.add_argument_group("simulator knobs")
+    s.add_argument("--sim-boot-s", type=float, default=0.2, help="seconds before the port is bound")
+    s.add_argument("--sim-fail-boot", action="store_true", help="fail the boot with a CUDA OOM and exit 1")
+    s.add_argument("--sim-token-rate", type=float, default=2000.0, help="decode tokens/s (halved with a discarded draft)")
+    s.add_argument("--sim-acceptance", type=float, default=2.6, help="mean acceptance length of a healthy draft")
+    s.add_argument("--sim-step-delay", type=_step_pair(False), action="append", default=[], metavar="STEP=SECONDS")
+    s.add_argument("--sim-fault", type=_step_pair(True), action="append", default=[], metavar="STEP=KIND")
+    s.add_argument("--sim-crash-mid-stream", type=int, default=None, metavar="N")
+    s.add_argument("--sim-metrics-lag-s", type=float, default=0.0)
+    s.add_argument("--sim-reset-prefix-false", type=int, default=0, metavar="N")
+    return p
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = build_parser()
+    if argv and argv[0] == "serve":
+        argv = argv[1:]
+    # vLLM's positional MODEL comes first; taking it up front keeps the value of an
+    # unknown flag (`--dtype float32`) from being mistaken for the model.
+    positional = None
+    if argv and not argv[0].startswith("-"):
+        positional, argv = argv[0], argv[1:]
+    args, unknown = parser.parse_known_args(argv)
+    args.model = positional or args.model
+    if not args.model:
+        parser.error("the model is required: serve MODEL or --model MODEL")
+    spec = args.speculative_config
+    if spec is not None:
+        k = spec.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            parser.error("--speculative-config needs an integer num_speculative_tokens >= 1")
+        if not 1.0 <= args.sim_acceptance <= 1.0 + k:
+            parser.error(f"--sim-acceptance must be between 1 and 1+num_speculative_tokens ({1 + k})")
+    if args.sim_token_rate <= 0:
+        parser.error("--sim-token-rate must be positive")
+    if args.sim_crash_mid_stream is not None and args.sim_crash_mid_stream < 1:
+        parser.error("--sim-crash-mid-stream must be >= 1")
+    # `--sleep-preserve-parameter-names a,b` and `... a b` both select several globs.
+    args.sleep_preserve_parameter_names = [
+        pat for item in args.sleep_preserve_parameter_names for pat in item.split(",") if pat
+    ]
+    return args, unknown
+
+
+def setup_logging() -> None:
+    # Handlers flush every record, so a supervisor tailing the pipe sees lines at once.
+    out = logging.StreamHandler(sys.stdout)
+    out.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s", "%m-%d %H:%M:%S"))
+    log.addHandler(out)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    uv = logging.StreamHandler(sys.stdout)
+    uv.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    uvicorn_log.addHandler(uv)
+    uvicorn_log.setLevel(logging.INFO)
+    uvicorn_log.propagate = False
+
+
+def print_boot_failure() -> None:
+    ts = time.strftime("%m-%d %H:%M:%S")
+    print(
+        f"ERROR {ts} [core.py:708] EngineCore failed to start.\n"
+        "Traceback (most recent call last):\n"
+        '  File "vllm/v1/engine/core.py", line 699, in run_engine_core\n'
+        "    engine_core = EngineCoreProc(*args, **kwargs)\n"
+        '  File "vllm/v1/worker/gpu_model_runner.py", line 2512, in load_model\n'
+        "    self.model = model_loader.load_model(vllm_config=self.vllm_config, model_config=self.model_config)\n"
+        "RuntimeError: simulated boot failure: CUDA out of memory. Tried to allocate 2.00 GiB. "
+        "GPU 0 has a total capacity of 79.11 GiB of which 1.12 GiB is free.\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+async def _until_stopped(stop: asyncio.Event, aw) -> bool:
+    """Run `aw` unless SIGTERM comes first; True when stopped."""
+    task = asyncio.ensure_future(aw)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not task.done():
+        task.cancel()
+        return True
+    task.result()
+    return False
+
+
+async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    # Imported here so that argv errors answer before the heavier imports.
+    from aiohttp import web
+
+    from .server import SimServer, UvicornAccessLogger
+    from .state import Engine, EngineConfig, SpecConfig
+
+    log.info("vLLM API server version %s (simulated by engines.sim)", VERSION)
+    log.info("args: model=%s served_model_name=%s speculative_config=%s", args.model, args.served_model_name, args.speculative_config)
+    if unknown:
+        log.info("simulator ignores vLLM arguments it does not model: %s", " ".join(unknown))
+
+    delays = {step: float(v) for step, v in args.sim_step_delay}
+    control = Control(delays, [Fault(step, kind) for step, kind in args.sim_fault])
+
+    # vLLM loads the model before it binds the port: /health is refused while booting.
+    try:
+        if await _until_stopped(stop, asyncio.sleep(args.sim_boot_s)):
+            return 0
+        if await _until_stopped(stop, control.enter("boot")):
+            return 0
+    except InjectedHTTP500:
+        print_boot_failure()
+        return 1
+    if args.sim_fail_boot:
+        print_boot_failure()
+        return 1
+
+    spec = None
+    if args.speculative_config is not None:
+        c = args.speculative_config
+        spec = SpecConfig(c["num_speculative_tokens"], c.get("model"), c.get("method"))
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            served_names=args.served_model_name or [args.model],
+            max_model_len=args.max_model_len,
+            spec=spec,
+            acceptance=args.sim_acceptance,
+            token_rate=args.sim_token_rate,
+            preserve_patterns=args.sleep_preserve_parameter_names,
+            worker_extension=args.worker_extension_cls,
+            reset_prefix_false=args.sim_reset_prefix_false,
+            metrics_lag_s=args.sim_metrics_lag_s,
+            log_stats=not args.disable_log_stats,
+            weightless_draft=spec is not None and spec.method in WEIGHTLESS_METHODS,
+        )
+    )
+    log.info(
+        "engine: draft=%s k=%d acceptance=%.3f token_rate=%.0f/s preserve=%s",
+        engine.draft, engine.k, args.sim_acceptance, args.sim_token_rate, args.sleep_preserve_parameter_names,
+    )
+    server = SimServer(
+        engine,
+        control,
+        api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
+        dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
+        crash_mid_stream=args.sim_crash_mid_stream,
+    )
+    if server.dev_mode:
+        log.warning("SECURITY WARNING: Development endpoints are enabled! This should NOT be used in production!")
+    runner = web.AppRunner(
+        server.build_app(),
+        access_log_class=UvicornAccessLogger,
+        access_log=logging.getLogger("uvicorn.access"),
+        # A client that disconnects aborts its request, as in vLLM.
+        handler_cancellation=True,
+        shutdown_timeout=0.1,
+    )
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as e:
+        print(f"ERROR:    [Errno {e.errno}] error while attempting to bind on address ({args.host!r}, {args.port}): {e.strerror}", file=sys.stderr, flush=True)
+        await runner.cleanup()
+        return 1
+    uvicorn_log.info("Started server process [%d]", os.getpid())
+    uvicorn_log.info("Waiting for application startup.")
+    uvicorn_log.info("Application startup complete.")
+    uvicorn_log.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", args.host, args.port)
+
+    await stop.wait()
+    uvicorn_log.info("Shutting down")
+    try:
+        await asyncio.wait_for(runner.cleanup(), 0.5)
+    except Exception as e:  # exiting anyway; say why it was not clean
+        log.warning("unclean shutdown: %r", e)
+    uvicorn_log.info("Finished server process [%d]", os.getpid())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, unknown = parse_args(sys.argv[1:] if argv is None else argv)
+    setup_logging()
+    import uvloop
+
+    return uvloop.run(serve(args, unknown))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

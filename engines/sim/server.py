@@ -1,0 +1,505 @@
+"""HTTP surface of the simulated engine: vLLM 0.33's OpenAI server, dev API and /metrics,
+plus the sim-only /sim/* control routes.
+
+Paths, query parameters, status codes and JSON shapes follow vLLM so that a router
+cannot tell the two apart. The dev endpoints exist only with VLLM_SERVER_DEV_MODE=1
+and, like vLLM's, are not behind --api-key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+
+from . import lm
+from .control import FAULT_KINDS, Control, Fault, InjectedHTTP500, crash
+from .metrics import CONTENT_TYPE
+from .state import WAKE_TAGS, Engine, Generation, GenerationAborted
+
+log = logging.getLogger("vllm.sim")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+RPC_STEPS = {"reload_weights": "reload_weights", "hotswap_reload_draft": "reload_draft"}
+EXTENSION_METHODS = ("hotswap_reload_draft", "hotswap_draft_digest", "hotswap_discard_draft")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.message, self.type, self.param)
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": type_, "param": param, "code": status}}, status=status
+    )
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "BadRequestError", param)
+
+
+class UvicornAccessLogger(AbstractAccessLogger):
+    """One line per request, in the format a supervisor tailing vLLM's log expects."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        try:
+            phrase = http.HTTPStatus(response.status).phrase
+        except ValueError:
+            phrase = ""
+        self.logger.info(
+            '%s - "%s %s HTTP/%d.%d" %d %s',
+            request.remote,
+            request.method,
+            request.path_qs,
+            request.version.major,
+            request.version.minor,
+            response.status,
+            phrase,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+
+async def read_json(request: web.Request) -> dict:
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"JSON decode error: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    return body
+
+
+def query_json(request: web.Request) -> dict:
+    """The query as logged: repeated keys (tags) become lists."""
+    out: dict = {}
+    for k in request.query:
+        vals = request.query.getall(k)
+        out[k] = vals if len(vals) > 1 or k == "tags" else vals[0]
+    return out
+
+
+class SimServer:
+    def __init__(
+        self,
+        engine: Engine,
+        control: Control,
+        *,
+        api_key: str | None,
+        dev_mode: bool,
+        crash_mid_stream: int | None,
+    ) -> None:
+        self.engine = engine
+        self.control = control
+        self.api_key = api_key
+        self.dev_mode = dev_mode
+        self.crash_mid_stream = crash_mid_stream
+        self.names = engine.cfg.served_names
+
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self.errors_mw, self.auth_mw])
+        r = app.router
+        r.add_get("/health", self.health)
+        r.add_get("/v1/models", self.models)
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat_completions)
+        r.add_post("/v1/embeddings", self.embeddings)
+        r.add_get("/metrics", self.metrics)
+        if self.dev_mode:
+            r.add_post("/sleep", self.sleep)
+            r.add_post("/wake_up", self.wake_up)
+            r.add_get("/is_sleeping", self.is_sleeping)
+            r.add_post("/collective_rpc", self.collective_rpc)
+            r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        r.add_get("/sim/state", self.sim_state)
+        r.add_get("/sim/log", self.sim_log)
+        r.add_delete("/sim/log", self.sim_log_clear)
+        r.add_get("/sim/faults", self.sim_faults)
+        r.add_post("/sim/faults", self.sim_faults_add)
+        r.add_delete("/sim/faults", self.sim_faults_clear)
+        return app
+
+    # ---- middleware -------------------------------------------------------------
+
+    @web.middleware
+    async def errors_mw(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as e:
+            return e.response()
+        except InjectedHTTP500 as e:
+            return error_response(500, str(e), "InternalServerError")
+        except web.HTTPNotFound:
+            # FastAPI's shape, which is what vLLM answers for unknown paths.
+            return web.json_response({"detail": "Not Found"}, status=404)
+        except web.HTTPMethodNotAllowed:
+            return web.json_response({"detail": "Method Not Allowed"}, status=405)
+        except web.HTTPException:
+            raise
+        except Exception as e:
+            # A sim bug must still look like a vLLM 500, not aiohttp's HTML page.
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return error_response(500, f"{type(e).__name__}: {e}", "InternalServerError")
+
+    @web.middleware
+    async def auth_mw(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # vLLM guards only /v1 paths with the API key; the dev API stays open.
+        if (
+            self.api_key
+            and request.path.startswith("/v1")
+            and request.method != "OPTIONS"
+            and request.headers.get("Authorization") != f"Bearer {self.api_key}"
+        ):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    # ---- OpenAI API ---------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        now = int(time.time())
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": now,
+                "owned_by": "vllm",
+                "root": self.engine.cfg.model,
+                "parent": None,
+                "max_model_len": self.engine.cfg.max_model_len,
+            }
+            for name in self.names
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    def _check_model(self, body: dict) -> str:
+        model = body.get("model")
+        if model is None:
+            return self.names[0]
+        if model not in self.names:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        return model
+
+    def _sampling(self, body: dict, prompt: str, prompt_tokens: int, *, chat: bool) -> Generation:
+        max_tokens = body.get("max_tokens")
+        if chat and body.get("max_completion_tokens") is not None:
+            max_tokens = body["max_completion_tokens"]
+        if max_tokens is None:
+            max_tokens = 16
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise bad_request("max_tokens must be at least 1, got {}.".format(max_tokens), "max_tokens")
+        if prompt_tokens + max_tokens > self.engine.cfg.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.engine.cfg.max_model_len} tokens. "
+                f"However, you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+                f"messages, {max_tokens} in the completion). Please reduce the length of the messages "
+                "or completion.",
+                "max_tokens",
+            )
+        n = body.get("n", 1)
+        if n != 1 or isinstance(n, bool):
+            raise bad_request("The simulated engine supports n=1 only.", "n")
+        temperature = body.get("temperature", 1.0)  # vLLM's default when the model sets none
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+            raise bad_request("temperature must be a non-negative number.", "temperature")
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise bad_request("seed must be an integer.", "seed")
+        for flag in ("stream", "ignore_eos"):
+            if not isinstance(body.get(flag, False), bool):
+                raise bad_request(f"{flag} must be a boolean.", flag)
+        if not isinstance(body.get("stream_options") or {}, dict):
+            raise bad_request("stream_options must be an object.", "stream_options")
+        # Greedy decoding is deterministic; sampling is too only with a seed.
+        if temperature == 0:
+            salt = ""
+        elif seed is not None:
+            salt = f"seed:{seed}:{temperature}"
+        else:
+            salt = uuid.uuid4().hex
+        return Generation(prompt, prompt_tokens, max_tokens, bool(body.get("ignore_eos", False)), salt)
+
+    @staticmethod
+    def _completion_prompt(body: dict) -> tuple[str, int]:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, str):
+            return p, lm.count_tokens(p)
+        if _is_token_ids(p):
+            return " ".join(map(str, p)), len(p)
+        raise bad_request("prompt must be a string, a list of token ids, or a list of one of those.", "prompt")
+
+    @staticmethod
+    def _chat_prompt(body: dict) -> tuple[str, int]:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise bad_request("messages must be a non-empty list.", "messages")
+        parts = []
+        for m in msgs:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad_request("each message needs a string role.", "messages")
+            content = m.get("content") or ""
+            if isinstance(content, list):
+                if not all(isinstance(c, dict) and isinstance(c.get("text", ""), str) for c in content):
+                    raise bad_request("content parts must be objects with a text field.", "messages")
+                content = " ".join(c.get("text", "") for c in content)
+            elif not isinstance(content, str):
+                raise bad_request("message content must be a string or a list of parts.", "messages")
+            parts.append(f"<|{m['role']}|>\n{content}\n")
+        rendered = "".join(parts) + "<|assistant|>\n"
+        return rendered, lm.count_tokens(rendered)
+
+    async def _enter_generate(self, request: web.Request, model: str) -> None:
+        await self.control.enter("generate", path=request.path, model=model)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        body = await read_json(request)
+        model = self._check_model(body)
+        prompt, ptoks = self._chat_prompt(body) if chat else self._completion_prompt(body)
+        gen = self._sampling(body, prompt, ptoks, chat=chat)
+        await self._enter_generate(request, model)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.get("stream"):
+            opts = body.get("stream_options") or {}
+            return await self._stream(request, gen, rid, created, model, chat, bool(opts.get("include_usage")))
+        texts = []
+        try:
+            async with contextlib.aclosing(self.engine.generate(gen)) as tokens:
+                async for t in tokens:
+                    texts.append(t)
+        except GenerationAborted as e:
+            return error_response(500, str(e), "InternalServerError")
+        text = "".join(texts)
+        usage = usage_json(gen)
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text.lstrip(" "), "tool_calls": [], "reasoning_content": None},
+                "logprobs": None,
+                "finish_reason": gen.finish_reason,
+                "stop_reason": None,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason, "stop_reason": None}
+            obj = "text_completion"
+        return web.json_response(
+            {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage}
+        )
+
+    async def _stream(
+        self, request: web.Request, gen: Generation, rid: str, created: int, model: str, chat: bool, include_usage: bool
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        sent = 0
+
+        async def send(payload: dict) -> None:
+            nonlocal sent
+            await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+            sent += 1
+            if self.crash_mid_stream is not None and sent >= self.crash_mid_stream:
+                crash(f"simulated crash mid-stream after {sent} chunks")
+
+        def chunk(choice: dict) -> dict:
+            return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+        if chat:
+            await send(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}))
+        first = True
+        try:
+            async with contextlib.aclosing(self.engine.generate(gen)) as tokens:
+                async for t in tokens:
+                    if chat:
+                        c = {"index": 0, "delta": {"content": t.lstrip(" ") if first else t}, "logprobs": None}
+                    else:
+                        c = {"index": 0, "text": t, "logprobs": None}
+                    c["finish_reason"] = gen.finish_reason
+                    c["stop_reason"] = None
+                    first = False
+                    await send(chunk(c))
+        except GenerationAborted as e:
+            await send({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}})
+        else:
+            if include_usage:
+                await send({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_json(gen)})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        model = self._check_model(body)
+        inp = body.get("input")
+        if isinstance(inp, str) or _is_token_ids(inp):
+            inp = [inp]
+        if not isinstance(inp, list) or not inp or not all(isinstance(x, str) or _is_token_ids(x) for x in inp):
+            raise bad_request("input must be a string, a list of strings, or token ids.", "input")
+        texts = [x if isinstance(x, str) else " ".join(map(str, x)) for x in inp]
+        ptoks = sum(lm.count_tokens(t) if isinstance(x, str) else len(x) for t, x in zip(texts, inp))
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise bad_request("encoding_format must be 'float' or 'base64'.", "encoding_format")
+        await self._enter_generate(request, model)
+        # A pooling request still waits for the engine to be awake.
+        gen = Generation("\n".join(texts), ptoks, 0, True, "")
+        try:
+            async with contextlib.aclosing(self.engine.generate(gen)) as it:
+                async for _ in it:
+                    pass
+        except GenerationAborted as e:
+            return error_response(500, str(e), "InternalServerError")
+        data = []
+        for i, t in enumerate(texts):
+            vec = self.engine.embed(t)
+            data.append({"index": i, "object": "embedding", "embedding": lm.embedding_base64(vec) if fmt == "base64" else vec})
+        return web.json_response(
+            {
+                "id": f"embd-{uuid.uuid4().hex}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": model,
+                "data": data,
+                "usage": {"prompt_tokens": ptoks, "total_tokens": ptoks, "completion_tokens": 0, "prompt_tokens_details": None},
+            }
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        await self.control.enter("metrics")
+        return web.Response(body=self.engine.render_metrics(), headers={"Content-Type": CONTENT_TYPE})
+
+    # ---- dev API (VLLM_SERVER_DEV_MODE=1) -------------------------------------------
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        try:
+            level = int(request.query.get("level", "1"))
+        except ValueError:
+            raise bad_request("level must be an integer", "level") from None
+        mode = request.query.get("mode", "abort")
+        if level not in (0, 1, 2):
+            raise bad_request(f"Invalid sleep level {level}; must be 0, 1 or 2", "level")
+        if mode not in ("abort", "wait", "keep"):
+            raise bad_request(f"Invalid mode {mode!r}; must be abort, wait or keep", "mode")
+        await self.control.enter("sleep", query=query_json(request))
+        await self.engine.sleep(level, mode)
+        return web.json_response({"status": "sleeping", "level": level})
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        tags = request.query.getall("tags", [])
+        bad = [t for t in tags if t not in WAKE_TAGS]
+        if bad:
+            raise bad_request(f"Unknown wake_up tags {bad}; valid tags: {list(WAKE_TAGS)}", "tags")
+        step = "wake" if not tags or set(tags) == set(WAKE_TAGS) else f"wake_{tags[0]}"
+        await self.control.enter(step, query=query_json(request), tags=list(tags))
+        result = self.engine.wake(list(tags))
+        log.info("wake_up(tags=%s): %s", tags or "all", result["status"])
+        return web.json_response(result)
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": self.engine.is_sleeping})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        await self.control.enter("reset_prefix_cache", query=query_json(request))
+        ok = self.engine.reset_prefix_cache()
+        log.info("reset_prefix_cache: success=%s", ok)
+        return web.json_response({"success": ok})
+
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        method = body.get("method")
+        if not isinstance(method, str) or not method:
+            raise bad_request("method must be a non-empty string", "method")
+        step = RPC_STEPS.get(method, "collective_rpc")
+        if step == "collective_rpc":
+            self.control.record(step, method=method)
+        else:
+            await self.control.enter(step, method=method)
+        known = method == "reload_weights" or (method in EXTENSION_METHODS and self.engine.cfg.worker_extension)
+        if not known:
+            # What a worker raises for a method neither it nor its extension defines.
+            msg = f"AttributeError: 'CPUWorker' object has no attribute '{method}'"
+            log.error("collective_rpc(%s) failed: %s", method, msg)
+            return error_response(500, msg, "InternalServerError")
+        e = self.engine
+        result: object
+        if method == "reload_weights":
+            e.reload_weights()
+            result = None
+        elif method == "hotswap_reload_draft":
+            result = e.reload_draft()
+        elif method == "hotswap_draft_digest":
+            result = e.draft_digest()
+        else:
+            result = {"discarded": e.discard_draft()}
+        log.info("collective_rpc(%s) -> %s", method, result)
+        return web.json_response({"results": [result]})
+
+    # ---- sim control ---------------------------------------------------------------
+
+    async def sim_state(self, request: web.Request) -> web.Response:
+        return web.json_response(self.engine.state_json())
+
+    async def sim_log(self, request: web.Request) -> web.Response:
+        return web.json_response(list(self.control.calls))
+
+    async def sim_log_clear(self, request: web.Request) -> web.Response:
+        n = len(self.control.calls)
+        self.control.calls.clear()
+        return web.json_response({"cleared": n})
+
+    async def sim_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(self.control.faults_json())
+
+    async def sim_faults_add(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        try:
+            fault = Fault(step=body.get("step"), kind=body.get("kind"), times=body.get("times"))
+        except ValueError as e:
+            raise bad_request(f"{e} (kinds: {', '.join(FAULT_KINDS)})") from None
+        self.control.faults.append(fault)
+        log.info("sim: fault added: %s", fault)
+        return web.json_response(self.control.faults_json())
+
+    async def sim_faults_clear(self, request: web.Request) -> web.Response:
+        n = len(self.control.faults)
+        self.control.faults.clear()
+        return web.json_response({"cleared": n})
+
+
+def _is_token_ids(x: object) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def usage_json(gen: Generation) -> dict:
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+        "completion_tokens": gen.completion_tokens,
+        "prompt_tokens_details": None,
+    }
