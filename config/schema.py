@@ -138,8 +138,12 @@ class Gate(Section):
     output_check: Annotated[str, AfterValidator(_output_check)] = Field(
         "exact", description="'exact', 'prefix:N' (first N characters) or 'off'."
     )
-    on_fail: Literal["restart", "refuse", "allow"] = "restart"
-    on_midlife: Literal["log", "restart"] = "log"
+    on_fail: Literal["restart", "refuse", "allow"] = Field(
+        "restart", description="On a refused wake: cold restart and re-verify, fail the engine, or promote and alert."
+    )
+    on_midlife: Literal["log", "restart"] = Field("log", description="On a collapse while serving: log it, or restart when idle.")
+    midlife_window_s: float = Field(60, gt=0, description="Sliding window of the acceptance watch while serving.")
+    midlife_min_drafts: int = Field(200, ge=1, description="Drafts the window needs before it judges.")
 
 
 class ModelSpec(Section):

@@ -11,7 +11,9 @@ of a sleep or wake through `_step`, so both are visible in one place (and to the
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
+import logging
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
@@ -24,6 +26,7 @@ from engines.client import EngineError, EngineRefused, VLLMClient
 from engines.process import EngineProcess, free_port
 
 HEALTH_POLL_S = 0.25
+log = logging.getLogger("hotswap")
 
 
 class State(str, enum.Enum):
@@ -49,6 +52,10 @@ class Observer:
     def step_done(self, engine: "Engine", phase: str, seconds: float, ok: bool) -> None: ...
 
     def verdict(self, engine: "Engine", verdict: gate.Verdict) -> None: ...
+
+    def restarted(self, engine: "Engine", reason: str) -> None: ...
+
+    def midlife_collapse(self, engine: "Engine", observed_mal: float, reason: str) -> None: ...
 
 
 class Engine:
@@ -77,6 +84,12 @@ class Engine:
         self.boot_deadline: Optional[float] = None
         self.last_phases: dict[str, float] = {}
         self.last_verdict: Optional[gate.Verdict] = None
+        self.baseline: Optional[gate.Canary] = None  # from the first cold boot; kept across restarts
+        self.restarts: collections.Counter[str] = collections.Counter()
+        self.needs_restart: Optional[str] = None  # set by the mid-life watch; the scheduler acts when idle
+        self.collapsed = False
+        self.observed_mal: Optional[float] = None
+        self._acceptance: collections.deque[tuple[float, float, float]] = collections.deque()
         self.in_flight = 0
         self.last_used = time.monotonic()
         self._idle = asyncio.Event()
@@ -166,8 +179,11 @@ class Engine:
         served = await self._step("boot", lambda t: self.client.served_models(timeout=t), timeout=30)
         self.served_name = self.spec.name if self.spec.name in served or not served else served[0]
         self.last_phases["boot"] = time.monotonic() - started
-        self.last_verdict = await self._step("gate", lambda t: self._baseline())
         self.boot_deadline = None
+        verdict = await self._judged_canary()
+        if not verdict.passed:
+            raise self._fail(f"gate refused promotion after a cold boot: {verdict.reason}")
+        self._reset_acceptance_watch()
         self._enter(State.AWAKE)
 
     async def _start_process(self) -> None:
@@ -235,9 +251,18 @@ class Engine:
             await self._step("wake_kv_cache", lambda t: self.client.wake_up((), timeout=t))
             await self._step("reset_prefix_cache", self._reset_prefix_cache)
         self._enter(State.VERIFYING)
-        self.last_verdict = await self._step("gate", lambda t: self._verify())
-        self.observer.verdict(self, self.last_verdict)
-        self._enter(State.AWAKE)
+        verdict = await self._judged_canary()
+        if verdict.passed:
+            self._reset_acceptance_watch()
+            self._enter(State.AWAKE)
+        elif self.spec.gate.on_fail == "restart":
+            log.warning("engine %s: gate refused promotion (%s); cold restart, then verify against the cold-boot baseline",
+                        self.name, verdict.reason)
+            wake_phases, started = dict(self.last_phases), time.monotonic()
+            await self.restart("gate")
+            self.last_phases = {**wake_phases, "restart": time.monotonic() - started}
+        else:
+            raise self._fail(f"gate refused promotion: {verdict.reason}")
 
     async def _wake_level2(self) -> None:
         client = self.client
@@ -259,23 +284,78 @@ class Engine:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    # -- the promotion gate (issue: gate) --------------------------------------------------
+    # -- the promotion gate ------------------------------------------------------------------
 
-    async def _baseline(self) -> gate.Verdict:
-        return gate.skipped("gate not implemented yet: promoted without a canary")
+    @property
+    def has_draft(self) -> bool:
+        return self.spec.speculative is not None
 
-    async def _verify(self) -> gate.Verdict:
-        return gate.skipped("gate not implemented yet: promoted without a canary")
+    async def _judged_canary(self) -> gate.Verdict:
+        """Run the canary; the first one on a cold engine is its baseline, every later one is judged against it."""
+        verdict = await self._step("gate", self._run_gate)
+        if verdict.result == "refused" and self.spec.gate.on_fail == "allow":
+            verdict = verdict.allowed()
+            log.error("engine %s: PROMOTED DESPITE A REFUSED GATE (gate.on_fail: allow): %s", self.name, verdict.reason)
+        self.last_verdict = verdict
+        if verdict.observed_mal is not None:
+            self.observed_mal = verdict.observed_mal
+        self.observer.verdict(self, verdict)
+        return verdict
+
+    async def _run_gate(self, timeout: float) -> gate.Verdict:
+        if not self.spec.gate.enabled:
+            return gate.skipped("gate.enabled is false: promoted without a canary")
+        canary = await gate.run_canary(self.client, self.served_name, self.spec.gate, self.has_draft, timeout)
+        if self.baseline is None:
+            verdict = gate.baseline_verdict(canary)
+            if verdict.passed:
+                self.baseline = canary
+            return verdict
+        return gate.judge(self.baseline, canary, self.spec.gate)
+
+    # -- mid-life acceptance watch ----------------------------------------------------------
+
+    def _reset_acceptance_watch(self) -> None:
+        self._acceptance.clear()
+        self.collapsed = False
+        self.needs_restart = None
+
+    async def watch_acceptance(self) -> None:
+        """Sample the spec-decode counters; flag a collapse over the sliding window (served traffic only)."""
+        if self.state is not State.AWAKE or not self.has_draft or self.baseline is None or self.baseline.mal is None:
+            return
+        counters = gate.read_counters(await self.client.metrics(timeout=5))
+        now = time.monotonic()
+        window = self._acceptance
+        window.append((now, counters.drafts, counters.accepted))
+        while window and window[0][0] < now - self.spec.gate.midlife_window_s:
+            window.popleft()
+        _, drafts0, accepted0 = window[0]
+        drafts = counters.drafts - drafts0
+        if drafts < self.spec.gate.midlife_min_drafts:
+            return
+        mal = 1 + (counters.accepted - accepted0) / drafts
+        self.observed_mal = mal
+        problems = gate.acceptance_problems(self.baseline.mal, mal, self.spec.gate)
+        if problems and not self.collapsed:
+            self.collapsed = True
+            reason = "; ".join(problems)
+            log.error("engine %s: acceptance collapsed while serving: %s", self.name, reason)
+            self.observer.midlife_collapse(self, mal, reason)
+            if self.spec.gate.on_midlife == "restart":
+                self.needs_restart = reason
+        elif not problems:
+            self.collapsed = False
 
     # -- stop and restart -------------------------------------------------------------------
 
     async def stop(self) -> None:
         self._stopping = True
+        self._enter(State.COLD)  # first: no lease may be handed out to a process that is going away
         if self.process is not None:
             await self.process.stop()
         if self._watch is not None:
             await asyncio.wait({self._watch}, timeout=2)
-        self._enter(State.COLD)
 
     async def stop_after_failure(self) -> None:
         """Kill a FAILED engine's process (a broken engine must not hold GPU memory); stay FAILED."""
@@ -283,6 +363,9 @@ class Engine:
         if self.process is not None:
             await self.process.stop()
 
-    async def restart(self) -> None:
+    async def restart(self, reason: str) -> None:
+        """Cold restart; the boot's canary is judged against the original baseline."""
+        self.restarts[reason] += 1
+        self.observer.restarted(self, reason)
         await self.stop()
         await self.boot()

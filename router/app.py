@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from config.schema import Roster
+from engines.client import EngineError
 from engines.engine import Engine, Observer, State
 from engines.gate import Verdict
 from router.errors import ProxyError, error_response
@@ -53,6 +54,7 @@ class Router(Observer):
             for group, models in roster.groups().items()
         }
         self.metrics.attach(self)
+        self._watch: Optional[asyncio.Task[None]] = None
 
     def scheduler(self, engine: Engine) -> GroupScheduler:
         return self.groups[engine.spec.group]
@@ -73,6 +75,23 @@ class Router(Observer):
                  next(iter(self.engines.values())).log_dir)
         for scheduler in self.groups.values():
             scheduler.start()
+        self._watch = asyncio.create_task(self._watch_acceptance(), name="acceptance-watch")
+
+    async def _watch_acceptance(self) -> None:
+        """Keep measuring acceptance on the awake engines: a collapse can also appear mid-life."""
+        watched = [e for e in self.engines.values() if e.has_draft and e.spec.gate.enabled]
+        if not watched:
+            return
+        interval = min(5.0, min(e.spec.gate.midlife_window_s for e in watched) / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for engine in watched:
+                try:
+                    await engine.watch_acceptance()
+                except EngineError as exc:
+                    log.debug("acceptance watch on %s: %s", engine.name, exc)
+                if engine.needs_restart:
+                    self.scheduler(engine).poke()
 
     async def drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -80,6 +99,8 @@ class Router(Observer):
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         await asyncio.gather(*(s.stop() for s in self.groups.values()))
         await asyncio.gather(*(e.stop() for e in self.engines.values()), return_exceptions=True)
 
@@ -95,7 +116,14 @@ class Router(Observer):
 
     def verdict(self, engine: Engine, verdict: Verdict) -> None:
         self.metrics.verdict(engine, verdict)
-        log.log(logging.INFO if verdict.passed else logging.ERROR, "gate %s: %s (%s)", engine.name, verdict.result, verdict.reason)
+        log.log(logging.INFO if verdict.result in ("passed", "baseline", "skipped") else logging.ERROR,
+                "gate %s: %s (%s)", engine.name, verdict.result, verdict.reason)
+
+    def restarted(self, engine: Engine, reason: str) -> None:
+        self.metrics.restarted(engine, reason)
+
+    def midlife_collapse(self, engine: Engine, observed_mal: float, reason: str) -> None:
+        self.metrics.midlife_collapse(engine, observed_mal, reason)
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -129,7 +157,11 @@ class Router(Observer):
             "last_phases": {k: round(v, 4) for k, v in e.last_phases.items()},
             "last_verdict": e.last_verdict.as_dict() if e.last_verdict else None,
             "failures": self.scheduler(e).failures[e.name],
-            "restarts": self.scheduler(e).restarts[e.name],
+            "restarts": sum(e.restarts.values()),
+            "restarts_by_reason": dict(e.restarts),
+            "baseline_mal": e.baseline.mal if e.baseline else None,
+            "observed_mal": e.observed_mal,
+            "collapsed": e.collapsed,
             "failure": e.failure,
             "last_log_lines": e.last_log_lines(20) if e.state is State.FAILED else [],
         }

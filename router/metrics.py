@@ -32,6 +32,8 @@ class Metrics(Observer):
         self.phase_seconds = Histogram("hotswap_swap_phase_duration_seconds", "Duration of each sleep/wake step.", ["model", "phase"], buckets=SWAP_BUCKETS, registry=r)
         self.step_failures = Counter("hotswap_swap_phase_failures", "Sleep/wake steps that failed.", ["model", "phase"], registry=r)
         self.verdicts = Counter("hotswap_gate_verdicts", "Promotion gate verdicts.", ["model", "result"], registry=r)
+        self.restarts = Counter("hotswap_engine_restarts", "Engine cold restarts by reason (failed, gate, midlife, admin).", ["model", "reason"], registry=r)
+        self.collapses = Counter("hotswap_midlife_collapses", "Acceptance collapses detected while serving.", ["model"], registry=r)
         self.transitions = Counter("hotswap_engine_transitions", "Engine state transitions.", ["model", "to_state"], registry=r)
 
     def attach(self, router: "Router") -> None:
@@ -53,6 +55,12 @@ class Metrics(Observer):
     def verdict(self, engine: Engine, verdict: Verdict) -> None:
         self.verdicts.labels(engine.name, verdict.result).inc()
 
+    def restarted(self, engine: Engine, reason: str) -> None:
+        self.restarts.labels(engine.name, reason).inc()
+
+    def midlife_collapse(self, engine: Engine, observed_mal: float, reason: str) -> None:
+        self.collapses.labels(engine.name).inc()
+
     def swap_done(self, record: "SwapRecord") -> None:
         self.swaps.labels(record.group, record.from_model or "", record.to_model, record.result).inc()
         self.swap_seconds.labels(record.group).observe(record.seconds)
@@ -68,9 +76,15 @@ class _LiveState(Collector):
         state = GaugeMetricFamily("hotswap_engine_state", "1 for the state each engine is in.", labels=["model", "group", "state"])
         in_flight = GaugeMetricFamily("hotswap_in_flight_requests", "Requests being served per model.", labels=["model"])
         queued = GaugeMetricFamily("hotswap_queued_requests", "Requests waiting for their model per model.", labels=["model"])
+        baseline = GaugeMetricFamily("hotswap_acceptance_baseline", "Mean acceptance length of the cold-boot canary.", labels=["model"])
+        observed = GaugeMetricFamily("hotswap_acceptance_observed", "Last observed mean acceptance length (gate or mid-life watch).", labels=["model"])
         for engine in self.router.engines.values():
+            if engine.baseline is not None and engine.baseline.mal is not None:
+                baseline.add_metric([engine.name], engine.baseline.mal)
+            if engine.observed_mal is not None:
+                observed.add_metric([engine.name], engine.observed_mal)
             for s in State:
                 state.add_metric([engine.name, engine.spec.group, s.value], 1.0 if engine.state is s else 0.0)
             in_flight.add_metric([engine.name], engine.in_flight)
             queued.add_metric([engine.name], self.router.scheduler(engine).queued(engine))
-        return [state, in_flight, queued]
+        return [state, in_flight, queued, baseline, observed]

@@ -56,7 +56,6 @@ class GroupScheduler:
         self.booted = False
         self.last_swap: Optional[SwapRecord] = None
         self.failures: dict[str, int] = {e.name: 0 for e in engines}  # consecutive: drives the backoff
-        self.restarts: dict[str, int] = {e.name: 0 for e in engines}
         self.retry_at: dict[str, float] = {}
         self._poke = asyncio.Event()
         self._task: Optional[asyncio.Task[None]] = None
@@ -132,6 +131,8 @@ class GroupScheduler:
             self._engine_failed(active, active.failure or f"engine {active.name} left the awake state")
             self.active = active = None
         if active is not None:
+            if active.needs_restart and active.in_flight == 0:
+                return self._restart_in_place(active), None
             self._grant(active)
         target, oldest = self._next_target()
         if target is None:
@@ -213,8 +214,7 @@ class GroupScheduler:
             if target.state is State.SLEEPING:
                 await target.wake()
             else:
-                self.restarts[target.name] += 1
-                await target.restart()
+                await target.restart("failed")
         except EngineFailed as exc:
             phases.update(target.last_phases)
             await self._handle_failure(target, str(exc))
@@ -225,6 +225,13 @@ class GroupScheduler:
         self.active = target
         self._grant(target)
         self._record(SwapRecord(self.name, old.name if old else None, target.name, "ok", time.monotonic() - started, phases))
+
+    async def _restart_in_place(self, engine: Engine) -> None:
+        log.warning("group %s: restarting %s while idle (mid-life acceptance collapse: %s)", self.name, engine.name, engine.needs_restart)
+        try:
+            await engine.restart("midlife")
+        except EngineFailed as exc:
+            await self._handle_failure(engine, str(exc))
 
     async def _park(self, engine: Engine) -> None:
         log.info("group %s: %s idle for %.0f s, parking it (sleep level %d)", self.name, engine.name, self.swap.idle_sleep_s, engine.spec.sleep_level)

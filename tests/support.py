@@ -131,4 +131,7 @@ def roster_dict(*models: dict[str, Any], **sections: Any) -> dict[str, Any]:
     swap = {"min_active_s": 0, "max_hold_s": 5, "drain_timeout_s": 5, "boot_timeout_s": 30,
             "timeouts": {k: 5 for k in ("sleep", "wake_weights", "reload_draft", "reload_weights", "wake_kv_cache", "reset_prefix_cache", "gate")}}
     swap.update(sections.pop("swap", {}))
-    return {"swap": swap, "models": list(models), **sections}
+    # A short canary keeps scenarios with slow simulated engines quick; 16 tokens still give the
+    # simulator's acceptance accumulator enough drafts to land within 0.1 of its configured value.
+    defaults = {"gate": {"max_tokens": 16}, **sections.pop("defaults", {})}
+    return {"swap": swap, "defaults": defaults, "models": list(models), **sections}

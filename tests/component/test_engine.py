@@ -87,8 +87,9 @@ async def test_a_level1_wake_is_one_wake_up_and_a_prefix_reset(make_engine):
     await engine.sleep()
     await engine.wake()
     calls = await sim(engine, "GET", "/sim/log")
-    assert [c["step"] for c in calls] == ["sleep", "wake", "reset_prefix_cache"]
-    assert calls[0]["query"] == {"level": "1", "mode": "wait"}
+    # the canary runs at boot (baseline) and after the wake, before promotion
+    assert [c["step"] for c in calls] == ["generate", "sleep", "wake", "reset_prefix_cache", "generate"]
+    assert calls[1]["query"] == {"level": "1", "mode": "wait"}
 
 
 async def test_reset_prefix_cache_is_retried_while_vllm_answers_false(make_engine):
@@ -183,7 +184,7 @@ async def test_restart_brings_a_failed_engine_back(make_engine):
     await sim(engine, "POST", "/sim/faults", json={"step": "sleep", "kind": "http500"})
     with pytest.raises(EngineFailed):
         await engine.sleep()
-    await engine.restart()
+    await engine.restart("test")
     assert engine.state is State.AWAKE and engine.process.pid != first
 
 

@@ -1,0 +1,91 @@
+"""Gate arithmetic: counters from exposition text, and verdicts from a baseline and an observation."""
+
+from __future__ import annotations
+
+import pytest
+
+from config.schema import Gate
+from engines.gate import Canary, acceptance_problems, judge, read_counters
+
+EXPOSITION = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 100.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 20.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 160.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="m"} 32.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 312.0
+"""
+
+
+def test_counters_are_summed_over_engines_and_created_samples_ignored():
+    c = read_counters(EXPOSITION)
+    assert (c.drafts, c.accepted, c.generated, c.has_spec) == (120.0, 192.0, 312.0, True)
+
+
+def test_an_engine_without_spec_decode_has_no_spec_counters():
+    c = read_counters('vllm:generation_tokens_total{engine="0",model_name="m"} 5.0\n')
+    assert not c.has_spec and c.generated == 5.0
+
+
+def canary(text: str = "the same words", mal: float | None = 2.6) -> Canary:
+    return Canary(text=text, tokens=64, mal=mal, drafts=25, accepted=40, seconds=0.1)
+
+
+GATE = Gate()
+
+
+def test_a_healthy_wake_passes_with_both_numbers_in_the_reason():
+    v = judge(canary(mal=2.6), canary(mal=2.55), GATE)
+    assert v.passed and v.result == "passed" and v.output_match is True
+    assert (v.baseline_mal, v.observed_mal) == (2.6, 2.55)
+    assert "2.55 vs baseline 2.60" in v.reason
+
+
+def test_a_lost_draft_is_refused_with_the_measured_numbers():
+    v = judge(canary(mal=2.6), canary(mal=1.0), GATE)
+    assert not v.passed and v.result == "refused"
+    assert "mean acceptance length 1.00 is below 1.80 (min_acceptance_ratio 0.5 of the baseline 2.60)" in v.reason
+    assert "below min_acceptance_length 1.2" in v.reason
+
+
+@pytest.mark.parametrize("observed, refused", [(1.79, True), (1.8, False), (1.81, False)])
+def test_the_ratio_threshold_is_relative_to_the_baselines_gain_over_one(observed, refused):
+    assert bool(acceptance_problems(2.6, observed, GATE)) is refused
+
+
+def test_min_acceptance_length_applies_even_when_the_baseline_was_low():
+    low_baseline = 1.3  # the ratio floor would be 1.15
+    assert acceptance_problems(low_baseline, 1.16, GATE) == ["mean acceptance length 1.16 is below min_acceptance_length 1.2"]
+
+
+def test_gibberish_after_wake_is_refused_even_without_a_draft():
+    v = judge(canary("the cat sat on the mat", mal=None), canary("the cat zq#x!! kk", mal=None), GATE)
+    assert not v.passed and v.output_match is False
+    assert "canary output differs from the cold-boot baseline (exact) at character 8: expected 'sat on the mat', got 'zq#x!! kk'" in v.reason
+
+
+def test_empty_output_always_fails_even_with_the_output_check_off():
+    v = judge(canary("words", mal=None), canary("", mal=None), Gate(output_check="off"))
+    assert not v.passed and v.reason == "the canary produced no output" and v.output_match is None
+
+
+def test_a_prefix_check_tolerates_a_different_tail():
+    gate = Gate(output_check="prefix:8")
+    assert judge(canary("the cat sat"), canary("the cat ran"), gate).passed
+    assert not judge(canary("the cat sat"), canary("the dog sat"), gate).passed
+
+
+def test_no_drafts_counted_after_a_wake_is_a_refusal_for_a_model_with_a_draft():
+    v = judge(canary(mal=2.6), canary(mal=None), GATE)
+    assert not v.passed and "no drafts were counted" in v.reason
+
+
+def test_allow_keeps_the_numbers_and_says_what_was_overridden():
+    v = judge(canary(mal=2.6), canary(mal=1.0), GATE).allowed()
+    assert v.passed and v.result == "allowed" and v.observed_mal == 1.0 and v.reason.startswith("promoted despite: ")
