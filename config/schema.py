@@ -87,7 +87,7 @@ class Section(BaseModel):
 
 class Listen(Section):
     host: str = Field("127.0.0.1", description="Address the router binds; loopback unless you mean otherwise.")
-    port: int = Field(8080, ge=1, le=65535)
+    port: int = Field(8080, ge=1, le=65535, description="Port the router listens on (the OpenAI endpoint).")
     max_body_mb: float = Field(32, gt=0, description="Largest request body accepted (413 above).")
 
 
@@ -109,13 +109,13 @@ class Queue(Section):
 class StepTimeouts(Section):
     """Seconds each step of a swap may take before the engine is marked FAILED."""
 
-    sleep: float = Field(120, gt=0)
-    wake_weights: float = Field(120, gt=0)
-    reload_draft: float = Field(300, gt=0)
-    reload_weights: float = Field(600, gt=0)
-    wake_kv_cache: float = Field(120, gt=0)
-    reset_prefix_cache: float = Field(60, gt=0)
-    gate: float = Field(120, gt=0)
+    sleep: float = Field(120, gt=0, description="POST /sleep (after the drain).")
+    wake_weights: float = Field(120, gt=0, description="POST /wake_up?tags=weights.")
+    reload_draft: float = Field(300, gt=0, description="collective_rpc hotswap_reload_draft (draft from disk).")
+    reload_weights: float = Field(600, gt=0, description="collective_rpc reload_weights (target from disk).")
+    wake_kv_cache: float = Field(120, gt=0, description="POST /wake_up?tags=kv_cache (or the whole Level-1 wake).")
+    reset_prefix_cache: float = Field(60, gt=0, description="POST /reset_prefix_cache, retried while it answers false.")
+    gate: float = Field(120, gt=0, description="The canary generation and its counter reads.")
 
 
 class Swap(Section):
@@ -124,13 +124,13 @@ class Swap(Section):
     idle_sleep_s: Optional[float] = Field(None, gt=0, description="Park an engine idle this long even if nobody waits.")
     drain_timeout_s: float = Field(30, ge=0, description="In-flight requests get this long before sleep aborts them.")
     boot_timeout_s: float = Field(900, gt=0, description="A cold boot must be healthy within this.")
-    timeouts: StepTimeouts = Field(default_factory=StepTimeouts)
+    timeouts: StepTimeouts = Field(default_factory=StepTimeouts, description="Per-step limits; a step past its limit fails the engine.")
 
 
 class Gate(Section):
-    enabled: bool = True
-    prompt: NonEmptyStr = DEFAULT_GATE_PROMPT
-    max_tokens: int = Field(64, ge=1, le=4096)
+    enabled: bool = Field(True, description="Run the canary at cold boot (baseline) and after every wake.")
+    prompt: NonEmptyStr = Field(DEFAULT_GATE_PROMPT, description="The canary prompt (temperature 0, ignore_eos).")
+    max_tokens: int = Field(64, ge=1, le=4096, description="Tokens the canary decodes; more drafts, steadier numbers.")
     min_acceptance_ratio: float = Field(
         0.5, ge=0, le=1, description="Refuse when MAL_after-1 < ratio * (MAL_baseline-1)."
     )
@@ -154,24 +154,26 @@ class ModelSpec(Section):
     """
 
     name: NonEmptyStr = Field(description="What clients put in `model`.")
-    aliases: list[NonEmptyStr] = Field(default_factory=list)
+    aliases: list[NonEmptyStr] = Field(default_factory=list, description="Other names clients may use.")
     group: NonEmptyStr = Field("default", description="Engines in one group share GPUs: one awake at a time.")
     default: bool = Field(False, description="The model left awake in its group after boot.")
     model: Optional[NonEmptyStr] = Field(None, description="Path or id given to `vllm serve`.")
     url: Optional[NonEmptyStr] = Field(None, description="Attach to an engine something else runs.")
     port: Optional[int] = Field(None, ge=1, le=65535, description="Engine port; picked free when unset.")
     command: Optional[Argv] = Field(None, description="Full argv; {port}, {model}, {name} are filled in.")
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine process.")
     speculative: Optional[dict[str, Any]] = Field(None, description="Becomes --speculative-config (JSON).")
-    sleep_level: Literal[1, 2] = 2
+    sleep_level: Literal[1, 2] = Field(2, description="vLLM sleep level when parked: 1 keeps weights in host RAM, 2 discards them.")
     draft_restore: Optional[Literal["reload", "preserve", "none"]] = Field(
         None,
         validate_default=True,
         description="How the draft survives Level-2 sleep; 'reload' when speculative is set, else 'none'.",
     )
-    gate: Gate = Field(default_factory=Gate)
-    launcher: Argv = Field(default_factory=lambda: list(DEFAULT_LAUNCHER), min_length=1)
-    args: Annotated[Argv, AfterValidator(_no_router_owned_flags)] = Field(default_factory=list)
+    gate: Gate = Field(default_factory=Gate, description="The promotion gate (see below).")
+    launcher: Argv = Field(default_factory=lambda: list(DEFAULT_LAUNCHER), min_length=1,
+                           description="argv prefix replacing `vllm serve` (another venv, a container wrapper).")
+    args: Annotated[Argv, AfterValidator(_no_router_owned_flags)] = Field(
+        default_factory=list, description="Extra `vllm serve` flags (not the ones the router sets).")
 
     @field_validator("url")
     @classmethod

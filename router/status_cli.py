@@ -1,0 +1,53 @@
+"""`hotswap status`: a running router's groups and engines as a table."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from typing import Any, Optional
+
+
+def fetch(url: str, admin_key: Optional[str], timeout: float = 10) -> dict[str, Any]:
+    request = urllib.request.Request(url.rstrip("/") + "/admin/status")
+    if admin_key:
+        request.add_header("Authorization", f"Bearer {admin_key}")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.load(response)
+
+
+def render(status: dict[str, Any]) -> str:
+    lines = [f"ready: {'yes' if status['ready'] else 'no'}"]
+    for name, group in status["groups"].items():
+        lines.append(f"\ngroup {name}: active {group['active'] or '-'}{'' if group['booted'] else ' (booting)'}")
+        rows = [("MODEL", "STATE", "FOR", "LEVEL", "IN-FLIGHT", "QUEUED", "MAL base/obs", "RESTARTS", "LAST VERDICT")]
+        for e in group["engines"]:
+            verdict = e["last_verdict"] or {}
+            mal = "-" if e["baseline_mal"] is None else f"{e['baseline_mal']:.2f}/{e['observed_mal'] or 0:.2f}"
+            rows.append((e["name"], e["state"], f"{e['for_s']:.0f}s", str(e["sleep_level"] or "-"), str(e["in_flight"]),
+                         str(e["queued"]), mal, str(e["restarts"]), verdict.get("result", "-")))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        swap = group["last_swap"]
+        if swap:
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in swap["phases"].items())
+            lines.append(f"  last swap: {swap['from'] or '-'} -> {swap['to']} {swap['result']} in {swap['seconds']:.2f} s ({phases})")
+        for e in group["engines"]:
+            if e["failure"]:
+                lines.append(f"  {e['name']} failed: {e['failure']}")
+    return "\n".join(lines)
+
+
+def show(url: str, admin_key: Optional[str]) -> int:
+    try:
+        status = fetch(url, admin_key or os.environ.get("HOTSWAP_ADMIN_KEY"))
+    except urllib.error.HTTPError as exc:
+        print(f"hotswap status: {url} answered {exc.code}: {exc.read().decode(errors='replace')[:300]}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"hotswap status: cannot reach a router at {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        return 1
+    print(render(status))
+    return 0
