@@ -103,6 +103,11 @@ class Engine:
     def promoted(self) -> bool:
         return self.state is State.AWAKE
 
+    @property
+    def serviceable(self) -> bool:
+        """Booted and gated: awake, or parked and wakeable on demand."""
+        return self.state in (State.AWAKE, State.DRAINING, State.SLEEPING, State.WAKING, State.VERIFYING)
+
     def last_log_lines(self, n: int = 20) -> list[str]:
         return self.process.last_lines(n) if self.process else []
 

@@ -68,7 +68,9 @@ class Router(Observer):
 
     @property
     def ready(self) -> bool:
-        return any(e.promoted for e in self.engines.values())
+        # Parked engines count: with idle_sleep_s every engine may be asleep, and a router that
+        # reported unready then would be taken out of rotation and never woken by traffic.
+        return any(e.serviceable for e in self.engines.values())
 
     def start(self) -> None:
         log.info("hotswap: %d engines in %d groups; engine logs in %s", len(self.engines), len(self.groups),
@@ -110,6 +112,10 @@ class Router(Observer):
         self.metrics.state_changed(engine, old, new)
         if new is State.FAILED:
             self.scheduler(engine).poke()
+        if old is State.BOOTING and not all(s.booted for s in self.groups.values()):
+            done = sum(e.baseline is not None or e.state is State.FAILED for e in self.engines.values())
+            log.info("hotswap: %d/%d engines booted%s", done, len(self.engines),
+                     f" ({engine.name} failed)" if new is State.FAILED else "")
 
     def step_done(self, engine: Engine, phase: str, seconds: float, ok: bool) -> None:
         self.metrics.step_done(engine, phase, seconds, ok)
@@ -239,7 +245,9 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
     promoted = [e.name for e in router.engines.values() if e.promoted]
-    return web.json_response({"ready": bool(promoted), "promoted": promoted}, status=200 if promoted else 503)
+    serviceable = [e.name for e in router.engines.values() if e.serviceable]
+    return web.json_response({"ready": router.ready, "promoted": promoted, "serviceable": serviceable},
+                             status=200 if router.ready else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

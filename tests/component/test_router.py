@@ -333,3 +333,28 @@ async def test_models_lists_every_name_and_alias_with_its_state(start_router):
     assert by_id["a"].state == "awake" and by_id["b"].state == "sleeping" and by_id["bee"].parent == "b"
     status, _, body = await http(router, "GET", "/ready")
     assert status == 200 and body["promoted"] == ["a"]
+
+
+async def test_an_engine_idle_for_idle_sleep_s_is_parked_and_woken_by_the_next_request(start_router):
+    router = await start_router(roster_dict(sim_model("a", default=True), swap={"idle_sleep_s": 0.5}))
+    await eventually(lambda: _state(router, "a", "sleeping"), timeout=10, what="a parked")
+    assert (await router.engine("a"))["sleep_level"] == 2
+    assert await ask(client(router), "a")
+    assert (await router.engine("a"))["state"] == "awake"
+    assert "a idle for 0 s, parking it" in router.log() or "a idle for 1 s, parking it" in router.log()
+
+
+async def test_sigterm_lets_an_in_flight_stream_finish_then_stops_every_engine(start_router, tmp_path):
+    import signal
+    from tests.support import pid_alive
+
+    router = await start_router(roster_dict(sim_model("a", default=True, args=("--sim-token-rate", "40")), sim_model("b")))
+    pids = [(await router.engine(n))["pid"] for n in ("a", "b")]
+    stream = await client(router).completions.create(model="a", prompt="x", max_tokens=30, stream=True)
+    await stream.__anext__()
+    router.proc.send_signal(signal.SIGTERM)
+    rest = [chunk async for chunk in stream]
+    assert len(rest) >= 29, "the in-flight stream was cut by the shutdown"
+    assert await asyncio.to_thread(router.proc.wait, 20) == 0
+    assert not any(pid_alive(p) for p in pids)
+    assert "draining in-flight requests" in router.log() and "hotswap: stopped" in router.log()
