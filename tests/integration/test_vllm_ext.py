@@ -1,0 +1,136 @@
+"""The worker extension against one real `vllm serve` on CPU (the tiny target as its own draft).
+
+What this proves, on real vLLM: the Level-2 draft loss is silent (text unchanged,
+acceptance 3.0 -> 1.0), vLLM's own target-only `reload_weights` does not repair it, and
+`hotswap_reload_draft` does (digest back to the checkpoint's, acceptance 3.0). The second
+test walks the router's staged Level-2 wake through the real dev endpoints, recording
+their answers. On CPU sleep is bookkeeping only, so `hotswap_discard_draft` stands in for
+what Level-2 sleep does to the draft on GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.harness import REPORT, Background, VllmServer, http, metric_samples, poll
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+PROMPT = "The router wakes the model and"
+K = 2  # num_speculative_tokens
+FULL = 1.0 + K  # the target drafting for itself accepts everything at temperature 0
+
+
+def ensure_healthy_draft(engine: VllmServer) -> str:
+    """Start each test from a draft that matches its checkpoint; returns its digest."""
+    (result,), _ = engine.rpc("hotswap_reload_draft")
+    assert result["reloaded"] is True, result
+    (digest,), _ = engine.rpc("hotswap_draft_digest")
+    return digest
+
+
+def tokens(completion: dict) -> tuple[str, list[int]]:
+    choice = completion["choices"][0]
+    return choice["text"], choice.get("token_ids") or []
+
+
+def test_discard_then_target_reload_then_draft_reload(spec_engine: VllmServer) -> None:
+    engine = spec_engine
+    report = REPORT.setdefault("draft_cycle", {})
+
+    (digest0,), t = engine.rpc("hotswap_draft_digest")
+    assert isinstance(digest0, str) and len(digest0) == 64
+    (again,), _ = engine.rpc("hotswap_draft_digest")
+    assert again == digest0, "the digest must be deterministic"
+    report["digest_rpc_s"] = round(t, 4)
+
+    mal, baseline = engine.canary(PROMPT)
+    text0, ids0 = tokens(baseline)
+    assert len(ids0) == 32
+    assert mal == pytest.approx(FULL), f"baseline MAL {mal}"
+    report["mal_baseline"] = mal
+
+    # The stand-in for the Level-2 loss: the draft's private weights are gone.
+    (discarded,), t = engine.rpc("hotswap_discard_draft")
+    assert discarded["discarded"] is True and discarded["tensors"] > 0, discarded
+    report["discard"] = {**discarded, "rpc_s": round(t, 4)}
+    (digest_broken,), _ = engine.rpc("hotswap_draft_digest")
+    assert digest_broken != digest0
+    mal, after = engine.canary(PROMPT)
+    assert mal == pytest.approx(1.0), f"MAL after discard {mal}"
+    assert tokens(after) == (text0, ids0), "verification keeps the output exact: the loss is silent"
+    report["mal_after_discard"] = mal
+
+    # vLLM's documented reload restores the target only: the draft stays broken.
+    (target_only,), t = engine.rpc("reload_weights")
+    assert target_only is None
+    report["reload_weights_rpc_s"] = round(t, 4)
+    (digest,), _ = engine.rpc("hotswap_draft_digest")
+    assert digest == digest_broken, "reload_weights must not have touched the draft"
+    mal, after = engine.canary(PROMPT)
+    assert mal == pytest.approx(1.0), f"MAL after target-only reload {mal}"
+    assert tokens(after) == (text0, ids0)
+    report["mal_after_target_reload"] = mal
+
+    # The extension's draft reload repairs it, bit for bit.
+    (reloaded,), t = engine.rpc("hotswap_reload_draft")
+    assert reloaded["reloaded"] is True and reloaded["tensors"] > 0, reloaded
+    report["reload_draft"] = {**reloaded, "rpc_s": round(t, 4)}
+    (digest,), _ = engine.rpc("hotswap_draft_digest")
+    assert digest == digest0, "the reloaded draft must match its checkpoint as the kernels see it"
+    mal, after = engine.canary(PROMPT)
+    assert mal == pytest.approx(FULL), f"MAL after draft reload {mal}"
+    assert tokens(after) == (text0, ids0)
+    report["mal_after_draft_reload"] = mal
+
+
+def test_staged_level2_wake_through_the_dev_endpoints(spec_engine: VllmServer) -> None:
+    """The router's Level-2 wake, step by step, against the real endpoints (answers recorded)."""
+    engine = spec_engine
+    url = engine.url
+    answers = REPORT.setdefault("dev_endpoints", {})
+
+    def call(method: str, path: str, body: object = None) -> object:
+        status, answer = http(method, url + path, body)
+        answers[f"{len(answers) + 1:02d} {method} {path}"] = {"status": status, "body": answer}
+        assert status == 200, f"{method} {path} -> {status} {answer}"
+        return answer
+
+    digest0 = ensure_healthy_draft(engine)
+    mal, baseline = engine.canary(PROMPT)
+    assert mal == pytest.approx(FULL)
+
+    assert call("POST", "/sleep?level=2&mode=wait") == {"status": "sleeping", "level": 2}
+    assert call("GET", "/is_sleeping") == {"is_sleeping": True}
+    answers[f"{len(answers) + 1:02d} engine_sleep_state"] = metric_samples(url, "vllm:engine_sleep_state")
+    engine.rpc("hotswap_discard_draft")  # what Level 2 does to the draft on GPU
+
+    # A generation sent to a sleeping engine is accepted and hangs: it must not finish
+    # before the kv_cache wake (a bounded negative check, not a wait for something).
+    pending = Background(lambda: engine.complete(PROMPT, timeout=300))
+    pending.thread.join(1.0)
+    assert not pending.done(), f"a request finished on a sleeping engine: {pending.result or pending.error}"
+
+    assert call("POST", "/wake_up?tags=weights") == {"status": "sleeping", "tags": ["weights"]}
+    (restored,), t = engine.rpc("hotswap_reload_draft")  # step 2: draft first ...
+    assert restored["reloaded"] is True, restored
+    answers[f"{len(answers) + 1:02d} hotswap_reload_draft"] = {**restored, "rpc_s": round(t, 4)}
+    assert call("POST", "/collective_rpc", {"method": "reload_weights"}) == {"results": [None]}  # ... target last
+    assert not pending.done(), "the request must still wait for the kv_cache wake"
+
+    assert call("POST", "/wake_up?tags=kv_cache") == {"status": "awake", "tags": ["kv_cache"]}
+    poll(pending.done, 60, "the request held while asleep to finish after the kv_cache wake")
+    assert pending.error is None, pending.error
+    assert tokens(pending.result) == tokens(baseline)
+    assert call("GET", "/is_sleeping") == {"is_sleeping": False}
+    answer = poll(lambda: (lambda a: a if a.get("success") else None)(call("POST", "/reset_prefix_cache")),
+                  30, "reset_prefix_cache to succeed")
+    assert answer == {"success": True}
+    answers[f"{len(answers) + 1:02d} engine_sleep_state"] = metric_samples(url, "vllm:engine_sleep_state")
+
+    (digest,), _ = engine.rpc("hotswap_draft_digest")
+    assert digest == digest0
+    mal, after = engine.canary(PROMPT)
+    assert mal == pytest.approx(FULL), f"MAL after the staged wake {mal}"
+    assert tokens(after) == tokens(baseline)
+    REPORT["mal_after_staged_wake"] = mal
