@@ -181,9 +181,13 @@ class Engine:
             await self._start_process()
         assert self.client is not None
         await self._wait_healthy()
-        served = await self._step("boot", lambda t: self.client.served_models(timeout=t), timeout=30)
+        try:
+            served = await self.client.served_models(timeout=30)
+        except EngineError as exc:
+            raise self._fail(f"boot failed: {exc}") from None
         self.served_name = self.spec.name if self.spec.name in served or not served else served[0]
         self.last_phases["boot"] = time.monotonic() - started
+        self.observer.step_done(self, "boot", self.last_phases["boot"], True)
         self.boot_deadline = None
         verdict = await self._judged_canary()
         if not verdict.passed:
@@ -274,10 +278,17 @@ class Engine:
         await self._step("wake_weights", lambda t: client.wake_up(["weights"], timeout=t))
         if self.spec.draft_restore == "reload":
             # Draft first: the target reload that follows stays authoritative for shared tensors.
-            await self._step("reload_draft", lambda t: client.collective_rpc("hotswap_reload_draft", timeout=t))
+            await self._step("reload_draft", self._reload_draft)
         await self._step("reload_weights", lambda t: client.collective_rpc("reload_weights", timeout=t))
         await self._step("wake_kv_cache", lambda t: client.wake_up(["kv_cache"], timeout=t))
         await self._step("reset_prefix_cache", self._reset_prefix_cache)
+
+    async def _reload_draft(self, timeout: float) -> list[Any]:
+        results = await self.client.collective_rpc("hotswap_reload_draft", timeout=timeout)
+        # Every worker holds a shard of the draft: one that did not reload leaves the draft broken.
+        if not results or not all(isinstance(r, dict) and r.get("reloaded") is True for r in results):
+            raise EngineError("POST /collective_rpc hotswap_reload_draft", f"not every worker reloaded its draft: {results}")
+        return results
 
     async def _reset_prefix_cache(self, timeout: float) -> None:
         # vLLM answers success=false while blocks are still held; they free up shortly.

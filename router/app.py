@@ -208,8 +208,10 @@ async def openai_endpoint(request: web.Request) -> web.StreamResponse:
         status = exc.status
         raise
     finally:
+        done = time.monotonic()
         router.metrics.requests.labels(label, endpoint, str(status)).inc()
-        router.metrics.latency.labels(label, endpoint, stream).observe(time.monotonic() - started)
+        router.metrics.latency.labels(label, endpoint, stream).observe(done - started)
+        router.metrics.ttfb.labels(label, endpoint, stream).observe(request.get("first_byte_at", done) - started)
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -40,6 +41,7 @@ async def forward(request: web.Request, session: aiohttp.ClientSession, engine: 
             payload = await upstream.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise ProxyError(502, f"engine '{engine.name}' failed while answering: {exc!r}", "engine_error") from None
+        request["first_byte_at"] = time.monotonic()
         return web.Response(status=upstream.status, body=payload, headers={"Content-Type": content_type})
     finally:
         # close(), not release(): an unfinished upstream must be cut, not returned to the pool
@@ -52,6 +54,8 @@ async def _stream(request: web.Request, upstream: aiohttp.ClientResponse, engine
     await response.prepare(request)
     try:
         async for chunk in upstream.content.iter_any():
+            if "first_byte_at" not in request:
+                request["first_byte_at"] = time.monotonic()
             await response.write(chunk)
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, asyncio.TimeoutError) as exc:
         # Headers are gone already: the error travels in the stream, where the SDK raises it.

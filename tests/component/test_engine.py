@@ -233,3 +233,17 @@ async def test_no_engine_outlives_a_supervisor_killed_with_sigkill(tmp_path: Pat
     finally:
         supervisor.kill()
         supervisor.wait()
+
+
+async def test_a_draft_reload_that_a_worker_did_not_do_fails_the_step(make_engine):
+    # The roster says there is a draft, but this engine (a `command` the router adds nothing to)
+    # has none: its worker answers reloaded=false, and the wake must not go on as if restored.
+    command = ["python", "-m", "engines.sim", "serve", "sim/a", "--port", "{port}", "--sim-boot-s", "0",
+               "--worker-extension-cls", "engines.vllm_ext.HotswapWorkerExtension"]
+    engine = await make_engine({"name": "a", "command": command, "speculative": {"num_speculative_tokens": 3},
+                                "gate": {"enabled": False}})
+    await engine.boot()
+    await engine.sleep()
+    with pytest.raises(EngineFailed, match=r"engine a: reload_draft failed: POST /collective_rpc hotswap_reload_draft: "
+                                           r"not every worker reloaded its draft: \[\{'reloaded': False"):
+        await engine.wake()
