@@ -120,6 +120,14 @@ class Engine:
         self._idle.clear()
         return True
 
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no lease is held (True), or `timeout` (False)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
     def release(self) -> None:
         self.in_flight -= 1
         self.last_used = time.monotonic()
@@ -236,11 +244,8 @@ class Engine:
         self._enter(State.DRAINING)
         self.last_phases = {}
         started = time.monotonic()
-        try:
-            await asyncio.wait_for(self._idle.wait(), self.swap.drain_timeout_s)
-            mode = "wait"
-        except asyncio.TimeoutError:
-            mode = "abort"  # past the drain deadline the stragglers are cut, not waited on
+        # past the drain deadline the stragglers are cut, not waited on
+        mode = "wait" if await self.wait_idle(self.swap.drain_timeout_s) else "abort"
         self.last_phases["drain"] = time.monotonic() - started
         self.observer.step_done(self, "drain", self.last_phases["drain"], True)
         await self._step("sleep", lambda t: self.client.sleep(level, mode, timeout=t))

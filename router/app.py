@@ -8,6 +8,8 @@ catch-all route, and the upstream path is the route's own constant, not the clie
 from __future__ import annotations
 
 import asyncio
+import base64
+import collections
 import hmac
 import ipaddress
 import json
@@ -25,6 +27,7 @@ from engines.engine import Engine, Observer, State
 from engines.gate import Verdict
 from router.errors import ProxyError, error_response
 from router.metrics import UNKNOWN_MODEL, Metrics
+from router import ui
 from router.proxy import forward
 from router.scheduler import GroupScheduler, SwapRecord
 
@@ -54,6 +57,7 @@ class Router(Observer):
             for group, models in roster.groups().items()
         }
         self.metrics.attach(self)
+        self.verdicts: dict[str, collections.deque[Verdict]] = {name: collections.deque(maxlen=10) for name in self.engines}
         self._watch: Optional[asyncio.Task[None]] = None
 
     def scheduler(self, engine: Engine) -> GroupScheduler:
@@ -121,6 +125,7 @@ class Router(Observer):
         self.metrics.step_done(engine, phase, seconds, ok)
 
     def verdict(self, engine: Engine, verdict: Verdict) -> None:
+        self.verdicts[engine.name].append(verdict)
         self.metrics.verdict(engine, verdict)
         log.log(logging.INFO if verdict.result in ("passed", "baseline", "skipped") else logging.ERROR,
                 "gate %s: %s (%s)", engine.name, verdict.result, verdict.reason)
@@ -141,13 +146,14 @@ class Router(Observer):
                     "active": s.active.name if s.active else None,
                     "booted": s.booted,
                     "last_swap": _swap_dict(s.last_swap),
-                    "engines": [self._engine_status(e) for e in s.engines],
+                    "swaps": [_swap_dict(r) for r in reversed(s.history)],
+                    "engines": [self.engine_status(e) for e in s.engines],
                 }
                 for name, s in self.groups.items()
             },
         }
 
-    def _engine_status(self, e: Engine) -> dict[str, Any]:
+    def engine_status(self, e: Engine) -> dict[str, Any]:
         now = time.monotonic()
         return {
             "name": e.name,
@@ -162,6 +168,7 @@ class Router(Observer):
             "boot_deadline_in_s": round(e.boot_deadline - now, 1) if e.boot_deadline else None,
             "last_phases": {k: round(v, 4) for k, v in e.last_phases.items()},
             "last_verdict": e.last_verdict.as_dict() if e.last_verdict else None,
+            "verdicts": [v.as_dict() for v in reversed(self.verdicts[e.name])],
             "failures": self.scheduler(e).failures[e.name],
             "restarts": sum(e.restarts.values()),
             "restarts_by_reason": dict(e.restarts),
@@ -169,7 +176,8 @@ class Router(Observer):
             "observed_mal": e.observed_mal,
             "collapsed": e.collapsed,
             "failure": e.failure,
-            "last_log_lines": e.last_log_lines(20) if e.state is State.FAILED else [],
+            "last_log_lines": e.last_log_lines(20),
+            "log_file": str(e.process.log_path) if e.process else None,
         }
 
 
@@ -260,6 +268,28 @@ async def admin_status(request: web.Request) -> web.Response:
     return web.json_response(request.app[ROUTER_KEY].status())
 
 
+async def admin_action(request: web.Request) -> web.Response:
+    """POST /admin/{swap,sleep,restart}?model=NAME: pre-warm, park, or cold-restart one model."""
+    router = request.app[ROUTER_KEY]
+    action = request.match_info["action"]
+    model = request.query.get("model")
+    if not model:
+        raise ProxyError(400, f"POST /admin/{action} needs ?model=NAME", "missing_model", param="model")
+    engine = router.lookup(model)
+    scheduler = router.scheduler(engine)
+    run = {"swap": scheduler.pre_warm, "sleep": scheduler.park, "restart": scheduler.restart}[action]
+    log.info("admin: %s %s", action, engine.name)
+    try:
+        result = await asyncio.wait_for(run(engine), router.roster.queue.max_wait_s + router.roster.swap.boot_timeout_s)
+    except asyncio.TimeoutError:
+        raise ProxyError(504, f"{action} {engine.name} is still running; watch /admin/status", "admin_timeout") from None
+    return web.json_response({"model": engine.name, "action": action, "result": result, "engine": router.engine_status(engine)})
+
+
+async def status_page(request: web.Request) -> web.Response:
+    return web.Response(text=ui.render(request.app[ROUTER_KEY].status()), content_type="text/html")
+
+
 # -- middlewares --------------------------------------------------------------------------------
 
 @web.middleware
@@ -289,8 +319,15 @@ def _auth_middleware(roster: Roster):
     admin_key = roster.auth.admin_key.encode() if roster.auth.admin_key else None
 
     def presented(request: web.Request) -> bytes:
-        header = request.headers.get("Authorization", "")
-        return header[7:].strip().encode() if header[:7].lower() == "bearer " else b""
+        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer":
+            return value.strip().encode()
+        if scheme.lower() == "basic":  # a browser on /ui: any user name, the admin key as password
+            try:
+                return base64.b64decode(value.strip(), validate=True).partition(b":")[2]
+            except ValueError:
+                return b""
+        return b""
 
     def matches(key: bytes, keys: list[bytes]) -> bool:
         # Compare against every key, so the time taken does not say which one was close.
@@ -300,12 +337,15 @@ def _auth_middleware(roster: Roster):
     async def auth(request: web.Request, handler) -> web.StreamResponse:
         if request.path.startswith("/v1/") and client_keys and not matches(presented(request), client_keys):
             return error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.", "invalid_api_key")
-        if request.path.startswith("/admin/"):
+        if request.path.startswith("/admin/") or request.path == "/ui":
             if admin_key is not None:
                 if not matches(presented(request), [admin_key]):
-                    return error_response(401, "Missing or invalid admin key.", "invalid_admin_key")
+                    response = error_response(401, "Missing or invalid admin key.", "invalid_admin_key")
+                    if request.path == "/ui":
+                        response.headers["WWW-Authenticate"] = 'Basic realm="hotswap"'
+                    return response
             elif not _is_loopback(request.remote):
-                return error_response(403, "/admin is loopback-only until auth.admin_key is set.", "admin_loopback_only")
+                return error_response(403, f"{request.path} is loopback-only until auth.admin_key is set.", "admin_loopback_only")
         return await handler(request)
 
     return auth
@@ -332,4 +372,6 @@ def build_app(router: Router) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/status", admin_status)
+    app.router.add_post(r"/admin/{action:swap|sleep|restart}", admin_action)
+    app.router.add_get("/ui", status_page)
     return app

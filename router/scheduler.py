@@ -14,7 +14,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Optional
+from typing import Awaitable, Callable, Optional
 
 from config.schema import Queue, Swap
 from engines.engine import Engine, EngineFailed, State
@@ -57,6 +57,8 @@ class GroupScheduler:
         self.last_swap: Optional[SwapRecord] = None
         self.failures: dict[str, int] = {e.name: 0 for e in engines}  # consecutive: drives the backoff
         self.retry_at: dict[str, float] = {}
+        self.history: collections.deque[SwapRecord] = collections.deque(maxlen=20)
+        self._commands: collections.deque[tuple[Callable[[], Awaitable[str]], asyncio.Future[str]]] = collections.deque()
         self._poke = asyncio.Event()
         self._task: Optional[asyncio.Task[None]] = None
 
@@ -98,6 +100,54 @@ class GroupScheduler:
     def queued(self, engine: Engine) -> int:
         return len(self.queues[engine.name])
 
+    # -- admin actions: run by the group's loop between decisions, never beside a swap -------------
+
+    async def pre_warm(self, engine: Engine) -> str:
+        async def action() -> str:
+            if engine is self.active and engine.state is State.AWAKE:
+                return "already awake"
+            await self._swap_to(engine)
+            return self._outcome(engine, "awake")
+        return await self._command(action)
+
+    async def park(self, engine: Engine) -> str:
+        async def action() -> str:
+            if engine is not self.active or engine.state is not State.AWAKE:
+                return f"not awake ({engine.state.value})"
+            await self._park(engine, "on request")
+            return self._outcome(engine, "asleep")
+        return await self._command(action)
+
+    async def restart(self, engine: Engine) -> str:
+        async def action() -> str:
+            if engine is self.active and engine.state is State.AWAKE:
+                await engine.wait_idle(self.swap.drain_timeout_s)
+                await self._restart_in_place(engine, "admin")
+            else:
+                await self._swap_to(engine, restart="admin")  # a cold boot needs the group's GPU: it becomes the active one
+            return self._outcome(engine, "restarted")
+        return await self._command(action)
+
+    def _outcome(self, engine: Engine, success: str) -> str:
+        if engine.state is State.FAILED:
+            raise ProxyError(503, f"model '{engine.name}' failed: {engine.failure}", "engine_failed")
+        return success
+
+    async def _command(self, action: Callable[[], Awaitable[str]]) -> str:
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._commands.append((action, future))
+        self.poke()
+        return await future
+
+    @staticmethod
+    async def _run_command(action: Callable[[], Awaitable[str]], future: asyncio.Future[str]) -> None:
+        if future.done():  # the admin client gave up before its turn
+            return
+        try:
+            future.set_result(await action())
+        except ProxyError as exc:
+            future.set_exception(exc)
+
     # -- the loop ----------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -115,6 +165,9 @@ class GroupScheduler:
         await self._boot_all()
         while True:
             self._poke.clear()
+            if self._commands:
+                await self._run_command(*self._commands.popleft())
+                continue
             action, wait_s = self._decide(time.monotonic())
             if action is not None:
                 await action
@@ -132,7 +185,8 @@ class GroupScheduler:
             self.active = active = None
         if active is not None:
             if active.needs_restart and active.in_flight == 0:
-                return self._restart_in_place(active), None
+                log.warning("group %s: restarting %s while idle (mid-life acceptance collapse: %s)", self.name, active.name, active.needs_restart)
+                return self._restart_in_place(active, "midlife"), None
             self._grant(active)
         target, oldest = self._next_target()
         if target is None:
@@ -140,7 +194,7 @@ class GroupScheduler:
             if active is not None and idle is not None and active.in_flight == 0:
                 idle_for = now - active.last_used
                 if idle_for >= idle and now - active.since >= self.swap.min_active_s:
-                    return self._park(active), None
+                    return self._park(active, f"idle for {idle_for:.0f} s"), None
                 return None, max(idle - idle_for, self.swap.min_active_s - (now - active.since), 0.01)
             return None, None
         if active is None:
@@ -198,7 +252,7 @@ class GroupScheduler:
         self.booted = True
         self.poke()
 
-    async def _swap_to(self, target: Engine) -> None:
+    async def _swap_to(self, target: Engine, restart: Optional[str] = None) -> None:
         old = self.active
         started = time.monotonic()
         phases: dict[str, float] = {}
@@ -211,7 +265,9 @@ class GroupScheduler:
             phases.update(old.last_phases)
         self.active = None
         try:
-            if target.state is State.SLEEPING:
+            if restart is not None:
+                await target.restart(restart)
+            elif target.state is State.SLEEPING:
                 await target.wake()
             else:
                 await target.restart("failed")
@@ -226,15 +282,14 @@ class GroupScheduler:
         self._grant(target)
         self._record(SwapRecord(self.name, old.name if old else None, target.name, "ok", time.monotonic() - started, phases))
 
-    async def _restart_in_place(self, engine: Engine) -> None:
-        log.warning("group %s: restarting %s while idle (mid-life acceptance collapse: %s)", self.name, engine.name, engine.needs_restart)
+    async def _restart_in_place(self, engine: Engine, reason: str) -> None:
         try:
-            await engine.restart("midlife")
+            await engine.restart(reason)
         except EngineFailed as exc:
             await self._handle_failure(engine, str(exc))
 
-    async def _park(self, engine: Engine) -> None:
-        log.info("group %s: %s idle for %.0f s, parking it (sleep level %d)", self.name, engine.name, self.swap.idle_sleep_s, engine.spec.sleep_level)
+    async def _park(self, engine: Engine, why: str) -> None:
+        log.info("group %s: parking %s (%s), sleep level %d", self.name, engine.name, why, engine.spec.sleep_level)
         self.active = None
         try:
             await engine.sleep()
@@ -243,6 +298,7 @@ class GroupScheduler:
 
     def _record(self, record: SwapRecord) -> None:
         self.last_swap = record
+        self.history.append(record)
         steps = ", ".join(f"{k} {v:.2f}" for k, v in record.phases.items())
         if record.result == "ok":
             log.info("group %s: swap %s -> %s took %.2f s: %s", self.name, record.from_model, record.to_model, record.seconds, steps)

@@ -67,12 +67,13 @@ def pid_alive(pid: int) -> bool:
 class RouterProcess:
     """A real `hotswap serve` process on a free loopback port."""
 
-    def __init__(self, roster: dict[str, Any], tmp_path, env: Optional[dict[str, str]] = None):
+    def __init__(self, roster: dict[str, Any], tmp_path, env: Optional[dict[str, str]] = None, admin_key: Optional[str] = None):
         import subprocess
         import sys
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.roster_path = tmp_path / "roster.yaml"
         self.roster_path.write_text(yaml.safe_dump(roster))
         self.log_path = tmp_path / "router.log"
@@ -105,7 +106,7 @@ class RouterProcess:
     async def status(self) -> dict[str, Any]:
         import aiohttp
 
-        async with aiohttp.ClientSession() as s, s.get(self.url + "/admin/status") as r:
+        async with aiohttp.ClientSession() as s, s.get(self.url + "/admin/status", headers=self.admin_headers) as r:
             return await r.json()
 
     async def engine(self, name: str) -> dict[str, Any]:
