@@ -78,6 +78,7 @@ class Engine:
         self.failure: Optional[str] = None
         self.sleep_level: Optional[int] = None
         self.served_name = spec.name
+        self.served_names: frozenset[str] = frozenset([spec.name])
         self.process: Optional[EngineProcess] = None
         self.client: Optional[VLLMClient] = VLLMClient(spec.url, session, spec.engine_api_key) if spec.url else None
         self.port: Optional[int] = spec.port
@@ -193,6 +194,7 @@ class Engine:
             served = await self.client.served_models(timeout=30)
         except EngineError as exc:
             raise self._fail(f"boot failed: {exc}") from None
+        self.served_names = frozenset(served)
         self.served_name = self.spec.name if self.spec.name in served or not served else served[0]
         self.last_phases["boot"] = time.monotonic() - started
         self.observer.step_done(self, "boot", self.last_phases["boot"], True)

@@ -1,4 +1,4 @@
-"""One managed engine process: its argv and env, its log (file and in-memory tail), start, stop.
+"""One managed engine process: its argv and env, its log file (written by the engine itself), start, stop.
 
 Every engine runs under `engines.reaper`, which leads the engine's process group and takes
 the whole group down when the router dies, SIGKILL included.
@@ -7,7 +7,6 @@ the whole group down when the router dies, SIGKILL included.
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import os
 import signal
@@ -21,7 +20,7 @@ from config.schema import ModelSpec
 
 WORKER_EXTENSION = "engines.vllm_ext.HotswapWorkerExtension"
 PRESERVE_DRAFT = "draft.*"
-TAIL_LINES = 200
+TAIL_BYTES = 64 * 1024
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -36,7 +35,8 @@ def compose_argv(spec: ModelSpec, port: int) -> list[str]:
         fill = {"port": str(port), "model": spec.model or spec.name, "name": spec.name}
         return [_resolve_python(part.format(**fill)) if i == 0 else part.format(**fill) for i, part in enumerate(spec.command)]
     argv = [_resolve_python(spec.launcher[0]), *spec.launcher[1:], str(spec.model)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", spec.name, "--enable-sleep-mode"]
+    # Every alias is served too, so a request naming one passes through byte for byte.
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", *spec.names, "--enable-sleep-mode"]
     if spec.speculative is not None:
         argv += ["--speculative-config", json.dumps(spec.speculative, separators=(",", ":"))]
     if spec.draft_restore == "reload":
@@ -57,10 +57,9 @@ class EngineProcess:
         self.spec = spec
         self.port = port
         self.log_path = log_dir / f"{spec.name}.log"
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.proc: Optional[asyncio.subprocess.Process] = None
         self.started_at = 0.0
-        self._pump: Optional[asyncio.Task[None]] = None
+        self._log_start = 0  # where this run's output begins in the (appended) log file
 
     @property
     def argv(self) -> list[str]:
@@ -85,42 +84,20 @@ class EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "engines.reaper", "--", *self.argv]
         header = f"=== hotswap {time.strftime('%Y-%m-%dT%H:%M:%S')}: starting {self.spec.name}: {' '.join(self.argv)}\n"
-        with self.log_path.open("a", encoding="utf-8") as log:
-            log.write(header)
-        self.tail.clear()
-        self.proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=self.env(),
-            start_new_session=True,
-            limit=1 << 20,
-        )
+        # The engine writes its log file itself: its output never passes through the router's
+        # event loop (vLLM logs a line per request), and the file outlives a router crash.
+        with self.log_path.open("ab") as log:
+            log.write(header.encode())
+            self._log_start = log.tell()
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                env=self.env(), start_new_session=True,
+            )
         self.started_at = time.monotonic()
-        self._pump = asyncio.create_task(self._pump_output(self.proc.stdout), name=f"log:{self.spec.name}")
-
-    async def _pump_output(self, stream: Optional[asyncio.StreamReader]) -> None:
-        assert stream is not None
-        with self.log_path.open("a", encoding="utf-8", errors="replace") as log:
-            while True:
-                try:
-                    raw = await stream.readline()
-                except ValueError:  # a line longer than the limit: take it in pieces
-                    raw = await stream.read(1 << 20)
-                if not raw:
-                    return
-                line = raw.decode("utf-8", "replace")
-                log.write(line)
-                log.flush()
-                self.tail.append(line.rstrip("\n"))
 
     async def wait(self) -> int:
         assert self.proc is not None
-        code = await self.proc.wait()
-        if self._pump is not None:
-            await asyncio.wait({self._pump}, timeout=2)  # let the last lines reach the tail
-        return code
+        return await self.proc.wait()
 
     async def stop(self, grace_s: float = 15) -> Optional[int]:
         """SIGTERM the engine's group, wait `grace_s`, then SIGKILL it."""
@@ -141,4 +118,16 @@ class EngineProcess:
             pass
 
     def last_lines(self, n: int = 20) -> list[str]:
-        return list(self.tail)[-n:]
+        """The last `n` lines this run of the engine wrote (read from its log file when asked)."""
+        try:
+            with self.log_path.open("rb") as log:
+                size = log.seek(0, os.SEEK_END)
+                start = max(self._log_start, size - TAIL_BYTES)
+                log.seek(start)
+                text = log.read().decode("utf-8", "replace")
+        except OSError:
+            return []
+        lines = text.splitlines()
+        if start > self._log_start and lines:
+            lines = lines[1:]  # the first line read is probably cut
+        return lines[-n:]

@@ -198,6 +198,7 @@ async def openai_endpoint(request: web.Request) -> web.StreamResponse:
     label = UNKNOWN_MODEL
     status = 500
     stream = "false"
+    queued_s = None
     try:
         body = await _json_body(request)
         engine = router.lookup(body["model"])
@@ -205,7 +206,7 @@ async def openai_endpoint(request: web.Request) -> web.StreamResponse:
         stream = "true" if body.get("stream") is True else "false"
         scheduler = router.scheduler(engine)
         await scheduler.acquire(engine)
-        router.metrics.queue_wait.labels(label).observe(time.monotonic() - started)
+        queued_s = time.monotonic() - started
         try:
             response = await forward(request, router.proxy_session, engine, path, body, request["raw_body"])
         finally:
@@ -217,9 +218,7 @@ async def openai_endpoint(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         done = time.monotonic()
-        router.metrics.requests.labels(label, endpoint, str(status)).inc()
-        router.metrics.latency.labels(label, endpoint, stream).observe(done - started)
-        router.metrics.ttfb.labels(label, endpoint, stream).observe(request.get("first_byte_at", done) - started)
+        router.metrics.request_done(label, endpoint, stream, status, queued_s, request.get("first_byte_at", done) - started, done - started)
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:

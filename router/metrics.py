@@ -7,7 +7,7 @@ scrape time, so they can never drift from what the router actually holds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -53,6 +53,25 @@ class Metrics(Observer):
         self.restarts = Counter("hotswap_engine_restarts", "Engine cold restarts by reason (failed, gate, midlife, admin).",
                                 [*m, "reason"], registry=r)
         self.collapses = Counter("hotswap_midlife_collapses", "Acceptance collapses detected while serving.", m, registry=r)
+        # labels() takes a lock and validates on every call; the request path reuses the children.
+        self._per_request: dict[tuple[str, str, str], tuple] = {}
+        self._per_status: dict[tuple[str, str, int], Any] = {}
+
+    def request_done(self, model: str, endpoint: str, stream: str, status: int, queued_s: Optional[float],
+                     first_byte_s: float, total_s: float) -> None:
+        children = self._per_request.get((model, endpoint, stream))
+        if children is None:
+            children = self._per_request[(model, endpoint, stream)] = (
+                self.latency.labels(model, endpoint, stream), self.ttfb.labels(model, endpoint, stream), self.queue_wait.labels(model))
+        latency, ttfb, queue_wait = children
+        counter = self._per_status.get((model, endpoint, status))
+        if counter is None:
+            counter = self._per_status[(model, endpoint, status)] = self.requests.labels(model, endpoint, str(status))
+        counter.inc()
+        latency.observe(total_s)
+        ttfb.observe(first_byte_s)
+        if queued_s is not None:
+            queue_wait.observe(queued_s)
 
     def attach(self, router: "Router") -> None:
         self.registry.register(_LiveState(router))

@@ -21,7 +21,7 @@ UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=
 
 
 async def forward(request: web.Request, session: aiohttp.ClientSession, engine: Engine, path: str, body: dict[str, Any], raw: bytes) -> web.StreamResponse:
-    if body["model"] != engine.served_name:
+    if body["model"] not in engine.served_names:  # only attached engines that serve other names
         body["model"] = engine.served_name
         raw = json.dumps(body).encode()
     assert engine.client is not None
