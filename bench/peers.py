@@ -1,0 +1,621 @@
+"""Peer proxies (issue 8): hotswap side by side with nginx, a bare aiohttp proxy, vllm-router and LiteLLM.
+
+    .venv/bin/python bench/peers.py [--requests N] [--stream-requests N] [--concurrency C] [--reps R] [--peers LIST]
+
+One run, one upstream: a single `engines.sim` (no boot delay, 100k tokens/s, so the upstream
+is as cheap as it gets) that every target forwards to:
+
+  direct      clients -> sim
+  nginx       clients -> nginx (Debian's package; own process, generated config, proxy_buffering off,
+              HTTP/1.1 keep-alive upstream pool, access log off, one worker) -> sim
+  bare        clients -> bench/bare_proxy.py (aiohttp + uvloop, nothing else) -> sim
+  vllm-router clients -> vllm-router (PyPI `vllm-router`, Rust; the sim as its single worker) -> sim
+  litellm     clients -> LiteLLM proxy (PyPI `litellm[proxy]`; one `openai/` model with api_base = the sim) -> sim
+  hotswap     clients -> `python -m router.cli serve` (client API keys on; the sim attached by `url:`) -> sim
+
+The Python peers live in their own venvs under ~/.cache/hotswap/bench-venvs/ (created on first run
+with pip, unless --no-install); nginx comes from `apt-get install -y nginx` (run once by this script
+when it is missing and we are root, unless --no-install). A peer that cannot be installed or started
+is reported with its error text and the rest still run.
+
+The load generator is bench/proxy_cost.py's (a separate aiohttp process, C keep-alive connections,
+a fixed count bounded by a deadline). For each target and mode (non-stream `/v1/completions`
+max_tokens 16; a 64-chunk stream) CPU is utime+stime from /proc of the proxy's whole process tree
+(nginx master + worker, LiteLLM's uvicorn and anything it forks; the upstream sim is never part of
+it), summed around the measured window; RSS is the tree's VmRSS sum after each phase. Targets run
+interleaved, `--reps` times, so the spread between repetitions shows the noise. Everything is on
+loopback, every phase is capped in time, and every process started here is stopped on exit,
+Ctrl-C or SIGTERM.
+
+This is a benchmark, not a test: it asserts nothing except that every request succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import proxy_cost as pc  # noqa: E402  (the shared machinery: load generator, process handling, /proc readers)
+
+REPO = pc.REPO
+MODEL = pc.MODEL
+MODES = pc.MODES
+SIM_FLAGS = pc.SIM_FLAGS
+SECTION = "## Peer proxies (issue 8)"
+VENVS = Path(os.environ.get("HOTSWAP_BENCH_VENVS", Path.home() / ".cache" / "hotswap" / "bench-venvs"))
+PIP_PEERS = {  # peer -> (venv dir, pip requirement, console script)
+    "vllm-router": ("vllm-router", "vllm-router", "vllm-router"),
+    "litellm": ("litellm", "litellm[proxy]", "litellm"),
+}
+ALL_TARGETS = ["direct", "nginx", "bare", "vllm-router", "litellm", "hotswap"]
+TARGET_STREAM_VS_VLLM_ROUTER = 1.0
+TARGET_STREAM_VS_NGINX = 1.5
+TARGET_NONSTREAM_VS_BARE = 1.2
+
+
+# ---------------------------------------------------------------------------------------------
+# process trees
+# ---------------------------------------------------------------------------------------------
+
+def tree(pid: int) -> list[int]:
+    """`pid` and all its live descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            todo += pc.children(p)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        out.append(p)
+    return out
+
+
+def tree_cpu(pids: list[int]) -> dict[int, float]:
+    out = {}
+    for p in pids:
+        try:
+            out[p] = pc.cpu_seconds(p)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+def rss_mb(pids: list[int]) -> float:
+    total = 0
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total / 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# peers: install and start
+# ---------------------------------------------------------------------------------------------
+
+class PeerUnavailable(Exception):
+    """A peer could not be installed or started; the message is what the report says."""
+
+
+def _short(text: str, n: int = 15) -> str:
+    lines = [l for l in text.strip().splitlines() if l.strip() and "is ignored: it is neither a file" not in l]
+    return "\n".join(lines[-n:])
+
+
+def ensure_venv(peer: str, install: bool, log: Path) -> Path:
+    venv, requirement, script = PIP_PEERS[peer]
+    exe = VENVS / venv / "bin" / script
+    if exe.exists():
+        return exe
+    if not install:
+        raise PeerUnavailable(f"{exe} does not exist (run without --no-install to create it with pip)")
+    print(f"bench: installing {requirement} into {VENVS / venv} (once)", flush=True)
+    VENVS.mkdir(parents=True, exist_ok=True)
+    for argv in ([sys.executable, "-m", "venv", str(VENVS / venv)],
+                 [str(VENVS / venv / "bin" / "pip"), "install", "-q", requirement]):
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+        except subprocess.TimeoutExpired:
+            raise PeerUnavailable(f"`{' '.join(argv)}` did not finish within 900 s") from None
+        with open(log, "a") as f:
+            f.write(r.stdout + r.stderr)
+        if r.returncode != 0:
+            shutil.rmtree(VENVS / venv, ignore_errors=True)  # a half-made venv would look installed next time
+            raise PeerUnavailable(f"`{' '.join(argv)}` exited {r.returncode}:\n{_short(r.stderr or r.stdout)}")
+    if not exe.exists():
+        raise PeerUnavailable(f"`pip install {requirement}` succeeded but installed no {script} script")
+    return exe
+
+
+def peer_version(peer: str) -> str:
+    venv, requirement, _ = PIP_PEERS[peer]
+    dist = requirement.split("[")[0]
+    r = subprocess.run([str(VENVS / venv / "bin" / "python"), "-c",
+                        f"import importlib.metadata as m; print(m.version({dist!r}))"], capture_output=True, text=True, timeout=60)
+    return r.stdout.strip() or "?"
+
+
+def ensure_nginx(install: bool, log: Path) -> str:
+    exe = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if exe:
+        return exe
+    if not install:
+        raise PeerUnavailable("nginx is not installed (apt-get install -y nginx)")
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise PeerUnavailable("nginx is not installed and this is not root with apt-get: run `apt-get install -y nginx`")
+    print("bench: installing Debian's nginx (apt-get install -y nginx); its system service is not used", flush=True)
+    for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "nginx"]):
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        with open(log, "a") as f:
+            f.write(r.stdout + r.stderr)
+        if r.returncode != 0:
+            raise PeerUnavailable(f"`{' '.join(argv)}` exited {r.returncode}:\n{_short(r.stderr or r.stdout)}")
+    # Debian's postinst may start the packaged service: this bench never uses it.
+    exe = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(exe).exists():
+        raise PeerUnavailable("apt-get installed nginx but no nginx binary was found")
+    return exe
+
+
+def nginx_version(exe: str) -> str:
+    r = subprocess.run([exe, "-v"], capture_output=True, text=True, timeout=10)
+    return (r.stderr or r.stdout).strip().split("/")[-1]
+
+
+NGINX_CONF = """# written by bench/peers.py
+daemon off;
+master_process on;
+worker_processes 1;
+{user}
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    keepalive_requests 1000000;
+    upstream sim {{
+        server 127.0.0.1:{upstream};
+        keepalive 128;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://sim;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout 600s;
+        }}
+    }}
+}}
+"""
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    root_pid: Optional[int]  # the proxy's process (tree root); None for direct
+    upstream_pid: int
+    key: str = ""
+    stream_check: str = "exact"
+    note: str = ""
+
+
+def start_sim(procs: pc.Processes, tmp: Path) -> tuple[int, int]:
+    port = pc.free_port()
+    log = tmp / "sim.log"
+    sim = procs.start("sim", [sys.executable, "-m", "engines.sim", "serve", f"{MODEL}/sim", "--host", "127.0.0.1", "--port", str(port),
+                              "--served-model-name", MODEL, "--enable-sleep-mode", *SIM_FLAGS], log,
+                      env={"VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"})
+    pc.wait_until_ok(f"http://127.0.0.1:{port}/health", sim, log)
+    return port, sim.pid
+
+
+def _started(procs: pc.Processes, name: str, proc: subprocess.Popen, url: str, log: Path, deadline_s: float = 90) -> None:
+    try:
+        pc.wait_until_ok(url, proc, log, deadline_s=deadline_s)
+    except SystemExit as exc:  # pc.wait_until_ok exits with the log tail; here that only drops this peer
+        raise PeerUnavailable(_short(str(exc), 25)) from None
+
+
+def start_nginx(procs: pc.Processes, tmp: Path, upstream: int, install: bool, versions: dict) -> Target:
+    exe = ensure_nginx(install, tmp / "install-nginx.log")
+    versions["nginx"] = nginx_version(exe)
+    d = tmp / "nginx"
+    for sub in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (d / sub).mkdir(exist_ok=True)
+    port = pc.free_port()
+    conf = d / "nginx.conf"
+    # As root, nginx's workers would switch to `nobody`, who cannot enter our 0700 temp dir.
+    conf.write_text(NGINX_CONF.format(dir=d, upstream=upstream, port=port, user="user root;" if os.geteuid() == 0 else ""))
+    r = subprocess.run([exe, "-t", "-p", str(d), "-c", str(conf)], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise PeerUnavailable(f"`nginx -t` rejected the generated config:\n{_short(r.stderr)}")
+    log = tmp / "nginx.log"
+    proc = procs.start("nginx", [exe, "-p", str(d), "-c", str(conf)], log)
+    # nginx has no /health of its own here: any answer from the sim through it will do.
+    _started(procs, "nginx", proc, f"http://127.0.0.1:{port}/health", log)
+    return Target("nginx", f"http://127.0.0.1:{port}", proc.pid, 0,
+                  note="worker_processes 1, proxy_buffering off, proxy_request_buffering off, proxy_http_version 1.1, "
+                       "upstream keepalive 128, access_log off")
+
+
+def start_bare(procs: pc.Processes, tmp: Path, upstream: int) -> Target:
+    port = pc.free_port()
+    log = tmp / "bare_proxy.log"
+    proc = procs.start("bare proxy", [sys.executable, str(REPO / "bench" / "bare_proxy.py"), "--upstream",
+                                      f"http://127.0.0.1:{upstream}", "--port", str(port)], log)
+    _started(procs, "bare", proc, f"http://127.0.0.1:{port}/health", log)
+    return Target("bare", f"http://127.0.0.1:{port}", proc.pid, 0, note="bench/bare_proxy.py")
+
+
+def start_vllm_router(procs: pc.Processes, tmp: Path, upstream: int, install: bool, versions: dict) -> Target:
+    exe = ensure_venv("vllm-router", install, tmp / "install-vllm-router.log")
+    versions["vllm-router"] = peer_version("vllm-router")
+    port = pc.free_port()
+    log = tmp / "vllm-router.log"
+    # Per-request logging off (as for every other target); retries and policies left at their defaults
+    # apart from round_robin (one worker: the default cache_aware would only add a prefix-tree walk).
+    argv = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", f"http://127.0.0.1:{upstream}",
+            "--policy", "round_robin", "--log-level", "warning", "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(pc.free_port())]
+    proc = procs.start("vllm-router", argv, log)
+    _started(procs, "vllm-router", proc, f"http://127.0.0.1:{port}/health", log)
+    return Target("vllm-router", f"http://127.0.0.1:{port}", proc.pid, 0,
+                  note="--policy round_robin --log-level warning, Prometheus exporter on (its default)")
+
+
+def start_litellm(procs: pc.Processes, tmp: Path, upstream: int, install: bool, versions: dict) -> Target:
+    exe = ensure_venv("litellm", install, tmp / "install-litellm.log")
+    versions["litellm"] = peer_version("litellm")
+    port = pc.free_port()
+    conf = tmp / "litellm.yaml"
+    conf.write_text(
+        "# written by bench/peers.py\n"
+        "model_list:\n"
+        f"  - model_name: {MODEL}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{MODEL}\n"
+        f"      api_base: http://127.0.0.1:{upstream}/v1\n"
+        "      api_key: unused\n"
+        "litellm_settings:\n"
+        "  telemetry: false\n"
+        "  set_verbose: false\n"
+        "general_settings:\n"
+        "  disable_spend_logs: true\n")
+    key = "sk-bench-" + os.urandom(12).hex()
+    log = tmp / "litellm.log"
+    env = {"LITELLM_MASTER_KEY": key, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False",
+           "PYTHONUNBUFFERED": "1"}
+    proc = procs.start("litellm", [str(exe), "--config", str(conf), "--host", "127.0.0.1", "--port", str(port)], log, env=env)
+    _started(procs, "litellm", proc, f"http://127.0.0.1:{port}/health/liveliness", log, deadline_s=180)
+    return Target("litellm", f"http://127.0.0.1:{port}", proc.pid, 0, key=key, stream_check="min",
+                  note="one uvicorn worker (its default), master key on (it refuses to start without one), "
+                       "LITELLM_LOG=ERROR, spend logs off, no database; re-frames streams (65 data chunks for 64 tokens)")
+
+
+def start_hotswap(procs: pc.Processes, tmp: Path, upstream: int, key: str, src: Path = REPO) -> Target:
+    port = pc.free_port()
+    roster = tmp / "roster.yaml"
+    roster.write_text(
+        "# written by bench/peers.py\n"
+        f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+        "auth:\n"
+        '  api_keys: ["${BENCH_KEY}"]\n'
+        "models:\n"
+        f"  - name: {MODEL}\n"
+        f"    url: http://127.0.0.1:{upstream}\n")
+    log = tmp / "router.log"
+    proc = procs.start("hotswap", [sys.executable, "-m", "router.cli", "serve", "--config", str(roster), "--port", str(port),
+                                   "--log-dir", str(tmp / "engines")], log, env={"BENCH_KEY": key}, cwd=src)
+    _started(procs, "hotswap", proc, f"http://127.0.0.1:{port}/health", log)
+    _started(procs, "hotswap", proc, f"http://127.0.0.1:{port}/ready", log, deadline_s=120)
+    return Target("hotswap", f"http://127.0.0.1:{port}", proc.pid, 0, key=key,
+                  note="client API key auth on, Prometheus metrics on, the sim attached with `url:` (the same upstream)")
+
+
+# ---------------------------------------------------------------------------------------------
+# one measured phase
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Phase:
+    target: str
+    mode: str
+    rep: int
+    ok: int
+    errors: int
+    wall_s: float
+    p50_ms: float
+    p99_ms: float
+    proxy_us: Optional[float]
+    upstream_us: float
+    rss_mb: Optional[float]
+    procs: int
+    other_pct: float
+    first_errors: list[str] = field(default_factory=list)
+
+    @property
+    def rps(self) -> float:
+        return self.ok / self.wall_s if self.wall_s else 0.0
+
+
+def run_phase(procs: pc.Processes, t: Target, mode: str, rep: int, args: argparse.Namespace, tmp: Path) -> Phase:
+    n = args.requests if mode == "non-stream" else args.stream_requests
+    argv = [sys.executable, str(Path(pc.__file__).resolve()), "loadgen", "--url", t.url + "/v1/completions", "--mode", mode,
+            "--requests", str(n), "--warmup", str(max(2 * args.concurrency, n // 10)), "--concurrency", str(args.concurrency),
+            "--max-seconds", str(args.max_seconds), "--stream-check", t.stream_check]
+    log = tmp / f"loadgen-{rep}-{t.name}-{mode}.log"
+    gen = procs.start(f"loadgen {t.name} {mode}", argv, log, env={"BENCH_KEY": t.key}, stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+    try:
+        pc._read_until(gen, b"WARM\n", args.max_seconds + 30)
+        pids = tree(t.root_pid) if t.root_pid else []
+        gen0 = pc.cpu_seconds(gen.pid)
+        proxy0 = tree_cpu(pids)
+        up0 = pc.cpu_seconds(t.upstream_pid)
+        busy0, wall0 = pc.machine_busy_seconds(), time.monotonic()
+        out, _ = gen.communicate(b"go\n", timeout=args.max_seconds + 60)
+        busy1, wall1 = pc.machine_busy_seconds(), time.monotonic()
+        pids_after = tree(t.root_pid) if t.root_pid else []
+        proxy1 = tree_cpu(pids_after)
+        up1 = pc.cpu_seconds(t.upstream_pid)
+        rss = rss_mb(pids_after) if t.root_pid else None
+    finally:
+        if gen.poll() is None:
+            pc._killpg(gen.pid, signal.SIGKILL)
+            gen.wait(timeout=5)
+    try:
+        res = json.loads(out.decode().strip().splitlines()[-1])
+        res["ok"]
+    except (ValueError, IndexError, KeyError):
+        raise SystemExit(f"bench: the load generator gave no result (exit {gen.returncode}); log {log}:\n{pc._tail(log)}") from None
+    ok = res["ok"]
+    # A process that appeared during the phase started from 0; one that vanished took its CPU with it (rare: noted as procs).
+    proxy_s = sum(proxy1[p] - proxy0.get(p, 0.0) for p in proxy1) if t.root_pid else 0.0
+    ours = proxy_s + (up1 - up0) + (res["cpu_s"] - gen0)
+    ncpu = len(os.sched_getaffinity(0))
+    other = max(0.0, (busy1 - busy0) - ours) / ((wall1 - wall0) * ncpu) * 100
+    lat = res["latencies"]
+    ph = Phase(t.name, mode, rep, ok, res["errors"] + res["warmup_errors"], res["wall_s"],
+               pc.percentile(lat, 0.5) * 1e3, pc.percentile(lat, 0.99) * 1e3,
+               proxy_s * 1e6 / ok if t.root_pid and ok else None, (up1 - up0) * 1e6 / ok if ok else float("nan"),
+               rss, len(pids_after), other, res["first_errors"])
+    proxy = f"{ph.proxy_us:7.0f}" if ph.proxy_us is not None else "      -"
+    print(f"  rep {rep} {t.name:11s} {mode:10s} {ok:5d} ok {ph.errors:3d} err {ph.rps:6.0f} rps  p50 {ph.p50_ms:6.1f} ms  "
+          f"p99 {ph.p99_ms:6.1f} ms  proxy {proxy} us/req  upstream {ph.upstream_us:5.0f} us/req  "
+          f"rss {ph.rss_mb or 0:5.0f} MB  other procs {ph.other_pct:3.0f}% CPU", flush=True)
+    for e in ph.first_errors:
+        print(f"    error: {e}", flush=True)
+    return ph
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+def report(phases: list[Phase], targets: list[Target], unavailable: dict[str, str], idle: dict[str, float], versions: dict[str, str],
+           args: argparse.Namespace, command: str, started: str, elapsed: float, load_start: str) -> str:
+    by = {(p.target, p.mode, p.rep): p for p in phases}
+    reps = sorted({p.rep for p in phases})
+    names = [t.name for t in targets]
+    modes = [m for m in MODES if any(p.mode == m for p in phases)]
+    rows = ["| target | mode | rep | requests | errors | rps | p50 ms | p99 ms | proxy CPU µs/req | upstream CPU µs/req "
+            "| proxy RSS MB | other procs' CPU |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode in modes:
+        for rep in reps:
+            for name in names:
+                p = by.get((name, mode, rep))
+                if p is None:
+                    continue
+                proxy = f"{p.proxy_us:.0f}" if p.proxy_us is not None else "- (none)"
+                rss = f"{p.rss_mb:.0f}" + (f" ({p.procs} procs)" if p.procs > 1 else "") if p.rss_mb is not None else "-"
+                rows.append(f"| {name} | {mode} | {rep} | {p.ok} | {p.errors} | {p.rps:.0f} | {p.p50_ms:.1f} | {p.p99_ms:.1f} | {proxy} "
+                            f"| {p.upstream_us:.0f} | {rss} | {p.other_pct:.0f}% |")
+
+    def proxy_us(name: str, mode: str) -> list[Optional[float]]:
+        return [by[(name, mode, r)].proxy_us if (name, mode, r) in by else None for r in reps]
+
+    def ratio(a: str, b: str, mode: str) -> tuple[Optional[float], list[float]]:
+        """Median over reps of a's CPU/req ÷ b's, each rep's pair measured minutes apart under the same background."""
+        per = [x / y for x, y in zip(proxy_us(a, mode), proxy_us(b, mode)) if x and y]
+        return (statistics.median(per) if per else None), per
+
+    summary = ["| mode | " + " | ".join(f"{n} µs/req" for n in names if n != "direct") + " | hotswap ÷ each (median of per-rep ratios) |",
+               "|---|" + "---:|" * (len([n for n in names if n != "direct"])) + "---|"]
+    for mode in modes:
+        cells = []
+        for n in names:
+            if n == "direct":
+                continue
+            xs = [x for x in proxy_us(n, mode) if x is not None]
+            cells.append(f"{statistics.fmean(xs):.0f} ({' / '.join(f'{x:.0f}' for x in xs)})" if xs else "-")
+        rats = []
+        for n in names:
+            if n in ("direct", "hotswap"):
+                continue
+            r, per = ratio("hotswap", n, mode)
+            if r is not None:
+                rats.append(f"{n} {r:.2f}×")
+        summary.append(f"| {mode} | " + " | ".join(cells) + f" | {', '.join(rats)} |")
+
+    lat = ["", "| mode | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for mode in modes:
+        cells = []
+        for n in names:
+            ps = [by[(n, mode, r)] for r in reps if (n, mode, r) in by]
+            cells.append(f"{statistics.fmean([p.rps for p in ps]):.0f} rps, p50 {statistics.fmean([p.p50_ms for p in ps]):.1f} / "
+                         f"p99 {statistics.fmean([p.p99_ms for p in ps]):.1f} ms" if ps else "-")
+        lat.append(f"| {mode} | " + " | ".join(cells) + " |")
+    rss = ["", "| | " + " | ".join(n for n in names if n != "direct") + " |", "|---|" + "---:|" * len([n for n in names if n != "direct"])]
+    rss.append("| RSS after the run, MB | " + " | ".join(
+        (f"{max(p.rss_mb for p in phases if p.target == n and p.rss_mb is not None):.0f}"
+         if any(p.target == n and p.rss_mb is not None for p in phases) else "-") for n in names if n != "direct") + " |")
+    rss.append("| idle CPU, ms/s | " + " | ".join(f"{idle[n]:.1f}" if n in idle else "-" for n in names if n != "direct") + " |")
+
+    verdict = []
+
+    def check(label: str, a: str, b: str, mode: str, limit: float) -> None:
+        r, per = ratio(a, b, mode)
+        if r is None:
+            verdict.append(f"- {label}: not measured ({b} {'unavailable' if b in unavailable else 'missing'}).")
+            return
+        verdict.append(f"- {label}: hotswap ÷ {b} = **{r:.2f}×** (per rep {', '.join(f'{x:.2f}' for x in per)}), "
+                       f"target ≤ {limit:g}×: **{'met' if r <= limit else 'missed'}**.")
+
+    check("stream, at or below vllm-router", "hotswap", "vllm-router", "stream", TARGET_STREAM_VS_VLLM_ROUTER)
+    check("stream, within 1.5× nginx", "hotswap", "nginx", "stream", TARGET_STREAM_VS_NGINX)
+    check("non-stream, within 1.2× the bare proxy", "hotswap", "bare", "non-stream", TARGET_NONSTREAM_VS_BARE)
+    ticks = [p.proxy_us * p.ok / 1e6 * pc.CLK_TCK for p in phases if p.proxy_us]
+    if ticks:
+        verdict.append(f"- CPU resolution: {1e3 / pc.CLK_TCK:g} ms ticks; the smallest proxy CPU in one phase was {min(ticks):.0f} ticks "
+                       f"(±{100 / min(ticks):.1f}% from quantization alone).")
+    errors = sum(p.errors for p in phases)
+    if errors:
+        verdict.append(f"- **{errors} requests failed**; the numbers above are suspect.")
+
+    import aiohttp
+    import uvloop
+    vers = ", ".join(f"{k} {v}" for k, v in versions.items())
+    head = [
+        SECTION, "",
+        f"Run {started} on {platform.node() or 'this machine'}: `nproc` = {len(os.sched_getaffinity(0))} ({pc._cpu_model()}), "
+        f"Linux {platform.release()}, Python {platform.python_version()}, aiohttp {aiohttp.__version__}, uvloop {uvloop.__version__}, "
+        f"{vers}, hotswap commit {pc._git_rev()}. Took {elapsed:.0f} s. Load average at start / end: {load_start} / {pc._loadavg()}.",
+        "", "```", command, "```", "",
+        f"One upstream for all: a single `engines.sim` ({' '.join(SIM_FLAGS)}), its CPU reported as *upstream*. "
+        f"Load: bench/proxy_cost.py's load generator in its own process, {args.concurrency} concurrent keep-alive connections, "
+        f"{args.requests} non-stream requests (`/v1/completions`, max_tokens 16) and {args.stream_requests} streams "
+        "(max_tokens 64: 64 data chunks + `[DONE]`) per phase after a warmup, each phase capped at "
+        f"{args.max_seconds:g} s; loopback only; {len(reps)} repetitions, targets interleaved within each. "
+        "Latency is to the last byte. *Proxy CPU* = utime+stime of the proxy's whole process tree (from `/proc`), "
+        "around the measured window, per request or per 64-chunk stream; *RSS* = the tree's VmRSS sum after the phase. "
+        "*Other procs' CPU* = the machine's CPU (from `/proc/stat`) used by processes outside the bench during the phase.",
+        "",
+        "Targets: " + "; ".join(f"**{t.name}**: {t.note}" for t in targets if t.note) + ".",
+        "",
+    ]
+    if unavailable:
+        head += ["Not measured:", ""] + [f"- **{n}**: " + msg.replace("\n", "\n  ") for n, msg in unavailable.items()] + [""]
+    return "\n".join(head + rows + ["", "Proxy CPU per request (mean, and each rep):", ""] + summary + lat + rss
+                     + ["", "Targets (issue 8):", ""] + verdict) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=5000, help="non-stream requests per phase (default %(default)s)")
+    p.add_argument("--stream-requests", type=int, default=1200, help="64-chunk streams per phase (default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=64, help="concurrent connections (default %(default)s)")
+    p.add_argument("--reps", type=int, default=2, help="interleaved repetitions (default %(default)s)")
+    p.add_argument("--max-seconds", type=float, default=10.0, help="cap on each measured phase (default %(default)s)")
+    p.add_argument("--idle-seconds", type=float, default=2.0, help="idle CPU measurement (default %(default)s)")
+    p.add_argument("--peers", default=",".join(ALL_TARGETS), help="comma-separated subset of %(default)s")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset (default %(default)s)")
+    p.add_argument("--router-src", type=Path, default=REPO, metavar="DIR",
+                   help="run hotswap from this source tree, e.g. a patched copy to A/B a fix (default: this repo)")
+    p.add_argument("--no-install", action="store_true", help="do not pip-install missing peers or apt-get nginx")
+    p.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md", help="where to write the section (default %(default)s)")
+    p.add_argument("--no-docs", action="store_true", help="print only")
+    p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with every process's log")
+    a = p.parse_args(argv)
+    unknown = set(a.peers.split(",")) - set(ALL_TARGETS)
+    if unknown:
+        p.error(f"unknown peers {sorted(unknown)}; known: {', '.join(ALL_TARGETS)}")
+    return a
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    wanted = [n for n in ALL_TARGETS if n in args.peers.split(",")]
+    modes = [m for m in MODES if m in args.modes.split(",")]
+    started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    load_start = pc._loadavg()
+    t0 = time.monotonic()
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    tmp = Path(tempfile.mkdtemp(prefix="hotswap-peers-"))
+    procs = pc.Processes()
+    phases: list[Phase] = []
+    unavailable: dict[str, str] = {}
+    versions: dict[str, str] = {}
+    try:
+        print(f"bench: starting the sim and {', '.join(wanted)} (logs in {tmp})", flush=True)
+        sim_port, sim_pid = start_sim(procs, tmp)
+        key = "bench-" + os.urandom(8).hex()
+        starters = {
+            "direct": lambda: Target("direct", f"http://127.0.0.1:{sim_port}", None, 0),
+            "nginx": lambda: start_nginx(procs, tmp, sim_port, not args.no_install, versions),
+            "bare": lambda: start_bare(procs, tmp, sim_port),
+            "vllm-router": lambda: start_vllm_router(procs, tmp, sim_port, not args.no_install, versions),
+            "litellm": lambda: start_litellm(procs, tmp, sim_port, not args.no_install, versions),
+            "hotswap": lambda: start_hotswap(procs, tmp, sim_port, key, args.router_src),
+        }
+        targets = []
+        for name in wanted:
+            try:
+                t = starters[name]()
+            except PeerUnavailable as exc:
+                unavailable[name] = str(exc)
+                print(f"bench: {name} unavailable: {exc}", file=sys.stderr, flush=True)
+                continue
+            t.upstream_pid = sim_pid
+            targets.append(t)
+        print(f"bench: ready after {time.monotonic() - t0:.1f} s: {', '.join(t.name for t in targets)}", flush=True)
+        roots = {t.name: tree(t.root_pid) for t in targets if t.root_pid}
+        before = {n: sum(tree_cpu(p).values()) for n, p in roots.items()}
+        time.sleep(args.idle_seconds)  # measuring an idle interval, not waiting for anything
+        idle = {n: (sum(tree_cpu(p).values()) - before[n]) * 1e3 / args.idle_seconds for n, p in roots.items()}
+        for rep in range(1, args.reps + 1):
+            for t in targets:
+                for mode in modes:
+                    phases.append(run_phase(procs, t, mode, rep, args, tmp))
+        text = report(phases, targets, unavailable, idle, versions, args, pc._command(), started, time.monotonic() - t0, load_start)
+        print()
+        print(text)
+        if not args.no_docs:
+            pc.write_docs(args.docs, text, SECTION)
+            print(f"bench: wrote {args.docs}")
+        return 1 if any(p.errors for p in phases) else 0
+    except KeyboardInterrupt:
+        print("bench: interrupted; stopping everything", file=sys.stderr)
+        return 130
+    finally:
+        procs.close()
+        if args.keep_logs:
+            print(f"bench: logs kept in {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
