@@ -124,9 +124,10 @@ class Engine:
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no lease is held (True), or `timeout` (False)."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     def release(self) -> None:
@@ -149,12 +150,13 @@ class Engine:
         timeout = timeout if timeout is not None else getattr(self.swap.timeouts, phase)
         started = time.monotonic()
         try:
-            result = await asyncio.wait_for(action(timeout), timeout)
-        except (EngineError, asyncio.TimeoutError, OSError) as exc:
+            async with asyncio.timeout(timeout):
+                result = await action(timeout)
+        except (EngineError, TimeoutError, OSError) as exc:
             seconds = time.monotonic() - started
             self.last_phases[phase] = seconds
             self.observer.step_done(self, phase, seconds, False)
-            cause = f"no answer within {timeout:.3g} s" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+            cause = f"no answer within {timeout:.3g} s" if isinstance(exc, TimeoutError) else str(exc)
             if isinstance(exc, EngineRefused):
                 await self._reap_briefly()  # so the message can say how the process ended
             raise self._fail(f"{phase} failed: {cause}") from None
@@ -182,6 +184,14 @@ class Engine:
 
     async def boot(self) -> None:
         """Start (or attach), wait until healthy, learn the served name, record the baseline."""
+        started = time.monotonic()
+        try:
+            await self._boot()
+        except EngineFailed:
+            self.observer.step_done(self, "boot", time.monotonic() - started, False)
+            raise
+
+    async def _boot(self) -> None:
         self.last_phases = {}
         self._enter(State.BOOTING)
         self.boot_deadline = time.monotonic() + self.swap.boot_timeout_s
@@ -308,6 +318,12 @@ class Engine:
             delay = min(delay * 2, 0.5)
 
     # -- the promotion gate ------------------------------------------------------------------
+
+    @property
+    def phases(self) -> list[str]:
+        """The steps this engine's sleep and wake go through (for metrics that must exist up front)."""
+        wake = ["wake_weights", *(["reload_draft"] if self.spec.draft_restore == "reload" else []), "reload_weights"]
+        return ["sleep", *(wake if self.spec.sleep_level == 2 else []), "wake_kv_cache", "reset_prefix_cache", "gate"]
 
     @property
     def has_draft(self) -> bool:

@@ -88,6 +88,7 @@ class EngineProcess:
         # event loop (vLLM logs a line per request), and the file outlives a router crash.
         with self.log_path.open("ab") as log:
             log.write(header.encode())
+            log.flush()  # before the engine appends to the same file, or the header lands after its output
             self._log_start = log.tell()
             self.proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
@@ -105,8 +106,9 @@ class EngineProcess:
             return self.returncode
         self._signal_group(signal.SIGTERM)
         try:
-            return await asyncio.wait_for(asyncio.shield(self.wait()), grace_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(grace_s):
+                return await asyncio.shield(self.wait())
+        except TimeoutError:
             self._signal_group(signal.SIGKILL)
             return await self.wait()
 

@@ -195,14 +195,14 @@ async def openai_endpoint(request: web.Request) -> web.StreamResponse:
     path = request.match_info.route.resource.canonical  # type: ignore[union-attr]
     endpoint = OPENAI_ROUTES[path]
     started = time.monotonic()
-    label = UNKNOWN_MODEL
+    label, group = UNKNOWN_MODEL, ""
     status = 500
     stream = "false"
     queued_s = None
     try:
         body = await _json_body(request)
         engine = router.lookup(body["model"])
-        label = engine.name
+        label, group = engine.name, engine.spec.group
         stream = "true" if body.get("stream") is True else "false"
         scheduler = router.scheduler(engine)
         await scheduler.acquire(engine)
@@ -218,7 +218,7 @@ async def openai_endpoint(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         done = time.monotonic()
-        router.metrics.request_done(label, endpoint, stream, status, queued_s, request.get("first_byte_at", done) - started, done - started)
+        router.metrics.request_done(label, group, endpoint, stream, status, queued_s, request.get("first_byte_at", done) - started, done - started)
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -279,8 +279,9 @@ async def admin_action(request: web.Request) -> web.Response:
     run = {"swap": scheduler.pre_warm, "sleep": scheduler.park, "restart": scheduler.restart}[action]
     log.info("admin: %s %s", action, engine.name)
     try:
-        result = await asyncio.wait_for(run(engine), router.roster.queue.max_wait_s + router.roster.swap.boot_timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(router.roster.queue.max_wait_s + router.roster.swap.boot_timeout_s):
+            result = await run(engine)
+    except TimeoutError:
         raise ProxyError(504, f"{action} {engine.name} is still running; watch /admin/status", "admin_timeout") from None
     return web.json_response({"model": engine.name, "action": action, "result": result, "engine": router.engine_status(engine)})
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
 import signal
@@ -20,6 +21,14 @@ from router.app import Router, build_app
 log = logging.getLogger("hotswap")
 
 
+def log_tasks() -> None:
+    """SIGUSR1: log what every task is waiting on (`kill -USR1 <router pid>` when it seems stuck)."""
+    for task in asyncio.all_tasks():
+        stack = io.StringIO()
+        task.print_stack(limit=8, file=stack)
+        log.warning("task %s:\n%s", task.get_name(), stack.getvalue().rstrip())
+
+
 def default_log_dir() -> Path:
     state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(state) / "hotswap" / "logs"
@@ -35,6 +44,7 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, log_tasks)
 
     # Control calls carry their own per-call timeouts; proxied generations may run long,
     # so their session has no total limit (proxy.UPSTREAM_TIMEOUT bounds connect and read gaps).

@@ -60,6 +60,7 @@ class GroupScheduler:
         self.history: collections.deque[SwapRecord] = collections.deque(maxlen=20)
         self._commands: collections.deque[tuple[Callable[[], Awaitable[str]], asyncio.Future[str]]] = collections.deque()
         self._poke = asyncio.Event()
+        self._stopping = False
         self._task: Optional[asyncio.Task[None]] = None
 
     # -- what handlers call ----------------------------------------------------------------
@@ -154,6 +155,7 @@ class GroupScheduler:
         self._task = asyncio.create_task(self._run(), name=f"scheduler:{self.name}")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -163,7 +165,7 @@ class GroupScheduler:
 
     async def _run(self) -> None:
         await self._boot_all()
-        while True:
+        while not self._stopping:
             self._poke.clear()
             if self._commands:
                 await self._run_command(*self._commands.popleft())
@@ -173,8 +175,11 @@ class GroupScheduler:
                 await action
                 continue
             try:
-                await asyncio.wait_for(self._poke.wait(), wait_s)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that
+                # lands as the poke completes, and stop() would then wait on this loop forever.
+                async with asyncio.timeout(wait_s):
+                    await self._poke.wait()
+            except TimeoutError:
                 pass
 
     def _decide(self, now: float) -> tuple[Optional[Awaitable[None]], Optional[float]]:
