@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -28,6 +28,7 @@ BOOT_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200)
 
 class Metrics(Observer):
     def __init__(self) -> None:
+        disable_created_metrics()  # the *_created twin of every series doubles the count for nothing
         self.registry = CollectorRegistry()
         r = self.registry
         m = ["model", "group"]
@@ -38,14 +39,15 @@ class Metrics(Observer):
         self.ttfb = Histogram("hotswap_request_ttfb_seconds", "Time to first byte of the answer (queue wait and swap included).",
                               ["model", "endpoint", "stream"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_wait = Histogram("hotswap_queue_wait_seconds", "Time a request waited for its model to be awake.",
-                                    ["model"], buckets=LATENCY_BUCKETS, registry=r)
+                                    m, buckets=LATENCY_BUCKETS, registry=r)
         self.swaps = Counter("hotswap_swaps", "Swaps by group, from, to and result.", ["group", "from_model", "to_model", "result"], registry=r)
-        self.swap_seconds = Histogram("hotswap_swap_duration_seconds", "Whole swap duration, drain to promotion.", ["group", "result"],
-                                      buckets=SWAP_BUCKETS, registry=r)
+        self.swap_seconds = Histogram("hotswap_swap_duration_seconds", "Whole swap duration, drain to promotion.",
+                                      ["group", "to_model", "result"], buckets=SWAP_BUCKETS, registry=r)
         self.phase_seconds = Histogram("hotswap_swap_phase_duration_seconds", "Duration of each sleep/wake step and of the gate.",
                                        [*m, "phase"], buckets=SWAP_BUCKETS, registry=r)
         self.phase_failures = Counter("hotswap_swap_phase_failures", "Sleep/wake steps that failed (the engine went FAILED).",
                                       [*m, "phase"], registry=r)
+        self.boot_failures = Counter("hotswap_engine_boot_failures", "Cold boots that did not end in a promoted engine.", m, registry=r)
         self.boot_seconds = Histogram("hotswap_engine_boot_duration_seconds", "Cold boot to healthy, per engine.", m,
                                       buckets=BOOT_BUCKETS, registry=r)
         self.verdicts = Counter("hotswap_gate_verdicts", "Promotion gate verdicts (baseline, passed, refused, allowed, skipped).",
@@ -57,12 +59,13 @@ class Metrics(Observer):
         self._per_request: dict[tuple[str, str, str], tuple] = {}
         self._per_status: dict[tuple[str, str, int], Any] = {}
 
-    def request_done(self, model: str, endpoint: str, stream: str, status: int, queued_s: Optional[float],
+    def request_done(self, model: str, group: str, endpoint: str, stream: str, status: int, queued_s: Optional[float],
                      first_byte_s: float, total_s: float) -> None:
         children = self._per_request.get((model, endpoint, stream))
         if children is None:
             children = self._per_request[(model, endpoint, stream)] = (
-                self.latency.labels(model, endpoint, stream), self.ttfb.labels(model, endpoint, stream), self.queue_wait.labels(model))
+                self.latency.labels(model, endpoint, stream), self.ttfb.labels(model, endpoint, stream),
+                self.queue_wait.labels(model, group))
         latency, ttfb, queue_wait = children
         counter = self._per_status.get((model, endpoint, status))
         if counter is None:
@@ -75,9 +78,12 @@ class Metrics(Observer):
 
     def attach(self, router: "Router") -> None:
         self.registry.register(_LiveState(router))
-        for engine in router.engines.values():  # series exist from the start: alerts need no `or vector(0)`
+        for engine in router.engines.values():  # series exist from the start: increase() sees the first event
             labels = (engine.name, engine.spec.group)
             self.collapses.labels(*labels)
+            self.boot_failures.labels(*labels)
+            for phase in engine.phases:
+                self.phase_failures.labels(*labels, phase)
             for reason in ("failed", "gate", "midlife", "admin"):
                 self.restarts.labels(*labels, reason)
             for result in ("refused", "allowed"):
@@ -91,8 +97,7 @@ class Metrics(Observer):
     def step_done(self, engine: Engine, phase: str, seconds: float, ok: bool) -> None:
         labels = (engine.name, engine.spec.group)
         if phase == "boot":
-            if ok:
-                self.boot_seconds.labels(*labels).observe(seconds)
+            (self.boot_seconds.labels(*labels).observe(seconds) if ok else self.boot_failures.labels(*labels).inc())
             return
         self.phase_seconds.labels(*labels, phase).observe(seconds)
         if not ok:
@@ -109,7 +114,7 @@ class Metrics(Observer):
 
     def swap_done(self, record: "SwapRecord") -> None:
         self.swaps.labels(record.group, record.from_model or "", record.to_model, record.result).inc()
-        self.swap_seconds.labels(record.group, record.result).observe(record.seconds)
+        self.swap_seconds.labels(record.group, record.to_model, record.result).observe(record.seconds)
 
 
 class _LiveState(Collector):

@@ -186,19 +186,19 @@ RULE_TESTS: list[dict[str, Any]] = [
                          {"exp_labels": {"severity": "warning", "group": "default", "model": "c", "phase": "sleep"}}]},
          {"eval_time": "15m", "alertname": "HotswapWakeStepFailed", "exp_alerts": []}]},
     {"interval": "1m", "input_series": [  # b waits 60-120 s, a under 1 s
-        {"series": f'hotswap_queue_wait_seconds_bucket{{model="b",le="{le}"}}', "values": v}
+        {"series": f'hotswap_queue_wait_seconds_bucket{{group="default",model="b",le="{le}"}}', "values": v}
         for le, v in [("1", "0x20"), ("60", "0x20"), ("120", "0+10x20"), ("+Inf", "0+10x20")]] + [
-        {"series": f'hotswap_queue_wait_seconds_bucket{{model="a",le="{le}"}}', "values": "0+10x20"} for le in ("1", "60", "120", "+Inf")],
+        {"series": f'hotswap_queue_wait_seconds_bucket{{group="default",model="a",le="{le}"}}', "values": "0+10x20"} for le in ("1", "60", "120", "+Inf")],
      "alert_rule_test": [{"eval_time": "8m", "alertname": "HotswapQueueWaitHigh", "exp_alerts": []},
                          {"eval_time": "15m", "alertname": "HotswapQueueWaitHigh",
                           "exp_alerts": [{"exp_labels": {"severity": "warning", "model": "b"}}]}]},
     {"interval": "1m", "input_series": [
-        {"series": f'hotswap_swap_duration_seconds_bucket{{group="{g}",result="ok",le="{le}"}}', "values": v}
+        {"series": f'hotswap_swap_duration_seconds_bucket{{group="{g}",to_model="m",result="ok",le="{le}"}}', "values": v}
         for g, rows in [("slow", [("60", "0x10"), ("120", "0x10"), ("300", "0+1x10"), ("+Inf", "0+1x10")]),
                         ("fast", [("60", "0+1x10"), ("120", "0+1x10"), ("300", "0+1x10"), ("+Inf", "0+1x10")])]
         for le, v in rows],
      "alert_rule_test": [{"eval_time": "5m", "alertname": "HotswapSwapSlow",
-                          "exp_alerts": [{"exp_labels": {"severity": "warning", "group": "slow"}}]}]},
+                          "exp_alerts": [{"exp_labels": {"severity": "warning", "group": "slow", "to_model": "m"}}]}]},
     {"interval": "1m", "input_series": [
         {"series": f"hotswap_acceptance_baseline{{{M}}}", "values": "2.6x10"},
         {"series": f"hotswap_acceptance_observed{{{M}}}", "values": "2.6 1x9"},       # collapsed
