@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import string
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import (
@@ -189,11 +190,14 @@ class ModelSpec(Section):
             return None
         if not command:
             raise ValueError("must not be empty")
-        text = " ".join(command)
-        unknown = set(re.findall(r"\{([^{}]*)\}", text)) - {"port", "model", "name"}
+        try:  # the same parser str.format uses, so `{{` escapes literal braces (e.g. JSON)
+            fields = {f for part in command for _, f, _, _ in string.Formatter().parse(part) if f is not None}
+        except ValueError as exc:
+            raise ValueError(f"{exc} (write literal braces as {{{{ and }}}})") from None
+        unknown = fields - {"port", "model", "name"}
         if unknown:
             raise ValueError(f"unknown placeholder(s) {sorted(unknown)}; known: {{port}}, {{model}}, {{name}}")
-        if "{port}" not in text and info.data.get("port") is None:
+        if "port" not in fields and info.data.get("port") is None:
             raise ValueError("needs {port} or an explicit port, so the router knows where the engine listens")
         return command
 
