@@ -61,7 +61,8 @@ PIP_PEERS = {  # peer -> (venv dir, pip requirement, console script)
     "vllm-router": ("vllm-router", "vllm-router", "vllm-router"),
     "litellm": ("litellm", "litellm[proxy]", "litellm"),
 }
-ALL_TARGETS = ["direct", "nginx", "bare", "vllm-router", "litellm", "hotswap"]
+ALL_TARGETS = ["direct", "nginx", "bare", "vllm-router", "litellm", "hotswap", "raw"]
+DEFAULT_TARGETS = ALL_TARGETS[:-1]  # `raw` (bench/raw_pipe_proxy.py, a prototype) only when asked for
 TARGET_STREAM_VS_VLLM_ROUTER = 1.0
 TARGET_STREAM_VS_NGINX = 1.5
 TARGET_NONSTREAM_VS_BARE = 1.2
@@ -272,6 +273,17 @@ def start_bare(procs: pc.Processes, tmp: Path, upstream: int) -> Target:
                                       f"http://127.0.0.1:{upstream}", "--port", str(port)], log)
     _started(procs, "bare", proc, f"http://127.0.0.1:{port}/health", log)
     return Target("bare", f"http://127.0.0.1:{port}", proc.pid, 0, note="bench/bare_proxy.py")
+
+
+def start_raw(procs: pc.Processes, tmp: Path, upstream: int) -> Target:
+    port = pc.free_port()
+    log = tmp / "raw_pipe_proxy.log"
+    proc = procs.start("raw pipe proxy", [sys.executable, str(REPO / "bench" / "raw_pipe_proxy.py"), "--upstream",
+                                          f"http://127.0.0.1:{upstream}", "--port", str(port)], log)
+    _started(procs, "raw", proc, f"http://127.0.0.1:{port}/health", log)
+    return Target("raw", f"http://127.0.0.1:{port}", proc.pid, 0,
+                  note="bench/raw_pipe_proxy.py, a prototype: aiohttp server, raw asyncio upstream pool, chunked bytes forwarded "
+                       "from data_received without re-encoding")
 
 
 def start_vllm_router(procs: pc.Processes, tmp: Path, upstream: int, install: bool, versions: dict) -> Target:
@@ -490,6 +502,15 @@ def report(phases: list[Phase], targets: list[Target], unavailable: dict[str, st
     check("stream, at or below vllm-router", "hotswap", "vllm-router", "stream", TARGET_STREAM_VS_VLLM_ROUTER)
     check("stream, within 1.5× nginx", "hotswap", "nginx", "stream", TARGET_STREAM_VS_NGINX)
     check("non-stream, within 1.2× the bare proxy", "hotswap", "bare", "non-stream", TARGET_NONSTREAM_VS_BARE)
+    if "raw" in names:  # the prototype: what a protocol-level pipe would give hotswap's forward path
+        for mode in modes:
+            parts = []
+            for other in ("nginx", "bare", "hotswap"):
+                r, per = ratio("raw", other, mode)
+                if r is not None:
+                    parts.append(f"÷ {other} {r:.2f}× ({', '.join(f'{x:.2f}' for x in per)})")
+            if parts:
+                verdict.append(f"- prototype `raw` (bench/raw_pipe_proxy.py), {mode}: " + "; ".join(parts) + ".")
     ticks = [p.proxy_us * p.ok / 1e6 * pc.CLK_TCK for p in phases if p.proxy_us]
     if ticks:
         verdict.append(f"- CPU resolution: {1e3 / pc.CLK_TCK:g} ms ticks; the smallest proxy CPU in one phase was {min(ticks):.0f} ticks "
@@ -535,7 +556,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=2, help="interleaved repetitions (default %(default)s)")
     p.add_argument("--max-seconds", type=float, default=10.0, help="cap on each measured phase (default %(default)s)")
     p.add_argument("--idle-seconds", type=float, default=2.0, help="idle CPU measurement (default %(default)s)")
-    p.add_argument("--peers", default=",".join(ALL_TARGETS), help="comma-separated subset of %(default)s")
+    p.add_argument("--peers", default=",".join(DEFAULT_TARGETS),
+                   help=f"comma-separated, in this order, from {','.join(ALL_TARGETS)} (default %(default)s)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset (default %(default)s)")
     p.add_argument("--router-src", type=Path, default=REPO, metavar="DIR",
                    help="run hotswap from this source tree, e.g. a patched copy to A/B a fix (default: this repo)")
@@ -579,6 +601,7 @@ def main(argv: list[str]) -> int:
             "vllm-router": lambda: start_vllm_router(procs, tmp, sim_port, not args.no_install, versions),
             "litellm": lambda: start_litellm(procs, tmp, sim_port, not args.no_install, versions),
             "hotswap": lambda: start_hotswap(procs, tmp, sim_port, key, args.router_src),
+            "raw": lambda: start_raw(procs, tmp, sim_port),
         }
         targets = []
         for name in wanted:
