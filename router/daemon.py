@@ -6,6 +6,7 @@ import asyncio
 import io
 import logging
 import os
+import resource
 import signal
 import sys
 from pathlib import Path
@@ -34,8 +35,19 @@ def default_log_dir() -> Path:
     return Path(state) / "hotswap" / "logs"
 
 
+def raise_open_file_limit() -> None:
+    """Each proxied request holds two sockets; 1024, a common default, caps the router near 500 clients."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft < 4096:
+        log.warning("open file limit is %d: about %d concurrent requests at most (raise it with `ulimit -n`)", soft, soft // 2 - 50)
+
+
 def run(roster: Roster, host: Optional[str] = None, port: Optional[int] = None, log_dir: Optional[Path] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    raise_open_file_limit()
     return uvloop.run(serve(roster, host or roster.listen.host, port or roster.listen.port, log_dir or default_log_dir()))
 
 

@@ -29,12 +29,12 @@ async def close_clients():
 async def start_router(tmp_path):
     routers: list[RouterProcess] = []
 
-    async def start(roster: dict, env=None, subdir: str = "r", admin_key=None) -> RouterProcess:
+    async def start(roster: dict, env=None, subdir: str = "r", admin_key=None, timeout_s: float = 30) -> RouterProcess:
         path = tmp_path / f"{subdir}{len(routers)}"
         path.mkdir()
         router = RouterProcess(roster, path, env, admin_key)
         routers.append(router)
-        await router.wait_ready()
+        await router.wait_ready(timeout_s)
         return router
 
     yield start
