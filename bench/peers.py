@@ -565,6 +565,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md", help="where to write the section (default %(default)s)")
     p.add_argument("--no-docs", action="store_true", help="print only")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with every process's log")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="first wait up to this long for the machine to be < 15%% busy (default: do not wait)")
     a = p.parse_args(argv)
     unknown = set(a.peers.split(",")) - set(ALL_TARGETS)
     if unknown:
@@ -574,6 +576,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.wait_quiet > 0:
+        pc.wait_quiet(args.wait_quiet)
     wanted = [n for n in ALL_TARGETS if n in args.peers.split(",")]
     modes = [m for m in MODES if m in args.modes.split(",")]
     started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")

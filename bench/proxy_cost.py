@@ -235,6 +235,28 @@ def machine_busy_seconds() -> float:
     return (sum(v[:8]) - v[3] - v[4]) / CLK_TCK  # user nice system idle iowait irq softirq steal: all but idle+iowait
 
 
+def wait_quiet(max_wait_s: float, threshold_pct: float = 15.0, window_s: float = 5.0) -> float:
+    """Wait (at most max_wait_s) until two consecutive windows of the machine's CPU are below threshold_pct busy.
+
+    The machine is shared with other sessions' test runs; starting while it is quiet makes the
+    numbers comparable. Returns the last window's busy share (%), whether or not it got quiet.
+    """
+    ncpu = len(os.sched_getaffinity(0))
+    deadline = time.monotonic() + max_wait_s
+    quiet_windows, busy_pct = 0, 100.0
+    while True:
+        b0, t0 = machine_busy_seconds(), time.monotonic()
+        time.sleep(window_s)  # measuring a window of the machine's load, not waiting for a condition
+        busy_pct = (machine_busy_seconds() - b0) / ((time.monotonic() - t0) * ncpu) * 100
+        quiet_windows = quiet_windows + 1 if busy_pct < threshold_pct else 0
+        if quiet_windows >= 2:
+            return busy_pct
+        if time.monotonic() >= deadline:
+            print(f"bench: machine still {busy_pct:.0f}% busy after {max_wait_s:g} s; starting anyway", file=sys.stderr, flush=True)
+            return busy_pct
+        print(f"bench: machine {busy_pct:.0f}% busy (other sessions?); waiting for < {threshold_pct:g}%", file=sys.stderr, flush=True)
+
+
 def children(pid: int) -> list[int]:
     out: list[int] = []
     for task in os.listdir(f"/proc/{pid}/task"):
@@ -472,7 +494,7 @@ def report(phases: list[Phase], idle: dict[str, float], args: argparse.Namespace
         "```",
         "",
         f"Upstream: `engines.sim` ({' '.join(SIM_FLAGS)}); direct and bare proxy share one sim started by the bench, "
-        "hotswap launches its own from the roster with the same flags (under `engines.reaper`, logs piped through the router). "
+        "hotswap launches its own from the roster with the same flags (under `engines.reaper`; the engine writes its own log file, nothing passes through the router). "
         f"Load: a separate aiohttp process, {args.concurrency} concurrent keep-alive connections, "
         f"{args.requests} non-stream requests (`/v1/completions`, max_tokens 16) and {args.stream_requests} streams "
         f"(max_tokens 64, 64 data chunks + `[DONE]`) per phase after a warmup, each phase capped at {args.max_seconds:g} s; "
@@ -559,6 +581,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md", help="where to write the table (default %(default)s)")
     p.add_argument("--no-docs", action="store_true", help="print only")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with every process's log")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="first wait up to this long for the machine to be < 15%% busy (default: do not wait)")
     a = p.parse_args(argv)
     a.key = "bench-" + os.urandom(8).hex()
     a.loadavg_start = _loadavg()
@@ -580,6 +604,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["loadgen"]:
         return loadgen_main(argv[1:])
     args = parse_args(argv)
+    if args.wait_quiet > 0:
+        wait_quiet(args.wait_quiet)
+        args.loadavg_start = _loadavg()
     wanted = [t.strip() for t in args.targets.split(",") if t.strip()]
     started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     t0 = time.monotonic()

@@ -93,6 +93,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md", help="where to write the section (default %(default)s)")
     p.add_argument("--no-docs", action="store_true", help="print only")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with every process's log")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="first wait up to this long for the machine to be < 15%% busy (default: do not wait)")
     a = p.parse_args(argv)
     a.delays = dict(DEFAULT_DELAYS)
     for item in a.step_delay:
@@ -128,6 +130,8 @@ def write_roster(path: Path, port: int, delays: dict[str, float]) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.wait_quiet > 0:
+        pc.wait_quiet(args.wait_quiet)
     started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     load_start = pc._loadavg()
     t0 = time.monotonic()

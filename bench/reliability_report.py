@@ -1,0 +1,71 @@
+"""Run the chaos matrix and the load scenarios, and write their figures into docs/reliability.md.
+
+    .venv/bin/python bench/reliability_report.py
+
+The scenarios are ordinary tests (tests/component/test_chaos.py, test_load.py); this runs
+them with HOTSWAP_CHAOS_REPORT / HOTSWAP_RELIABILITY_REPORT set and renders what they recorded
+between the generated-section markers of docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "reliability.md"
+BEGIN, END = "<!-- generated:begin (bench/reliability_report.py) -->", "<!-- generated:end -->"
+
+
+def run_tests(env: dict[str, str]) -> int:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "tests/component/test_chaos.py", "tests/component/test_load.py"]
+    return subprocess.run(command, cwd=ROOT, env={**os.environ, **env}).returncode
+
+
+def render(chaos: list[dict], load: list[dict], seconds: float, code: int) -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out = [BEGIN, "",
+           f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.node()} ({os.cpu_count()} cores), "
+           f"Python {platform.python_version()}, commit {commit}; {seconds:.0f} s; pytest exit code {code}.", "",
+           "### Chaos matrix", "",
+           "| fault (aimed at b) | sent | answered | errored (well-formed) | hung | b answered / errored | errors seen |",
+           "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    for r in chaos:
+        b = r["by_model"].get("b", {"answered": 0, "errored": 0})
+        errors = ", ".join(f"{k} ×{v}" for k, v in sorted(r["errors"].items())) or "—"
+        out.append(f"| {r['scenario']} | {r['sent']} | {r['answered']} | {r['errored']} | {r['hung']} | "
+                   f"{b['answered']} / {b['errored']} | {errors} |")
+    total = {k: sum(r[k] for r in chaos) for k in ("sent", "answered", "errored", "hung")}
+    out += ["", f"All scenarios: {total['sent']} sent = {total['answered']} answered + {total['errored']} errored "
+                f"+ {total['hung']} hung. Every scenario also checked that the models not hit (a, c) had no errors "
+                "and that b answered again afterwards.", "", "### Load", "",
+            "| scenario | sent | answered | lost | figures |", "| --- | ---: | ---: | ---: | --- |"]
+    for r in load:
+        figures = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in r.items() if k not in ("scenario", "sent", "answered", "lost"))
+        out.append(f"| {r['scenario']} | {r['sent']} | {r['answered']} | {r['lost']} | {figures} |")
+    return "\n".join(out + ["", END])
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        chaos_path, load_path = Path(tmp, "chaos.jsonl"), Path(tmp, "load.jsonl")
+        started = time.monotonic()
+        code = run_tests({"HOTSWAP_CHAOS_REPORT": str(chaos_path), "HOTSWAP_RELIABILITY_REPORT": str(load_path)})
+        seconds = time.monotonic() - started
+        read = lambda p: [json.loads(l) for l in p.read_text().splitlines()] if p.exists() else []
+        section = render(read(chaos_path), read(load_path), seconds, code)
+    text = DOC.read_text()
+    DOC.write_text(text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):])
+    print(f"wrote {DOC.relative_to(ROOT)} (pytest exit {code})")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
