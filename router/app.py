@@ -100,8 +100,11 @@ class Router(Observer):
                     self.scheduler(engine).poke()
 
     async def drain(self, timeout: float) -> None:
+        """Refuse new requests; give those in flight or already queued until `timeout` to finish."""
+        for scheduler in self.groups.values():
+            scheduler.close()
         deadline = time.monotonic() + timeout
-        while any(e.in_flight for e in self.engines.values()) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and any(e.in_flight or self.scheduler(e).queued(e) for e in self.engines.values()):
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:

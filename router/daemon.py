@@ -75,7 +75,8 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
         router.start()
         await stop.wait()
 
-        log.info("hotswap: stopping: no new connections, draining in-flight requests (up to %g s)", roster.swap.drain_timeout_s)
+        log.info("hotswap: stopping: no new connections or requests; draining in-flight and queued ones (up to %g s)",
+                 roster.swap.drain_timeout_s)
         await site.stop()
         await router.drain(roster.swap.drain_timeout_s)
         await router.stop()

@@ -60,6 +60,7 @@ class GroupScheduler:
         self.history: collections.deque[SwapRecord] = collections.deque(maxlen=20)
         self._commands: collections.deque[tuple[Callable[[], Awaitable[str]], asyncio.Future[str]]] = collections.deque()
         self._poke = asyncio.Event()
+        self._closing = False  # shutting down: no new requests; the queued ones are still served
         self._stopping = False
         self._task: Optional[asyncio.Task[None]] = None
 
@@ -67,6 +68,8 @@ class GroupScheduler:
 
     async def acquire(self, engine: Engine) -> None:
         """Return with a lease on `engine` (AWAKE, promoted), or raise a ProxyError."""
+        if self._closing:
+            raise ProxyError(503, "the router is shutting down; retry on another instance", "shutting_down", retry_after=5)
         if engine is self.active and engine.try_lease():
             return
         self._refuse_if_backing_off(engine)
@@ -100,6 +103,10 @@ class GroupScheduler:
 
     def queued(self, engine: Engine) -> int:
         return len(self.queues[engine.name])
+
+    def close(self) -> None:
+        """Refuse new requests (they may still arrive over kept-alive connections); serve those queued."""
+        self._closing = True
 
     # -- admin actions: run by the group's loop between decisions, never beside a swap -------------
 
@@ -161,7 +168,8 @@ class GroupScheduler:
             await asyncio.gather(self._task, return_exceptions=True)
         for queue in self.queues.values():
             while queue:
-                self._fail(queue.popleft(), ProxyError(503, "the router is shutting down", "shutting_down", retry_after=5))
+                self._fail(queue.popleft(), ProxyError(503, "the router is shutting down; retry on another instance",
+                                                       "shutting_down", retry_after=5))
 
     async def _run(self) -> None:
         await self._boot_all()

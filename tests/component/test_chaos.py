@@ -229,6 +229,8 @@ async def test_router_sigterm_under_load(start_router):
     # (it once did: Python 3.11's wait_for swallowed the scheduler's cancel).
     assert await asyncio.to_thread(router.proc.wait, 10) == 0
     assert tally.answered >= 1
+    # requests that came after SIGTERM were refused at once, never left to time out in a queue
+    assert not any("model_not_ready" in e for e in tally.errors), tally.errors
     tally.report()
 
 
