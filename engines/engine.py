@@ -244,7 +244,7 @@ class Engine:
         raise self._fail(f"not healthy within boot_timeout_s={self.swap.boot_timeout_s:g} s (last: {last_error})")
 
     async def _watch_process(self, process: EngineProcess) -> None:
-        code = await process.wait()
+        await process.wait()
         if process is self.process and not self._stopping and self.state is not State.FAILED:
             self._fail(f"process died unexpectedly in state {self.state.value}")
 

@@ -8,6 +8,8 @@ import socket
 import time
 from typing import Any, Awaitable, Callable, Optional
 
+import aiohttp
+import openai
 import yaml
 
 from config import Roster, parse_roster
@@ -52,6 +54,21 @@ async def eventually(check: Callable[[], Any], timeout: float = 10, interval: fl
     raise AssertionError(f"{what} not reached within {timeout} s" + (f" (last error: {last!r})" if last else ""))
 
 
+def until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """The synchronous twin of `eventually`, for tests and fixtures outside an event loop."""
+    deadline = time.monotonic() + timeout
+    last: Optional[BaseException] = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as exc:  # the thing polled may not be up yet
+            last = exc
+        time.sleep(interval)
+    raise AssertionError(f"{what} not reached within {timeout} s" + (f" (last error: {last!r})" if last else ""))
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -88,8 +105,6 @@ class RouterProcess:
         return self.log_path.read_text()
 
     async def wait_ready(self, timeout: float = 30, session=None) -> None:
-        import aiohttp
-
         async def ready() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"router exited with {self.proc.returncode}:\n{self.log()}")
@@ -104,8 +119,6 @@ class RouterProcess:
         await eventually(booted, timeout, interval=0.05, what="every group booted")
 
     async def status(self) -> dict[str, Any]:
-        import aiohttp
-
         async with aiohttp.ClientSession() as s, s.get(self.url + "/admin/status", headers=self.admin_headers) as r:
             return await r.json()
 
@@ -136,3 +149,36 @@ def roster_dict(*models: dict[str, Any], **sections: Any) -> dict[str, Any]:
     # simulator's acceptance accumulator enough drafts to land within 0.1 of its configured value.
     defaults = {"gate": {"max_tokens": 16}, **sections.pop("defaults", {})}
     return {"swap": swap, "defaults": defaults, "models": list(models), **sections}
+
+
+# -- clients of a running router (the real openai SDK; closed by the component conftest) ------------
+
+_sdk_clients: list[openai.AsyncOpenAI] = []
+
+
+def client(router: RouterProcess, key: str = "unused") -> openai.AsyncOpenAI:
+    return _sdk(router.url + "/v1", key)
+
+
+async def direct(router: RouterProcess, name: str) -> openai.AsyncOpenAI:
+    return _sdk(f"http://127.0.0.1:{(await router.engine(name))['port']}/v1", "unused")
+
+
+def _sdk(base_url: str, key: str) -> openai.AsyncOpenAI:
+    _sdk_clients.append(openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30))
+    return _sdk_clients[-1]
+
+
+async def http(router: RouterProcess, method: str, path: str, **kw) -> tuple[int, dict, dict]:
+    async with aiohttp.ClientSession() as s, s.request(method, router.url + path, **kw) as r:
+        return r.status, dict(r.headers), await r.json(content_type=None)
+
+
+async def ask(c: openai.AsyncOpenAI, model: str, prompt: str = "hello", max_tokens: int = 8) -> str:
+    answer = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return answer.choices[0].text
+
+
+async def close_sdk_clients() -> None:
+    while _sdk_clients:
+        await _sdk_clients.pop().close()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import RouterProcess, close_sdk_clients
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -124,3 +126,28 @@ def start_sim_engine(tmp_path):
     yield start
     for sim in started:
         sim.stop()
+
+
+# -- a real router process with simulated engines behind it -----------------------------------------
+
+@pytest.fixture(autouse=True)
+async def close_clients():
+    yield
+    await close_sdk_clients()
+
+
+@pytest.fixture
+async def start_router(tmp_path):
+    routers: list[RouterProcess] = []
+
+    async def start(roster: dict, env=None, subdir: str = "r", admin_key=None, timeout_s: float = 30) -> RouterProcess:
+        path = tmp_path / f"{subdir}{len(routers)}"
+        path.mkdir()
+        router = RouterProcess(roster, path, env, admin_key)
+        routers.append(router)
+        await router.wait_ready(timeout_s)
+        return router
+
+    yield start
+    for router in routers:
+        assert router.stop() == 0, router.log()

@@ -13,8 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.component.test_router import ask, client, close_clients, http, start_router  # noqa: F401  (fixtures)
-from tests.support import roster_dict, sim_model
+from tests.support import ask, client, http, roster_dict, sim_model
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 TWO = roster_dict(sim_model("a", default=True), sim_model("b", spec=True, draft_restore="none"))

@@ -22,8 +22,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.component.test_router import ask, client, close_clients, start_router  # noqa: F401  (fixtures)
-from tests.support import eventually, roster_dict, sim_model
+from tests.support import ask, client, eventually, roster_dict, sim_model
 
 DEADLINE_S = 20  # per request, client side; queue.max_wait_s in the roster is shorter
 WAKE_STEPS = ["wake_weights", "reload_draft", "reload_weights", "wake_kv_cache", "reset_prefix_cache"]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
-import socket
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st

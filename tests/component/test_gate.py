@@ -10,8 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.engine import Engine, State
-from tests.component.test_router import ask, client, close_clients, http, start_router  # noqa: F401  (fixtures)
-from tests.support import eventually, roster_dict, sim_model, sim_roster
+from tests.support import ask, client, eventually, roster_dict, sim_model, sim_roster
 
 
 async def router_metrics(router) -> dict[tuple[str, tuple], float]:

@@ -13,7 +13,6 @@ import time
 import aiohttp
 
 from router.daemon import raise_open_file_limit
-from tests.component.test_router import start_router  # noqa: F401  (fixture)
 from tests.support import roster_dict, sim_model
 
 STREAMS = 1000

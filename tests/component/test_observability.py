@@ -22,19 +22,18 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import RouterProcess, free_port, roster_dict, sim_model
+from tests.support import RouterProcess, free_port, roster_dict, sim_model, until
 
 REPO = Path(__file__).resolve().parents[2]
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
@@ -62,21 +61,6 @@ def tool(name: str) -> str:
 
 def run(argv: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, **kw)
-
-
-def until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    """Poll `check` until it returns something truthy, or fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last: Optional[BaseException] = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-        except Exception as exc:  # what is polled may not be up yet
-            last = exc
-        time.sleep(interval)
-    raise AssertionError(f"{what} not reached within {timeout} s" + (f" (last error: {last!r})" if last else ""))
 
 
 def get_json(url: str, timeout: float = 5) -> Any:

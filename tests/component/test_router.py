@@ -12,63 +12,13 @@ import aiohttp
 import openai
 import pytest
 
-from tests.support import RouterProcess, eventually, free_port, roster_dict, sim_model
-
-
-_clients: list[openai.AsyncOpenAI] = []
-
-
-@pytest.fixture(autouse=True)
-async def close_clients():
-    yield
-    while _clients:
-        await _clients.pop().close()
-
-
-@pytest.fixture
-async def start_router(tmp_path):
-    routers: list[RouterProcess] = []
-
-    async def start(roster: dict, env=None, subdir: str = "r", admin_key=None, timeout_s: float = 30) -> RouterProcess:
-        path = tmp_path / f"{subdir}{len(routers)}"
-        path.mkdir()
-        router = RouterProcess(roster, path, env, admin_key)
-        routers.append(router)
-        await router.wait_ready(timeout_s)
-        return router
-
-    yield start
-    for router in routers:
-        assert router.stop() == 0, router.log()
-
-
-def client(router: RouterProcess, key: str = "unused") -> openai.AsyncOpenAI:
-    return _sdk(router.url + "/v1", key)
-
-
-async def direct(router: RouterProcess, name: str) -> openai.AsyncOpenAI:
-    return _sdk(f"http://127.0.0.1:{(await router.engine(name))['port']}/v1", "unused")
-
-
-def _sdk(base_url: str, key: str) -> openai.AsyncOpenAI:
-    _clients.append(openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30))
-    return _clients[-1]
-
-
-async def http(router: RouterProcess, method: str, path: str, **kw) -> tuple[int, dict, dict]:
-    async with aiohttp.ClientSession() as s, s.request(method, router.url + path, **kw) as r:
-        return r.status, dict(r.headers), await r.json(content_type=None)
+from tests.support import RouterProcess, ask, client, direct, eventually, free_port, http, roster_dict, sim_model
 
 
 async def sim_log(router: RouterProcess, name: str) -> list[str]:
     port = (await router.engine(name))["port"]
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/sim/log") as r:
         return [c["step"] for c in await r.json()]
-
-
-async def ask(c: openai.AsyncOpenAI, model: str, prompt: str = "hello", max_tokens: int = 8) -> str:
-    answer = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
-    return answer.choices[0].text
 
 
 TWO = roster_dict(sim_model("a", default=True), sim_model("b", spec=True, aliases=["bee"]))
