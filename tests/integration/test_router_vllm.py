@@ -204,11 +204,14 @@ def test_chat_completions_and_streams_through_the_router_match_the_engines_direc
             usage = chunk.usage or usage
         return pieces, usage
 
+    # The text must match; the chunking need not: vLLM coalesces the tokens decoded while its
+    # previous chunk was being sent, so chunk boundaries depend on timing even engine-direct.
     for chat in (False, True):
         (via_pieces, via_usage), (own_pieces, own_usage) = streamed(via, chat), streamed(own, chat)
-        assert via_pieces == own_pieces and len([p for p in via_pieces if p]) > 1, (via_pieces, own_pieces)
+        assert "".join(via_pieces) == "".join(own_pieces), (via_pieces, own_pieces)
+        assert len(via_pieces) > 1, f"not an event stream: {via_pieces}"
         assert via_usage.completion_tokens == own_usage.completion_tokens == 12
-    assert "".join(via_pieces) and "".join(streamed(via, False)[0]) == ask(router, model, 12)
+    assert "".join(streamed(via, False)[0]) == ask(router, model, 12)
 
 
 # --- 2. swaps through the real endpoints, in the staged order ------------------------------------
