@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support import until as poll  # the shared polling loop, with a deadline
+
 HERE = Path(__file__).resolve().parent
 LAUNCHER = HERE / "cpu_launcher"
 EXTENSION = "engines.vllm_ext.HotswapWorkerExtension"
@@ -47,20 +49,6 @@ def http(method: str, url: str, body: Any = None, timeout: float = 60) -> tuple[
         return status, json.loads(text) if text else None
     except ValueError:
         return status, text
-
-
-def poll(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Optional[BaseException] = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-        except Exception as exc:  # the thing polled may not be up yet
-            last = exc
-        time.sleep(interval)
-    raise AssertionError(f"{what}: not reached within {timeout} s" + (f" (last error: {last!r})" if last else ""))
 
 
 def spec_counters(base_url: str) -> dict[str, float]:
