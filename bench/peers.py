@@ -61,8 +61,9 @@ PIP_PEERS = {  # peer -> (venv dir, pip requirement, console script)
     "vllm-router": ("vllm-router", "vllm-router", "vllm-router"),
     "litellm": ("litellm", "litellm[proxy]", "litellm"),
 }
-ALL_TARGETS = ["direct", "nginx", "bare", "vllm-router", "litellm", "hotswap", "raw"]
-DEFAULT_TARGETS = ALL_TARGETS[:-1]  # `raw` (bench/raw_pipe_proxy.py, a prototype) only when asked for
+ALL_TARGETS = ["direct", "nginx", "bare", "vllm-router", "litellm", "hotswap", "raw", "hotswap-ab"]
+# Opt-in: `raw` (bench/raw_pipe_proxy.py, a prototype) and `hotswap-ab` (hotswap from --ab-src, to A/B a router patch).
+DEFAULT_TARGETS = ALL_TARGETS[:-2]
 TARGET_STREAM_VS_VLLM_ROUTER = 1.0
 TARGET_STREAM_VS_NGINX = 1.5
 TARGET_NONSTREAM_VS_BARE = 1.2
@@ -331,9 +332,9 @@ def start_litellm(procs: pc.Processes, tmp: Path, upstream: int, install: bool, 
                        "LITELLM_LOG=ERROR, spend logs off, no database; re-frames streams (65 data chunks for 64 tokens)")
 
 
-def start_hotswap(procs: pc.Processes, tmp: Path, upstream: int, key: str, src: Path = REPO) -> Target:
+def start_hotswap(procs: pc.Processes, tmp: Path, upstream: int, key: str, src: Path = REPO, name: str = "hotswap") -> Target:
     port = pc.free_port()
-    roster = tmp / "roster.yaml"
+    roster = tmp / f"roster-{name}.yaml"
     roster.write_text(
         "# written by bench/peers.py\n"
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
@@ -342,13 +343,13 @@ def start_hotswap(procs: pc.Processes, tmp: Path, upstream: int, key: str, src: 
         "models:\n"
         f"  - name: {MODEL}\n"
         f"    url: http://127.0.0.1:{upstream}\n")
-    log = tmp / "router.log"
-    proc = procs.start("hotswap", [sys.executable, "-m", "router.cli", "serve", "--config", str(roster), "--port", str(port),
-                                   "--log-dir", str(tmp / "engines")], log, env={"BENCH_KEY": key}, cwd=src)
-    _started(procs, "hotswap", proc, f"http://127.0.0.1:{port}/health", log)
-    _started(procs, "hotswap", proc, f"http://127.0.0.1:{port}/ready", log, deadline_s=120)
-    return Target("hotswap", f"http://127.0.0.1:{port}", proc.pid, 0, key=key,
-                  note="client API key auth on, Prometheus metrics on, the sim attached with `url:` (the same upstream)")
+    log = tmp / f"router-{name}.log"
+    proc = procs.start(name, [sys.executable, "-m", "router.cli", "serve", "--config", str(roster), "--port", str(port),
+                              "--log-dir", str(tmp / "engines")], log, env={"BENCH_KEY": key}, cwd=src)
+    _started(procs, name, proc, f"http://127.0.0.1:{port}/health", log)
+    _started(procs, name, proc, f"http://127.0.0.1:{port}/ready", log, deadline_s=120)
+    note = "client API key auth on, Prometheus metrics on, the sim attached with `url:` (the same upstream)"
+    return Target(name, f"http://127.0.0.1:{port}", proc.pid, 0, key=key, note=note if src == REPO else f"{note}; run from {src}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,6 +503,11 @@ def report(phases: list[Phase], targets: list[Target], unavailable: dict[str, st
     check("stream, at or below vllm-router", "hotswap", "vllm-router", "stream", TARGET_STREAM_VS_VLLM_ROUTER)
     check("stream, within 1.5× nginx", "hotswap", "nginx", "stream", TARGET_STREAM_VS_NGINX)
     check("non-stream, within 1.2× the bare proxy", "hotswap", "bare", "non-stream", TARGET_NONSTREAM_VS_BARE)
+    if "hotswap-ab" in names:
+        for mode in modes:
+            r, per = ratio("hotswap-ab", "hotswap", mode)
+            if r is not None:
+                verdict.append(f"- A/B, {mode}: hotswap-ab ÷ hotswap = {r:.2f}× (per rep {', '.join(f'{x:.2f}' for x in per)}).")
     if "raw" in names:  # the prototype: what a protocol-level pipe would give hotswap's forward path
         for mode in modes:
             parts = []
@@ -561,6 +567,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset (default %(default)s)")
     p.add_argument("--router-src", type=Path, default=REPO, metavar="DIR",
                    help="run hotswap from this source tree, e.g. a patched copy to A/B a fix (default: this repo)")
+    p.add_argument("--ab-src", type=Path, default=None, metavar="DIR",
+                   help="source tree for the opt-in target hotswap-ab (a patched copy), measured beside hotswap in the same run")
     p.add_argument("--no-install", action="store_true", help="do not pip-install missing peers or apt-get nginx")
     p.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md", help="where to write the section (default %(default)s)")
     p.add_argument("--no-docs", action="store_true", help="print only")
@@ -571,6 +579,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = set(a.peers.split(",")) - set(ALL_TARGETS)
     if unknown:
         p.error(f"unknown peers {sorted(unknown)}; known: {', '.join(ALL_TARGETS)}")
+    if "hotswap-ab" in a.peers.split(",") and a.ab_src is None:
+        p.error("hotswap-ab needs --ab-src DIR")
     return a
 
 
@@ -606,6 +616,7 @@ def main(argv: list[str]) -> int:
             "litellm": lambda: start_litellm(procs, tmp, sim_port, not args.no_install, versions),
             "hotswap": lambda: start_hotswap(procs, tmp, sim_port, key, args.router_src),
             "raw": lambda: start_raw(procs, tmp, sim_port),
+            "hotswap-ab": lambda: start_hotswap(procs, tmp, sim_port, key, args.ab_src, "hotswap-ab"),
         }
         targets = []
         for name in wanted:
