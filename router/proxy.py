@@ -52,11 +52,15 @@ async def _stream(request: web.Request, upstream: aiohttp.ClientResponse, engine
     response = web.StreamResponse(status=upstream.status, headers={
         "Content-Type": content_type, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await response.prepare(request)
+    chunks = upstream.content.iter_any()
     try:
-        async for chunk in upstream.content.iter_any():
-            if "first_byte_at" not in request:
-                request["first_byte_at"] = time.monotonic()
+        first = await chunks.__anext__()
+        request["first_byte_at"] = time.monotonic()  # for TTFB; kept off the per-chunk path below
+        await response.write(first)
+        async for chunk in chunks:
             await response.write(chunk)
+    except StopAsyncIteration:  # an empty stream: nothing to forward
+        pass
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, asyncio.TimeoutError) as exc:
         # Headers are gone already: the error travels in the stream, where the SDK raises it.
         await response.write(sse_error(f"engine '{engine.name}' failed mid-stream: {exc!r}", "engine_error"))
