@@ -33,7 +33,6 @@ This is a benchmark, not a test: it asserts nothing except that every request su
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -42,7 +41,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -586,25 +584,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if args.wait_quiet > 0:
-        pc.wait_quiet(args.wait_quiet)
     wanted = [n for n in ALL_TARGETS if n in args.peers.split(",")]
     modes = [m for m in MODES if m in args.modes.split(",")]
-    started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    load_start = pc._loadavg()
-    t0 = time.monotonic()
-
-    def terminate(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    tmp = Path(tempfile.mkdtemp(prefix="hotswap-peers-"))
-    procs = pc.Processes()
     phases: list[Phase] = []
     unavailable: dict[str, str] = {}
     versions: dict[str, str] = {}
-    try:
+    with pc.session(args, "hotswap-peers-") as run:
+        procs, tmp, started, load_start, t0 = run.procs, run.tmp, run.started, run.load_start, run.t0
         print(f"bench: starting the sim and {', '.join(wanted)} (logs in {tmp})", flush=True)
         sim_port, sim_pid = start_sim(procs, tmp)
         key = "bench-" + os.urandom(8).hex()
@@ -638,21 +624,9 @@ def main(argv: list[str]) -> int:
                 for mode in modes:
                     phases.append(run_phase(procs, t, mode, rep, args, tmp))
         text = report(phases, targets, unavailable, idle, versions, args, pc._command(), started, time.monotonic() - t0, load_start)
-        print()
-        print(text)
-        if not args.no_docs:
-            pc.write_docs(args.docs, text, SECTION)
-            print(f"bench: wrote {args.docs}")
+        run.publish(text, SECTION)
         return 1 if any(p.errors for p in phases) else 0
-    except KeyboardInterrupt:
-        print("bench: interrupted; stopping everything", file=sys.stderr)
-        return 130
-    finally:
-        procs.close()
-        if args.keep_logs:
-            print(f"bench: logs kept in {tmp}", file=sys.stderr)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+    return 130
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -45,7 +46,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -600,50 +601,72 @@ def _command() -> str:
     return shlex.join([exe_s, script_s, *sys.argv[1:]])
 
 
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["loadgen"]:
-        return loadgen_main(argv[1:])
-    args = parse_args(argv)
+@dataclass
+class Session:
+    """What every bench run shares: its arguments, a temp dir for logs, the processes it owns, when it started."""
+
+    args: argparse.Namespace
+    tmp: Path
+    procs: "Processes"
+    started: str
+    load_start: str
+    t0: float
+
+    def publish(self, text: str, heading: str = SECTION) -> None:
+        print()
+        print(text)
+        if not self.args.no_docs:
+            write_docs(self.args.docs, text, heading)
+            print(f"bench: wrote {self.args.docs}")
+
+
+@contextlib.contextmanager
+def session(args: argparse.Namespace, prefix: str) -> Iterator[Session]:
+    """Wait for a quiet machine (--wait-quiet); Ctrl-C and SIGTERM stop every process the run started.
+
+    An interruption is reported and swallowed: the caller's code after the `with` returns 130.
+    """
     if args.wait_quiet > 0:
         wait_quiet(args.wait_quiet)
-        args.loadavg_start = _loadavg()
-    wanted = [t.strip() for t in args.targets.split(",") if t.strip()]
-    started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    t0 = time.monotonic()
 
-    def terminate(signum, frame):  # SIGTERM takes the same path as Ctrl-C: the finally below
+    def terminate(signum, frame):  # SIGTERM takes the same path as Ctrl-C
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
-    tmp = Path(tempfile.mkdtemp(prefix="hotswap-bench-"))
-    procs = Processes()
-    phases: list[Phase] = []
+    run = Session(args, Path(tempfile.mkdtemp(prefix=prefix)), Processes(),
+                  datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), _loadavg(), time.monotonic())
     try:
-        print(f"bench: starting sim, bare proxy and hotswap (logs in {tmp})", flush=True)
-        targets = [t for t in start_targets(procs, args, tmp) if t.name in wanted]
-        print(f"bench: ready after {time.monotonic() - t0:.1f} s", flush=True)
+        yield run
+    except KeyboardInterrupt:
+        print("bench: interrupted; stopping everything", file=sys.stderr)
+    finally:
+        run.procs.close()
+        if args.keep_logs:
+            print(f"bench: logs kept in {run.tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(run.tmp, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["loadgen"]:
+        return loadgen_main(argv[1:])
+    args = parse_args(argv)
+    wanted = [t.strip() for t in args.targets.split(",") if t.strip()]
+    with session(args, "hotswap-bench-") as run:
+        args.loadavg_start = run.load_start
+        print(f"bench: starting sim, bare proxy and hotswap (logs in {run.tmp})", flush=True)
+        targets = [t for t in start_targets(run.procs, args, run.tmp) if t.name in wanted]
+        print(f"bench: ready after {time.monotonic() - run.t0:.1f} s", flush=True)
         idle = idle_cpu(targets, args.idle_seconds)
+        phases: list[Phase] = []
         for rep in range(1, args.reps + 1):
             for target in targets:
                 for mode in [m for m in MODES if m in args.modes.split(",")]:
-                    phases.append(run_phase(procs, target, mode, rep, args, tmp))
-        text = report(phases, idle, args, _command(), started, time.monotonic() - t0)
-        print()
-        print(text)
-        if not args.no_docs:
-            write_docs(args.docs, text)
-            print(f"bench: wrote {args.docs}")
+                    phases.append(run_phase(run.procs, target, mode, rep, args, run.tmp))
+        run.publish(report(phases, idle, args, _command(), run.started, time.monotonic() - run.t0))
         return 1 if any(p.errors for p in phases) else 0
-    except KeyboardInterrupt:
-        print("bench: interrupted; stopping everything", file=sys.stderr)
-        return 130
-    finally:
-        procs.close()
-        if args.keep_logs:
-            print(f"bench: logs kept in {tmp}", file=sys.stderr)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+    return 130
 
 
 if __name__ == "__main__":

@@ -31,15 +31,10 @@ process is stopped on exit, Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import shutil
-import signal
-import statistics
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -130,20 +125,8 @@ def write_roster(path: Path, port: int, delays: dict[str, float]) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if args.wait_quiet > 0:
-        pc.wait_quiet(args.wait_quiet)
-    started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    load_start = pc._loadavg()
-    t0 = time.monotonic()
-
-    def terminate(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    tmp = Path(tempfile.mkdtemp(prefix="hotswap-swapbench-"))
-    procs = pc.Processes()
-    try:
+    with pc.session(args, "hotswap-swapbench-") as run:
+        procs, tmp, started, load_start, t0 = run.procs, run.tmp, run.started, run.load_start, run.t0
         port = pc.free_port()
         roster = tmp / "roster.yaml"
         write_roster(roster, port, args.delays)
@@ -228,21 +211,9 @@ def main(argv: list[str]) -> int:
         if not rows:
             raise SystemExit("bench: no swap measured")
         text = report(rows, args, pc._command(), started, time.monotonic() - t0, load_start)
-        print()
-        print(text)
-        if not args.no_docs:
-            pc.write_docs(args.docs, text, SECTION)
-            print(f"bench: wrote {args.docs}")
+        run.publish(text, SECTION)
         return 0
-    except KeyboardInterrupt:
-        print("bench: interrupted; stopping everything", file=sys.stderr)
-        return 130
-    finally:
-        procs.close()
-        if args.keep_logs:
-            print(f"bench: logs kept in {tmp}", file=sys.stderr)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+    return 130
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str, started: str, elapsed: float, load_start: str) -> str:
