@@ -54,7 +54,6 @@ class GroupScheduler:
         self.queues: dict[str, collections.deque[Waiter]] = {e.name: collections.deque() for e in engines}
         self.active: Optional[Engine] = None
         self.booted = False
-        self.last_swap: Optional[SwapRecord] = None
         self.failures: dict[str, int] = {e.name: 0 for e in engines}  # consecutive: drives the backoff
         self.retry_at: dict[str, float] = {}
         self.history: collections.deque[SwapRecord] = collections.deque(maxlen=20)
@@ -100,6 +99,10 @@ class GroupScheduler:
 
     def poke(self) -> None:
         self._poke.set()
+
+    @property
+    def last_swap(self) -> Optional[SwapRecord]:
+        return self.history[-1] if self.history else None
 
     def queued(self, engine: Engine) -> int:
         return len(self.queues[engine.name])
@@ -310,7 +313,6 @@ class GroupScheduler:
             await self._handle_failure(engine, str(exc))
 
     def _record(self, record: SwapRecord) -> None:
-        self.last_swap = record
         self.history.append(record)
         steps = ", ".join(f"{k} {v:.2f}" for k, v in record.phases.items())
         if record.result == "ok":
