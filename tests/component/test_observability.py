@@ -149,12 +149,17 @@ RULE_TESTS: list[dict[str, Any]] = [
      "alert_rule_test": [{"eval_time": "2m", "alertname": "HotswapMidlifeCollapse",
                           "exp_alerts": [{"exp_labels": {"severity": "warning", "group": "default", "model": "b"}}]}]},
     {"interval": "1m", "input_series": [
-        {"series": f'hotswap_engine_restarts_total{{{M},reason="gate"}}', "values": "0 1 2 2 2"},
-        {"series": f'hotswap_engine_restarts_total{{{M},reason="failed"}}', "values": "0 0 0 1 1"},
-        {"series": 'hotswap_engine_restarts_total{group="default",model="a",reason="gate"}', "values": "0 1 1 1 1"}],
+        {"series": f'hotswap_engine_restarts_total{{{M},reason="gate"}}', "values": "0 1 2 2x10"},
+        {"series": f'hotswap_engine_restarts_total{{{M},reason="failed"}}', "values": "0 0 0 1x10"},
+        {"series": 'hotswap_engine_restarts_total{group="default",model="a",reason="gate"}', "values": "0 1 1x10"}],
      "alert_rule_test": [{"eval_time": "2m", "alertname": "HotswapEngineRestartLoop", "exp_alerts": []},
-                         {"eval_time": "4m", "alertname": "HotswapEngineRestartLoop",
+                         {"eval_time": "4m", "alertname": "HotswapEngineRestartLoop", "exp_alerts": []},  # pending
+                         {"eval_time": "9m", "alertname": "HotswapEngineRestartLoop",
                           "exp_alerts": [{"exp_labels": {"severity": "critical", "group": "default", "model": "b"}}]}]},
+    {"interval": "15s", "input_series": [  # a young router: two quick restarts extrapolate to 3+, and must not page
+        {"series": 'hotswap_engine_restarts_total{group="default",model="c",reason="gate"}', "values": "0 1 2 2x40"}],
+     "alert_rule_test": [{"eval_time": "1m", "alertname": "HotswapEngineRestartLoop", "exp_alerts": []},
+                         {"eval_time": "10m", "alertname": "HotswapEngineRestartLoop", "exp_alerts": []}]},
     {"interval": "1m", "input_series": [{"series": f'hotswap_engine_state{{{M},state="failed"}}', "values": "0 1x7"},
                                         {"series": f'hotswap_engine_state{{{M},state="awake"}}', "values": "1 0x7"}],
      "alert_rule_test": [{"eval_time": "4m", "alertname": "HotswapEngineFailed", "exp_alerts": []},
