@@ -188,6 +188,7 @@ class Engine:
         try:
             await self._boot()
         except EngineFailed:
+            self.boot_deadline = None  # a FAILED engine has no boot deadline to show
             self.observer.step_done(self, "boot", time.monotonic() - started, False)
             raise
 

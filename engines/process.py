@@ -58,7 +58,6 @@ class EngineProcess:
         self.port = port
         self.log_path = log_dir / f"{spec.name}.log"
         self.proc: Optional[asyncio.subprocess.Process] = None
-        self.started_at = 0.0
         self._log_start = 0  # where this run's output begins in the (appended) log file
 
     @property
@@ -94,7 +93,6 @@ class EngineProcess:
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
                 env=self.env(), start_new_session=True,
             )
-        self.started_at = time.monotonic()
 
     async def wait(self) -> int:
         assert self.proc is not None
