@@ -43,6 +43,11 @@ async def main(upstream: str, host: str, port: int) -> None:
     app["upstream"] = upstream.rstrip("/")
     app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     app.on_cleanup.append(lambda app: app["session"].close())
+    await serve(app, proxy, host, port)
+
+
+async def serve(app: web.Application, proxy, host: str, port: int) -> None:
+    """Serve the proxy routes until SIGTERM/SIGINT (bench/raw_pipe_proxy.py shares this)."""
     app.router.add_post("/v1/completions", proxy)
     app.router.add_post("/v1/chat/completions", proxy)
     app.router.add_get("/health", health)
@@ -56,10 +61,14 @@ async def main(upstream: str, host: str, port: int) -> None:
     await runner.cleanup()
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cli(main, description: str) -> None:
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--upstream", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     a = p.parse_args()
     uvloop.run(main(a.upstream, a.host, a.port))
+
+
+if __name__ == "__main__":
+    cli(main, __doc__.splitlines()[0])

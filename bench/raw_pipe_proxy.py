@@ -20,14 +20,13 @@ upstream beyond pausing reads while the client transport is above its high-water
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import signal
 from typing import Optional
 from urllib.parse import urlsplit
 
-import uvloop
 from aiohttp import web
+
+from bare_proxy import cli, serve  # the same server scaffold and CLI as the bare proxy
 
 
 class UpstreamError(Exception):
@@ -229,10 +228,6 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             up.transport.close()  # type: ignore[union-attr]
 
 
-async def health(request: web.Request) -> web.Response:
-    return web.Response(text="ok")
-
-
 async def main(upstream: str, host: str, port: int) -> None:
     u = urlsplit(upstream)
     app = web.Application()
@@ -242,23 +237,8 @@ async def main(upstream: str, host: str, port: int) -> None:
         app["pool"].close()
 
     app.on_cleanup.append(close_pool)
-    app.router.add_post("/v1/completions", proxy)
-    app.router.add_post("/v1/chat/completions", proxy)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
+    await serve(app, proxy, host, port)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--upstream", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    a = p.parse_args()
-    uvloop.run(main(a.upstream, a.host, a.port))
+    cli(main, __doc__.splitlines()[0])
