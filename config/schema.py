@@ -40,15 +40,6 @@ _SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE
 DEFAULT_GATE_PROMPT = (
     "Write one paragraph about the history of the printing press, in plain words."
 )
-WAKE_PHASES = (
-    "sleep",
-    "wake_weights",
-    "reload_draft",
-    "reload_weights",
-    "wake_kv_cache",
-    "reset_prefix_cache",
-    "gate",
-)
 
 
 def _argv(value: Any) -> Any:

@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable, Optional
 import aiohttp
 
 from config.schema import ModelSpec, Swap
-from engines import gate
+from engines import gate, wake
 from engines.client import EngineError, EngineRefused, VLLMClient
 from engines.process import EngineProcess, free_port
 
@@ -268,15 +268,13 @@ class Engine:
     # -- wake ----------------------------------------------------------------------------
 
     async def wake(self) -> None:
-        """The staged wake, then the promotion gate. AWAKE on success; FAILED (raised) otherwise."""
-        assert self.state is State.SLEEPING, self.state
+        """The staged wake (engines.wake), then the promotion gate. AWAKE on success; FAILED (raised) otherwise."""
+        if self.state is not State.SLEEPING:
+            raise self._fail(f"wake asked in state {self.state.value}, not sleeping (internal error)")
         self.last_phases = {}
         self._enter(State.WAKING)
-        if self.sleep_level == 2:
-            await self._wake_level2()
-        else:
-            await self._step("wake_kv_cache", lambda t: self.client.wake_up((), timeout=t))
-            await self._step("reset_prefix_cache", self._reset_prefix_cache)
+        for step in wake.steps(self.sleep_level or 2, self.spec.draft_restore):
+            await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
         self._enter(State.VERIFYING)
         verdict = await self._judged_canary()
         if verdict.passed:
@@ -291,40 +289,12 @@ class Engine:
         else:
             raise self._fail(f"gate refused promotion: {verdict.reason}")
 
-    async def _wake_level2(self) -> None:
-        client = self.client
-        await self._step("wake_weights", lambda t: client.wake_up(["weights"], timeout=t))
-        if self.spec.draft_restore == "reload":
-            # Draft first: the target reload that follows stays authoritative for shared tensors.
-            await self._step("reload_draft", self._reload_draft)
-        await self._step("reload_weights", lambda t: client.collective_rpc("reload_weights", timeout=t))
-        await self._step("wake_kv_cache", lambda t: client.wake_up(["kv_cache"], timeout=t))
-        await self._step("reset_prefix_cache", self._reset_prefix_cache)
-
-    async def _reload_draft(self, timeout: float) -> list[Any]:
-        results = await self.client.collective_rpc("hotswap_reload_draft", timeout=timeout)
-        # Every worker holds a shard of the draft: one that did not reload leaves the draft broken.
-        if not results or not all(isinstance(r, dict) and r.get("reloaded") is True for r in results):
-            raise EngineError("POST /collective_rpc hotswap_reload_draft", f"not every worker reloaded its draft: {results}")
-        return results
-
-    async def _reset_prefix_cache(self, timeout: float) -> None:
-        # vLLM answers success=false while blocks are still held; they free up shortly.
-        deadline = time.monotonic() + timeout
-        delay = 0.02
-        while not await self.client.reset_prefix_cache(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() + delay > deadline:
-                raise EngineError("POST /reset_prefix_cache", f"still answering success=false after {timeout:g} s")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
     # -- the promotion gate ------------------------------------------------------------------
 
     @property
     def phases(self) -> list[str]:
         """The steps this engine's sleep and wake go through (for metrics that must exist up front)."""
-        wake = ["wake_weights", *(["reload_draft"] if self.spec.draft_restore == "reload" else []), "reload_weights"]
-        return ["sleep", *(wake if self.spec.sleep_level == 2 else []), "wake_kv_cache", "reset_prefix_cache", "gate"]
+        return ["sleep", *wake.phases(self.spec.sleep_level, self.spec.draft_restore), "gate"]
 
     @property
     def has_draft(self) -> bool:

@@ -1,0 +1,76 @@
+"""The staged wake, written once. The engine runs these steps; metrics, tests and benchmarks
+read their phase names from here, so a new step is added in exactly one place.
+
+Level 2 (weights discarded at sleep), in this order:
+  1. wake_weights        POST /wake_up?tags=weights
+  2. reload_draft        collective_rpc hotswap_reload_draft (only with draft_restore: reload) —
+                         draft first, so the target reload after it stays authoritative for
+                         shared tensors
+  3. reload_weights      collective_rpc reload_weights (the target, from disk)
+  4. wake_kv_cache       POST /wake_up?tags=kv_cache
+  5. reset_prefix_cache  POST /reset_prefix_cache, retried while it answers success=false
+Level 1 (weights kept in host RAM): POST /wake_up (timed as wake_kv_cache), reset_prefix_cache.
+
+Each step is `run(client, timeout)`; `swap.timeouts.<phase>` bounds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from engines.client import EngineError, VLLMClient
+
+
+@dataclass(frozen=True)
+class Step:
+    phase: str
+    run: Callable[[VLLMClient, float], Awaitable[Any]]
+
+
+async def reload_draft(client: VLLMClient, timeout: float) -> list[Any]:
+    results = await client.collective_rpc("hotswap_reload_draft", timeout=timeout)
+    # Every worker holds a shard of the draft: one that did not reload leaves the draft broken.
+    if not results or not all(isinstance(r, dict) and r.get("reloaded") is True for r in results):
+        raise EngineError("POST /collective_rpc hotswap_reload_draft", f"not every worker reloaded its draft: {results}")
+    return results
+
+
+async def reset_prefix_cache(client: VLLMClient, timeout: float) -> None:
+    # vLLM answers success=false while blocks are still held; they free up shortly.
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    while not await client.reset_prefix_cache(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() + delay > deadline:
+            raise EngineError("POST /reset_prefix_cache", f"still answering success=false after {timeout:g} s")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+LEVEL2 = (
+    Step("wake_weights", lambda client, t: client.wake_up(["weights"], timeout=t)),
+    Step("reload_draft", reload_draft),
+    Step("reload_weights", lambda client, t: client.collective_rpc("reload_weights", timeout=t)),
+    Step("wake_kv_cache", lambda client, t: client.wake_up(["kv_cache"], timeout=t)),
+    Step("reset_prefix_cache", reset_prefix_cache),
+)
+LEVEL1 = (
+    Step("wake_kv_cache", lambda client, t: client.wake_up((), timeout=t)),
+    Step("reset_prefix_cache", reset_prefix_cache),
+)
+
+# Every phase a swap can report, in the order a swap goes through them (metric labels, status).
+PHASES = ("drain", "sleep", *(s.phase for s in LEVEL2), "gate")
+
+
+def steps(level: int, draft_restore: str) -> tuple[Step, ...]:
+    """The wake steps for an engine asleep at `level` whose draft is restored per `draft_restore`."""
+    if level == 1:
+        return LEVEL1
+    return tuple(s for s in LEVEL2 if s.phase != "reload_draft" or draft_restore == "reload")
+
+
+def phases(level: int, draft_restore: str) -> list[str]:
+    return [s.phase for s in steps(level, draft_restore)]
