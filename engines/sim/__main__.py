@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 
-from .control import FAULT_KINDS, STEPS, Control, Fault, InjectedHTTP500
+from .control import FAULT_KINDS, STEPS, Control, Fault, InjectedFault
 
 log = logging.getLogger("vllm.sim")
 uvicorn_log = logging.getLogger("uvicorn")
@@ -41,9 +41,12 @@ def _step_pair(kind_check: bool):
         step, sep, value = text.partition("=")
         if not sep or step not in STEPS:
             raise argparse.ArgumentTypeError(f"expected STEP=VALUE with STEP in {', '.join(STEPS)}: {text!r}")
-        if kind_check and value not in FAULT_KINDS:
-            raise argparse.ArgumentTypeError(f"fault kind must be one of {', '.join(FAULT_KINDS)}: {text!r}")
-        if not kind_check:
+        if kind_check:
+            try:
+                Fault(step, value)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(f"{e}: {text!r}") from None
+        else:
             try:
                 if float(value) < 0:
                     raise ValueError
@@ -75,7 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sim-token-rate", type=float, default=2000.0, help="decode tokens/s (halved with a discarded draft)")
     s.add_argument("--sim-acceptance", type=float, default=2.6, help="mean acceptance length of a healthy draft")
     s.add_argument("--sim-step-delay", type=_step_pair(False), action="append", default=[], metavar="STEP=SECONDS")
-    s.add_argument("--sim-fault", type=_step_pair(True), action="append", default=[], metavar="STEP=KIND")
+    s.add_argument(
+        "--sim-fault", type=_step_pair(True), action="append", default=[], metavar="STEP=KIND",
+        help=f"fail every call of STEP (repeatable; at runtime: POST /sim/faults). STEP: {', '.join(STEPS)}. "
+        f"KIND: {', '.join(FAULT_KINDS)} (see engines/sim/control.py)",
+    )  # fmt: skip
     s.add_argument("--sim-crash-mid-stream", type=int, default=None, metavar="N")
     s.add_argument("--sim-metrics-lag-s", type=float, default=0.0)
     s.add_argument("--sim-reset-prefix-false", type=int, default=0, metavar="N")
@@ -167,7 +174,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
     from aiohttp import web
 
     from .server import SimServer, UvicornAccessLogger
-    from .state import Engine, EngineConfig, SpecConfig
+    from .state import EngineConfig, SimEngine, SpecConfig
 
     log.info("vLLM API server version %s (simulated by engines.sim)", VERSION)
     log.info("args: model=%s served_model_name=%s speculative_config=%s", args.model, args.served_model_name, args.speculative_config)
@@ -183,7 +190,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
             return 0
         if await _until_stopped(stop, control.enter("boot")):
             return 0
-    except InjectedHTTP500:
+    except InjectedFault:  # http500, the only answer kind boot takes: a failed boot
         print_boot_failure()
         return 1
     if args.sim_fail_boot:
@@ -194,7 +201,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
     if args.speculative_config is not None:
         c = args.speculative_config
         spec = SpecConfig(c["num_speculative_tokens"], c.get("model"), c.get("method"))
-    engine = Engine(
+    engine = SimEngine(
         EngineConfig(
             model=args.model,
             served_names=args.served_model_name or [args.model],

@@ -3,7 +3,9 @@ plus the sim-only /sim/* control routes.
 
 Paths, query parameters, status codes and JSON shapes follow vLLM so that a router
 cannot tell the two apart. The dev endpoints exist only with VLLM_SERVER_DEV_MODE=1
-and, like vLLM's, are not behind --api-key.
+and, like vLLM's, are not behind --api-key. Injected faults that change the answer
+(http500, malformed, cut: see control.py) are carried out here, where the shape
+the step promises is known.
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import NoReturn
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
 from . import lm
-from .control import FAULT_KINDS, Control, Fault, InjectedHTTP500, crash
+from .control import FAULT_KINDS, Control, Fault, InjectedFault, crash, hang_forever
 from .metrics import CONTENT_TYPE
-from .state import WAKE_TAGS, Engine, Generation, GenerationAborted
+from .state import WAKE_TAGS, Generation, GenerationAborted, SimEngine
 
 log = logging.getLogger("vllm.sim")
 
@@ -30,6 +33,18 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 RPC_STEPS = {"reload_weights": "reload_weights", "hotswap_reload_draft": "reload_draft"}
 EXTENSION_METHODS = ("hotswap_reload_draft", "hotswap_draft_digest", "hotswap_discard_draft")
+
+# `malformed`: what a broken serialiser or proxy leaves of an answer. The ids are the
+# prefixes vLLM gives each route, so the truncation sits where a real one could.
+TRUNCATED_JSON = {
+    "/v1/completions": b'{"id": "cmpl-',
+    "/v1/chat/completions": b'{"id": "chatcmpl-',
+    "/v1/embeddings": b'{"id": "embd-',
+}
+TRUNCATED_JSON_OTHER = b'{"'
+# A non-numeric sample value: prometheus_client's parser raises ValueError on it. It
+# comes first, so a strict parser gets nothing out of the otherwise valid text after it.
+MALFORMED_METRICS_LINE = b'vllm:num_requests_running{engine="0"} None\n'
 
 
 class APIError(Exception):
@@ -97,7 +112,7 @@ def query_json(request: web.Request) -> dict:
 class SimServer:
     def __init__(
         self,
-        engine: Engine,
+        engine: SimEngine,
         control: Control,
         *,
         api_key: str | None,
@@ -142,8 +157,8 @@ class SimServer:
             return await handler(request)
         except APIError as e:
             return e.response()
-        except InjectedHTTP500 as e:
-            return error_response(500, str(e), "InternalServerError")
+        except InjectedFault as e:
+            return await self.fault_answer(request, e)
         except web.HTTPNotFound:
             # FastAPI's shape, which is what vLLM answers for unknown paths.
             return web.json_response({"detail": "Not Found"}, status=404)
@@ -155,6 +170,16 @@ class SimServer:
             # A sim bug must still look like a vLLM 500, not aiohttp's HTML page.
             log.exception("unhandled error in %s %s", request.method, request.path)
             return error_response(500, f"{type(e).__name__}: {e}", "InternalServerError")
+
+    async def fault_answer(self, request: web.Request, fault: InjectedFault) -> web.Response:
+        if fault.kind == "http500":
+            return error_response(500, str(fault), "InternalServerError")
+        if fault.kind == "cut":
+            await cut(request)
+        if fault.step == "metrics":
+            body = MALFORMED_METRICS_LINE + self.engine.render_metrics()
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=truncated_json(request.path), content_type="application/json")
 
     @web.middleware
     async def auth_mw(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -281,12 +306,20 @@ class SimServer:
         model = self._check_model(body)
         prompt, ptoks = self._chat_prompt(body) if chat else self._completion_prompt(body)
         gen = self._sampling(body, prompt, ptoks, chat=chat)
-        await self._enter_generate(request, model)
+        stream = bool(body.get("stream"))
+        fault = None
+        try:
+            await self._enter_generate(request, model)
+        except InjectedFault as e:
+            # A stream promised as SSE breaks inside the stream; a 500 still comes first.
+            if not stream or e.kind == "http500":
+                raise
+            fault = e.kind
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        if body.get("stream"):
+        if stream:
             opts = body.get("stream_options") or {}
-            return await self._stream(request, gen, rid, created, model, chat, bool(opts.get("include_usage")))
+            return await self._stream(request, gen, rid, created, model, chat, bool(opts.get("include_usage")), fault)
         texts = []
         try:
             async with contextlib.aclosing(self.engine.generate(gen)) as tokens:
@@ -313,12 +346,28 @@ class SimServer:
         )
 
     async def _stream(
-        self, request: web.Request, gen: Generation, rid: str, created: int, model: str, chat: bool, include_usage: bool
+        self,
+        request: web.Request,
+        gen: Generation,
+        rid: str,
+        created: int,
+        model: str,
+        chat: bool,
+        include_usage: bool,
+        fault: str | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        if fault == "malformed":
+            # Well framed, so only a client that parses the event sees the fault.
+            await resp.write(b"data: " + truncated_json(request.path) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         obj = "chat.completion.chunk" if chat else "text_completion"
         sent = 0
+        tokens_sent = 0
+        cut_after = max(1, gen.max_tokens // 2) if fault == "cut" else None
 
         async def send(payload: dict) -> None:
             nonlocal sent
@@ -336,6 +385,9 @@ class SimServer:
         try:
             async with contextlib.aclosing(self.engine.generate(gen)) as tokens:
                 async for t in tokens:
+                    # A cut stream never shows a finish_reason, even when EOS comes early.
+                    if cut_after is not None and tokens_sent and gen.finish_reason is not None:
+                        await cut(request)
                     if chat:
                         c = {"index": 0, "delta": {"content": t.lstrip(" ") if first else t}, "logprobs": None}
                     else:
@@ -344,6 +396,9 @@ class SimServer:
                     c["stop_reason"] = None
                     first = False
                     await send(chunk(c))
+                    tokens_sent += 1
+                    if cut_after is not None and tokens_sent >= cut_after:
+                        await cut(request)
         except GenerationAborted as e:
             await send({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}})
         else:
@@ -490,6 +545,22 @@ class SimServer:
         n = len(self.control.faults)
         self.control.faults.clear()
         return web.json_response({"cleared": n})
+
+
+async def cut(request: web.Request) -> NoReturn:
+    """Drop the connection the way a dying proxy does: whatever was written goes out,
+    then FIN; no status line if nothing was, no terminating chunk if a body was under way.
+
+    The handler then waits to be cancelled (handler_cancellation, set in __main__):
+    returning would make aiohttp log a response nobody received."""
+    if request.transport is not None:
+        request.transport.close()
+    await hang_forever()
+    raise AssertionError("unreachable")
+
+
+def truncated_json(path: str) -> bytes:
+    return TRUNCATED_JSON.get(path, TRUNCATED_JSON_OTHER)
 
 
 def _is_token_ids(x: object) -> bool:

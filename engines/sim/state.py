@@ -89,7 +89,7 @@ class Generation:
         self.stats = StatsDelta(prompt_tokens=prompt_tokens)
 
 
-class Engine:
+class SimEngine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.k = cfg.spec.num_speculative_tokens if cfg.spec else 0

@@ -166,11 +166,14 @@ def test_argv_parsing_matches_vllm_serve():
     assert (args.model, args.port, args.host, unknown) == ("/models/x", 9, "127.0.0.1", ["--dtype", "float32"])
     args, unknown = parse_args(["serve", "--dtype", "float32", "--model", "m", "--sleep-preserve-parameter-names", "draft.*"])
     assert (args.model, unknown, args.sleep_preserve_parameter_names) == ("m", ["--dtype", "float32"], ["draft.*"])
+    args, _ = parse_args(["serve", "m", "--sim-fault", "metrics=malformed", "--sim-fault", "generate=cut"])
+    assert args.sim_fault == [("metrics", "malformed"), ("generate", "cut")]
     for bad in (
         ["serve"],
         ["serve", "m", "--speculative-config", "{nope"],
         ["serve", "m", "--speculative-config", '{"num_speculative_tokens": 2}', "--sim-acceptance", "3.5"],
         ["serve", "m", "--sim-fault", "wake=explode"],
+        ["serve", "m", "--sim-fault", "boot=cut"],  # boot has no HTTP answer to break
         ["serve", "m", "--sim-step-delay", "nostep=1"],
     ):
         with pytest.raises(SystemExit) as e:
@@ -671,6 +674,168 @@ async def test_crash_mid_stream_after_n_chunks(start_sim_engine, http):
             raise AssertionError("the stream ended cleanly: no crash")
     assert len(received) == 3 and b"[DONE]" not in b"".join(received)
     assert await asyncio.to_thread(sim.wait_exit) == 1
+
+
+async def add_fault(http, sim, step, kind, times):
+    status, body = await call(http, sim, "POST", "/sim/faults", json_body={"step": step, "kind": kind, "times": times})
+    assert status == 200, body
+
+
+async def fired(http, sim, kind) -> list[dict]:
+    return [e for e in (await call(http, sim, "GET", "/sim/log"))[1] if e.get("fault") == kind]
+
+
+async def _stream_until_broken(http, sim, path, body):
+    """(data payloads as strings, the error that ended the read or None)."""
+    data = []
+    async with http.post(sim.url + path, json=body) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        try:
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    data.append(line[6:].decode().strip())
+        except aiohttp.ClientError as e:
+            return data, e
+    return data, None
+
+
+async def test_fault_http500_and_hang_at_metrics(start_sim_engine, http):
+    sim = start_sim_engine(*FAST)
+    await add_fault(http, sim, "metrics", "http500", 1)
+    status, err = await call(http, sim, "GET", "/metrics")
+    assert status == 500 and err["error"]["code"] == 500
+    assert "vllm:generation_tokens_total" in {n for n, _ in await scrape(http, sim)}  # fired once, then gone
+
+    await add_fault(http, sim, "metrics", "hang", 1)
+    hung = asyncio.create_task(scrape(http, sim))
+    assert await pending_after(hung, 0.3)
+    assert await scrape(http, sim) and (await call(http, sim, "GET", "/health"))[0] == 200
+    hung.cancel()
+    await asyncio.gather(hung, return_exceptions=True)
+    # Scrapes are not logged, but their faults are.
+    assert [(e["step"], e["fault"]) for e in (await call(http, sim, "GET", "/sim/log"))[1]] == [
+        ("metrics", "http500"), ("metrics", "hang"),
+    ]  # fmt: skip
+
+
+async def test_fault_malformed_metrics_is_a_200_that_a_prometheus_parser_rejects(start_sim_engine, http):
+    sim = start_sim_engine(*FAST)
+    await add_fault(http, sim, "metrics", "malformed", 2)
+    for _ in range(2):
+        async with http.get(sim.url + "/metrics") as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+            text = await r.text()
+        with pytest.raises(ValueError):
+            list(text_string_to_metric_families(text))
+    assert "vllm:generation_tokens_total" in {n for n, _ in await scrape(http, sim)}
+    assert len(await fired(http, sim, "malformed")) == 2
+    assert (await call(http, sim, "GET", "/health"))[0] == 200
+
+
+async def test_fault_malformed_generate_answers_200_with_a_body_that_is_not_json(start_sim_engine, http):
+    sim = start_sim_engine(*FAST)
+    await add_fault(http, sim, "generate", "malformed", 4)
+    completion = {"model": "sim-model", "prompt": "x", "max_tokens": 4}
+    chat = {"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    for path, body, prefix in (("/v1/completions", completion, '{"id": "cmpl-'),
+                               ("/v1/chat/completions", chat, '{"id": "chatcmpl-')):  # fmt: skip
+        async with http.post(sim.url + path, json=body) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("application/json")
+            raw = await r.text()
+        assert raw == prefix
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(raw)
+        # A stream is well framed and ends with [DONE]; its one event does not parse.
+        data, error = await _stream_until_broken(http, sim, path, {**body, "stream": True})
+        assert error is None and data == [prefix, "[DONE]"]
+
+    client = openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        await add_fault(http, sim, "generate", "malformed", 2)
+        with pytest.raises(json.JSONDecodeError):
+            await client.completions.create(model="sim-model", prompt="x", max_tokens=4)
+        stream = await client.chat.completions.create(model="sim-model", messages=chat["messages"], max_tokens=4, stream=True)
+        with pytest.raises(json.JSONDecodeError):
+            [c async for c in stream]
+        # Fired six times, acted never, and gone: the next request is served.
+        assert len(await fired(http, sim, "malformed")) == 6
+        assert metric(await scrape(http, sim), "vllm:generation_tokens_total") == 0
+        assert (await client.completions.create(model="sim-model", prompt="x", max_tokens=4)).usage.completion_tokens == 4
+    finally:
+        await client.close()
+
+
+async def test_fault_malformed_at_a_dev_step_is_a_200_that_is_not_json_and_does_not_act(start_sim_engine, http):
+    sim = start_sim_engine(*FAST)
+    await add_fault(http, sim, "sleep", "malformed", 1)
+    async with http.post(sim.url + "/sleep", params={"level": "1"}) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("application/json")
+        with pytest.raises(json.JSONDecodeError):
+            await r.json()
+    assert (await call(http, sim, "GET", "/is_sleeping"))[1] == {"is_sleeping": False}
+    assert await dev(http, sim, "/sleep", {"level": "1"}) == {"status": "sleeping", "level": 1}
+    assert [e["step"] for e in await fired(http, sim, "malformed")] == ["sleep"]
+
+
+async def test_fault_cut_drops_a_stream_after_half_its_chunks_and_the_server_lives(start_sim_engine, http):
+    sim = start_sim_engine("--sim-token-rate", "5000")
+    await add_fault(http, sim, "generate", "cut", 3)
+    body = {"model": "sim-model", "prompt": CANARY, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True}
+    data, error = await _stream_until_broken(http, sim, "/v1/completions", body)
+    # No terminating chunk: aiohttp sees an incomplete body, not a clean end of stream.
+    assert isinstance(error, aiohttp.ClientPayloadError)
+    chunks = [json.loads(d) for d in data]
+    assert len(chunks) == 5 and all(c["choices"][0]["finish_reason"] is None for c in chunks)
+
+    chat = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True}
+    data, error = await _stream_until_broken(http, sim, "/v1/chat/completions", chat)
+    assert isinstance(error, aiohttp.ClientPayloadError)
+    assert len(data) == 2 and "[DONE]" not in data  # the role chunk and the one token: at least one
+
+    # A generation that stops (EOS) before half its max_tokens is cut before its last token.
+    data, error = await _stream_until_broken(http, sim, "/v1/completions", {**body, "max_tokens": 1000, "ignore_eos": False})
+    assert isinstance(error, aiohttp.ClientPayloadError)
+    natural = lm.natural_length("sim-model", CANARY)
+    assert len(data) == natural - 1 and all(json.loads(d)["choices"][0]["finish_reason"] is None for d in data)
+
+    assert len(await fired(http, sim, "cut")) == 3
+    await poll(lambda: _running(http, sim, 0))  # the cut generations were aborted
+    data, error = await _stream_until_broken(http, sim, "/v1/completions", body)
+    assert error is None and data[-1] == "[DONE]" and len(data) == 11
+    assert sim.proc.poll() is None and (await call(http, sim, "GET", "/health"))[0] == 200
+
+
+async def test_fault_cut_closes_the_connection_without_an_answer(start_sim_engine, http):
+    sim = start_sim_engine(*FAST, *SPEC)
+    await add_fault(http, sim, "generate", "cut", 1)
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await call(http, sim, "POST", "/v1/completions", json_body={"prompt": "x"})
+    await add_fault(http, sim, "reload_draft", "cut", 1)
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await call(http, sim, "POST", "/collective_rpc", json_body={"method": "hotswap_reload_draft"})
+    # aiohttp retries an idempotent GET once after a disconnect: one cut goes unseen.
+    await add_fault(http, sim, "metrics", "cut", 2)
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await scrape(http, sim)
+    assert await scrape(http, sim)
+    assert [e["step"] for e in await fired(http, sim, "cut")] == ["generate", "reload_draft", "metrics", "metrics"]
+
+    client = openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="unused", max_retries=0)
+    retrying = openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="unused", max_retries=1)
+    try:
+        await add_fault(http, sim, "generate", "cut", 3)
+        with pytest.raises(openai.APIConnectionError):
+            await client.completions.create(model="sim-model", prompt="x", max_tokens=4)
+        with pytest.raises(openai.APIConnectionError):
+            stream = await client.completions.create(model="sim-model", prompt="x", max_tokens=4, stream=True)
+            [c async for c in stream]
+        # The SDK retries a connection error: the third and last cut is absorbed.
+        assert (await retrying.completions.create(model="sim-model", prompt="x", max_tokens=4)).usage.completion_tokens == 4
+        assert (await call(http, sim, "GET", "/sim/faults"))[1] == []
+    finally:
+        await client.close()
+        await retrying.close()
+    assert sim.proc.poll() is None and (await call(http, sim, "GET", "/health"))[0] == 200
 
 
 # ---- bad input ---------------------------------------------------------------------------------
