@@ -18,7 +18,7 @@ with pip, unless --no-install); nginx comes from `apt-get install -y nginx` (run
 when it is missing and we are root, unless --no-install). A peer that cannot be installed or started
 is reported with its error text and the rest still run.
 
-The load generator is bench/proxy_cost.py's (a separate aiohttp process, C keep-alive connections,
+The load generator is bench/harness.py's (a separate aiohttp process, C keep-alive connections,
 a fixed count bounded by a deadline). For each target and mode (non-stream `/v1/completions`
 max_tokens 16; a 64-chunk stream) CPU is utime+stime from /proc of the proxy's whole process tree
 (nginx master + worker, LiteLLM's uvicorn and anything it forks; the upstream sim is never part of
@@ -33,26 +33,18 @@ This is a benchmark, not a test: it asserts nothing except that every request su
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import proxy_cost as pc  # noqa: E402  (the shared machinery: load generator, process handling, /proc readers)
+import harness as h  # bench/harness.py: targets, phases, load generator, processes, /proc, report helpers
+from harness import MODEL, MODES, REPO, SIM_FLAGS
 
-REPO = pc.REPO
-MODEL = pc.MODEL
-MODES = pc.MODES
-SIM_FLAGS = pc.SIM_FLAGS
 SECTION = "## Peer proxies (issue 8)"
 VENVS = Path(os.environ.get("HOTSWAP_BENCH_VENVS", Path.home() / ".cache" / "hotswap" / "bench-venvs"))
 PIP_PEERS = {  # peer -> (venv dir, pip requirement, console script)
@@ -65,45 +57,6 @@ DEFAULT_TARGETS = ALL_TARGETS[:-2]
 TARGET_STREAM_VS_VLLM_ROUTER = 1.0
 TARGET_STREAM_VS_NGINX = 1.5
 TARGET_NONSTREAM_VS_BARE = 1.2
-
-
-# ---------------------------------------------------------------------------------------------
-# process trees
-# ---------------------------------------------------------------------------------------------
-
-def tree(pid: int) -> list[int]:
-    """`pid` and all its live descendants."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            todo += pc.children(p)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        out.append(p)
-    return out
-
-
-def tree_cpu(pids: list[int]) -> dict[int, float]:
-    out = {}
-    for p in pids:
-        try:
-            out[p] = pc.cpu_seconds(p)
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return out
-
-
-def rss_mb(pids: list[int]) -> float:
-    total = 0
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return total / 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,41 +168,13 @@ http {{
 """
 
 
-@dataclass
-class Target:
-    name: str
-    url: str
-    root_pid: Optional[int]  # the proxy's process (tree root); None for direct
-    upstream_pid: int
-    key: str = ""
-    stream_check: str = "exact"
-    note: str = ""
-
-
-def start_sim(procs: pc.Processes, tmp: Path) -> tuple[int, int]:
-    port = pc.free_port()
-    log = tmp / "sim.log"
-    sim = procs.start("sim", [sys.executable, "-m", "engines.sim", "serve", f"{MODEL}/sim", "--host", "127.0.0.1", "--port", str(port),
-                              "--served-model-name", MODEL, "--enable-sleep-mode", *SIM_FLAGS], log,
-                      env={"VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"})
-    pc.wait_until_ok(f"http://127.0.0.1:{port}/health", sim, log)
-    return port, sim.pid
-
-
-def _started(procs: pc.Processes, name: str, proc: subprocess.Popen, url: str, log: Path, deadline_s: float = 90) -> None:
-    try:
-        pc.wait_until_ok(url, proc, log, deadline_s=deadline_s)
-    except SystemExit as exc:  # pc.wait_until_ok exits with the log tail; here that only drops this peer
-        raise PeerUnavailable(_short(str(exc), 25)) from None
-
-
-def start_nginx(procs: pc.Processes, tmp: Path, upstream: int, install: bool, versions: dict) -> Target:
+def start_nginx(procs: h.Processes, tmp: Path, upstream: int, install: bool, versions: dict) -> h.Target:
     exe = ensure_nginx(install, tmp / "install-nginx.log")
     versions["nginx"] = nginx_version(exe)
     d = tmp / "nginx"
     for sub in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (d / sub).mkdir(exist_ok=True)
-    port = pc.free_port()
+    port = h.free_port()
     conf = d / "nginx.conf"
     # As root, nginx's workers would switch to `nobody`, who cannot enter our 0700 temp dir.
     conf.write_text(NGINX_CONF.format(dir=d, upstream=upstream, port=port, user="user root;" if os.geteuid() == 0 else ""))
@@ -259,52 +184,38 @@ def start_nginx(procs: pc.Processes, tmp: Path, upstream: int, install: bool, ve
     log = tmp / "nginx.log"
     proc = procs.start("nginx", [exe, "-p", str(d), "-c", str(conf)], log)
     # nginx has no /health of its own here: any answer from the sim through it will do.
-    _started(procs, "nginx", proc, f"http://127.0.0.1:{port}/health", log)
-    return Target("nginx", f"http://127.0.0.1:{port}", proc.pid, 0,
+    h.wait_until_ok(f"http://127.0.0.1:{port}/health", proc, log)
+    return h.Target("nginx", f"http://127.0.0.1:{port}", proc.pid, 0,
                   note="worker_processes 1, proxy_buffering off, proxy_request_buffering off, proxy_http_version 1.1, "
                        "upstream keepalive 128, access_log off")
 
 
-def start_bare(procs: pc.Processes, tmp: Path, upstream: int) -> Target:
-    port = pc.free_port()
-    log = tmp / "bare_proxy.log"
-    proc = procs.start("bare proxy", [sys.executable, str(REPO / "bench" / "bare_proxy.py"), "--upstream",
-                                      f"http://127.0.0.1:{upstream}", "--port", str(port)], log)
-    _started(procs, "bare", proc, f"http://127.0.0.1:{port}/health", log)
-    return Target("bare", f"http://127.0.0.1:{port}", proc.pid, 0, note="bench/bare_proxy.py")
+def start_raw(procs: h.Processes, tmp: Path, upstream: int) -> h.Target:
+    return h.start_script_proxy(procs, tmp, "raw", "raw_pipe_proxy.py", upstream, 0,
+                                "bench/raw_pipe_proxy.py, a prototype: aiohttp server, raw asyncio upstream pool, chunked bytes "
+                                "forwarded from data_received without re-encoding")
 
 
-def start_raw(procs: pc.Processes, tmp: Path, upstream: int) -> Target:
-    port = pc.free_port()
-    log = tmp / "raw_pipe_proxy.log"
-    proc = procs.start("raw pipe proxy", [sys.executable, str(REPO / "bench" / "raw_pipe_proxy.py"), "--upstream",
-                                          f"http://127.0.0.1:{upstream}", "--port", str(port)], log)
-    _started(procs, "raw", proc, f"http://127.0.0.1:{port}/health", log)
-    return Target("raw", f"http://127.0.0.1:{port}", proc.pid, 0,
-                  note="bench/raw_pipe_proxy.py, a prototype: aiohttp server, raw asyncio upstream pool, chunked bytes forwarded "
-                       "from data_received without re-encoding")
-
-
-def start_vllm_router(procs: pc.Processes, tmp: Path, upstream: int, install: bool, versions: dict) -> Target:
+def start_vllm_router(procs: h.Processes, tmp: Path, upstream: int, install: bool, versions: dict) -> h.Target:
     exe = ensure_venv("vllm-router", install, tmp / "install-vllm-router.log")
     versions["vllm-router"] = peer_version("vllm-router")
-    port = pc.free_port()
+    port = h.free_port()
     log = tmp / "vllm-router.log"
     # Per-request logging off (as for every other target); retries and policies left at their defaults
     # apart from round_robin (one worker: the default cache_aware would only add a prefix-tree walk).
     argv = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", f"http://127.0.0.1:{upstream}",
             "--policy", "round_robin", "--log-level", "warning", "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(pc.free_port())]
+            "--prometheus-port", str(h.free_port())]
     proc = procs.start("vllm-router", argv, log)
-    _started(procs, "vllm-router", proc, f"http://127.0.0.1:{port}/health", log)
-    return Target("vllm-router", f"http://127.0.0.1:{port}", proc.pid, 0,
+    h.wait_until_ok(f"http://127.0.0.1:{port}/health", proc, log)
+    return h.Target("vllm-router", f"http://127.0.0.1:{port}", proc.pid, 0,
                   note="--policy round_robin --log-level warning, Prometheus exporter on (its default)")
 
 
-def start_litellm(procs: pc.Processes, tmp: Path, upstream: int, install: bool, versions: dict) -> Target:
+def start_litellm(procs: h.Processes, tmp: Path, upstream: int, install: bool, versions: dict) -> h.Target:
     exe = ensure_venv("litellm", install, tmp / "install-litellm.log")
     versions["litellm"] = peer_version("litellm")
-    port = pc.free_port()
+    port = h.free_port()
     conf = tmp / "litellm.yaml"
     conf.write_text(
         "# written by bench/peers.py\n"
@@ -324,16 +235,15 @@ def start_litellm(procs: pc.Processes, tmp: Path, upstream: int, install: bool, 
     env = {"LITELLM_MASTER_KEY": key, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False",
            "PYTHONUNBUFFERED": "1"}
     proc = procs.start("litellm", [str(exe), "--config", str(conf), "--host", "127.0.0.1", "--port", str(port)], log, env=env)
-    _started(procs, "litellm", proc, f"http://127.0.0.1:{port}/health/liveliness", log, deadline_s=180)
-    return Target("litellm", f"http://127.0.0.1:{port}", proc.pid, 0, key=key, stream_check="min",
+    h.wait_until_ok(f"http://127.0.0.1:{port}/health/liveliness", proc, log, deadline_s=180)
+    return h.Target("litellm", f"http://127.0.0.1:{port}", proc.pid, 0, key=key, stream_check="min",
                   note="one uvicorn worker (its default), master key on (it refuses to start without one), "
                        "LITELLM_LOG=ERROR, spend logs off, no database; re-frames streams (65 data chunks for 64 tokens)")
 
 
-def start_hotswap(procs: pc.Processes, tmp: Path, upstream: int, key: str, src: Path = REPO, name: str = "hotswap") -> Target:
-    port = pc.free_port()
-    roster = tmp / f"roster-{name}.yaml"
-    roster.write_text(
+def start_hotswap(procs: h.Processes, tmp: Path, upstream: int, key: str, src: Path = REPO, name: str = "hotswap") -> h.Target:
+    port = h.free_port()
+    roster = (
         "# written by bench/peers.py\n"
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
         "auth:\n"
@@ -341,95 +251,16 @@ def start_hotswap(procs: pc.Processes, tmp: Path, upstream: int, key: str, src: 
         "models:\n"
         f"  - name: {MODEL}\n"
         f"    url: http://127.0.0.1:{upstream}\n")
-    log = tmp / f"router-{name}.log"
-    proc = procs.start(name, [sys.executable, "-m", "router.cli", "serve", "--config", str(roster), "--port", str(port),
-                              "--log-dir", str(tmp / "engines")], log, env={"BENCH_KEY": key}, cwd=src)
-    _started(procs, name, proc, f"http://127.0.0.1:{port}/health", log)
-    _started(procs, name, proc, f"http://127.0.0.1:{port}/ready", log, deadline_s=120)
+    proc, _ = h.start_router(procs, tmp, name, port, roster, env={"BENCH_KEY": key}, src=src)
     note = "client API key auth on, Prometheus metrics on, the sim attached with `url:` (the same upstream)"
-    return Target(name, f"http://127.0.0.1:{port}", proc.pid, 0, key=key, note=note if src == REPO else f"{note}; run from {src}")
-
-
-# ---------------------------------------------------------------------------------------------
-# one measured phase
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class Phase:
-    target: str
-    mode: str
-    rep: int
-    ok: int
-    errors: int
-    wall_s: float
-    p50_ms: float
-    p99_ms: float
-    proxy_us: Optional[float]
-    upstream_us: float
-    rss_mb: Optional[float]
-    procs: int
-    other_pct: float
-    first_errors: list[str] = field(default_factory=list)
-
-    @property
-    def rps(self) -> float:
-        return self.ok / self.wall_s if self.wall_s else 0.0
-
-
-def run_phase(procs: pc.Processes, t: Target, mode: str, rep: int, args: argparse.Namespace, tmp: Path) -> Phase:
-    n = args.requests if mode == "non-stream" else args.stream_requests
-    argv = [sys.executable, str(Path(pc.__file__).resolve()), "loadgen", "--url", t.url + "/v1/completions", "--mode", mode,
-            "--requests", str(n), "--warmup", str(max(2 * args.concurrency, n // 10)), "--concurrency", str(args.concurrency),
-            "--max-seconds", str(args.max_seconds), "--stream-check", t.stream_check]
-    log = tmp / f"loadgen-{rep}-{t.name}-{mode}.log"
-    gen = procs.start(f"loadgen {t.name} {mode}", argv, log, env={"BENCH_KEY": t.key}, stdout=subprocess.PIPE, stdin=subprocess.PIPE)
-    try:
-        pc._read_until(gen, b"WARM\n", args.max_seconds + 30)
-        pids = tree(t.root_pid) if t.root_pid else []
-        gen0 = pc.cpu_seconds(gen.pid)
-        proxy0 = tree_cpu(pids)
-        up0 = pc.cpu_seconds(t.upstream_pid)
-        busy0, wall0 = pc.machine_busy_seconds(), time.monotonic()
-        out, _ = gen.communicate(b"go\n", timeout=args.max_seconds + 60)
-        busy1, wall1 = pc.machine_busy_seconds(), time.monotonic()
-        pids_after = tree(t.root_pid) if t.root_pid else []
-        proxy1 = tree_cpu(pids_after)
-        up1 = pc.cpu_seconds(t.upstream_pid)
-        rss = rss_mb(pids_after) if t.root_pid else None
-    finally:
-        if gen.poll() is None:
-            pc._killpg(gen.pid, signal.SIGKILL)
-            gen.wait(timeout=5)
-    try:
-        res = json.loads(out.decode().strip().splitlines()[-1])
-        res["ok"]
-    except (ValueError, IndexError, KeyError):
-        raise SystemExit(f"bench: the load generator gave no result (exit {gen.returncode}); log {log}:\n{pc._tail(log)}") from None
-    ok = res["ok"]
-    # A process that appeared during the phase started from 0; one that vanished took its CPU with it (rare: noted as procs).
-    proxy_s = sum(proxy1[p] - proxy0.get(p, 0.0) for p in proxy1) if t.root_pid else 0.0
-    ours = proxy_s + (up1 - up0) + (res["cpu_s"] - gen0)
-    ncpu = len(os.sched_getaffinity(0))
-    other = max(0.0, (busy1 - busy0) - ours) / ((wall1 - wall0) * ncpu) * 100
-    lat = res["latencies"]
-    ph = Phase(t.name, mode, rep, ok, res["errors"] + res["warmup_errors"], res["wall_s"],
-               pc.percentile(lat, 0.5) * 1e3, pc.percentile(lat, 0.99) * 1e3,
-               proxy_s * 1e6 / ok if t.root_pid and ok else None, (up1 - up0) * 1e6 / ok if ok else float("nan"),
-               rss, len(pids_after), other, res["first_errors"])
-    proxy = f"{ph.proxy_us:7.0f}" if ph.proxy_us is not None else "      -"
-    print(f"  rep {rep} {t.name:11s} {mode:10s} {ok:5d} ok {ph.errors:3d} err {ph.rps:6.0f} rps  p50 {ph.p50_ms:6.1f} ms  "
-          f"p99 {ph.p99_ms:6.1f} ms  proxy {proxy} us/req  upstream {ph.upstream_us:5.0f} us/req  "
-          f"rss {ph.rss_mb or 0:5.0f} MB  other procs {ph.other_pct:3.0f}% CPU", flush=True)
-    for e in ph.first_errors:
-        print(f"    error: {e}", flush=True)
-    return ph
+    return h.Target(name, f"http://127.0.0.1:{port}", proc.pid, 0, key=key, note=note if src == REPO else f"{note}; run from {src}")
 
 
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
 
-def report(phases: list[Phase], targets: list[Target], unavailable: dict[str, str], idle: dict[str, float], versions: dict[str, str],
+def report(phases: list[h.Phase], targets: list[h.Target], unavailable: dict[str, str], idle: dict[str, float], versions: dict[str, str],
            args: argparse.Namespace, command: str, started: str, elapsed: float, load_start: str) -> str:
     by = {(p.target, p.mode, p.rep): p for p in phases}
     reps = sorted({p.rep for p in phases})
@@ -515,25 +346,22 @@ def report(phases: list[Phase], targets: list[Target], unavailable: dict[str, st
                     parts.append(f"÷ {other} {r:.2f}× ({', '.join(f'{x:.2f}' for x in per)})")
             if parts:
                 verdict.append(f"- prototype `raw` (bench/raw_pipe_proxy.py), {mode}: " + "; ".join(parts) + ".")
-    ticks = [p.proxy_us * p.ok / 1e6 * pc.CLK_TCK for p in phases if p.proxy_us]
+    ticks = [p.proxy_us * p.ok / 1e6 * h.CLK_TCK for p in phases if p.proxy_us]
     if ticks:
-        verdict.append(f"- CPU resolution: {1e3 / pc.CLK_TCK:g} ms ticks; the smallest proxy CPU in one phase was {min(ticks):.0f} ticks "
+        verdict.append(f"- CPU resolution: {1e3 / h.CLK_TCK:g} ms ticks; the smallest proxy CPU in one phase was {min(ticks):.0f} ticks "
                        f"(±{100 / min(ticks):.1f}% from quantization alone).")
     errors = sum(p.errors for p in phases)
     if errors:
         verdict.append(f"- **{errors} requests failed**; the numbers above are suspect.")
 
-    import aiohttp
-    import uvloop
     vers = ", ".join(f"{k} {v}" for k, v in versions.items())
     head = [
         SECTION, "",
-        f"Run {started} on {platform.node() or 'this machine'}: `nproc` = {len(os.sched_getaffinity(0))} ({pc._cpu_model()}), "
-        f"Linux {platform.release()}, Python {platform.python_version()}, aiohttp {aiohttp.__version__}, uvloop {uvloop.__version__}, "
-        f"{vers}, hotswap commit {pc._git_rev()}. Took {elapsed:.0f} s. Load average at start / end: {load_start} / {pc._loadavg()}.",
+        f"{h.host(started)}, {h.client_versions()}{', ' + vers if vers else ''}, hotswap commit {h.git_rev()}. Took {elapsed:.0f} s. "
+        f"Load average at start / end: {load_start} / {h.loadavg()}.",
         "", "```", command, "```", "",
         f"One upstream for all: a single `engines.sim` ({' '.join(SIM_FLAGS)}), its CPU reported as *upstream*. "
-        f"Load: bench/proxy_cost.py's load generator in its own process, {args.concurrency} concurrent keep-alive connections, "
+        f"Load: the bench's load generator (bench/harness.py) in its own process, {args.concurrency} concurrent keep-alive connections, "
         f"{args.requests} non-stream requests (`/v1/completions`, max_tokens 16) and {args.stream_requests} streams "
         "(max_tokens 64: 64 data chunks + `[DONE]`) per phase after a warmup, each phase capped at "
         f"{args.max_seconds:g} s; loopback only; {len(reps)} repetitions, targets interleaved within each. "
@@ -554,25 +382,13 @@ def report(phases: list[Phase], targets: list[Target], unavailable: dict[str, st
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=5000, help="non-stream requests per phase (default %(default)s)")
-    p.add_argument("--stream-requests", type=int, default=1200, help="64-chunk streams per phase (default %(default)s)")
-    p.add_argument("--concurrency", type=int, default=64, help="concurrent connections (default %(default)s)")
-    p.add_argument("--reps", type=int, default=2, help="interleaved repetitions (default %(default)s)")
-    p.add_argument("--max-seconds", type=float, default=10.0, help="cap on each measured phase (default %(default)s)")
-    p.add_argument("--idle-seconds", type=float, default=2.0, help="idle CPU measurement (default %(default)s)")
+    h.add_load_args(p, reps=2)
     p.add_argument("--peers", default=",".join(DEFAULT_TARGETS),
                    help=f"comma-separated, in this order, from {','.join(ALL_TARGETS)} (default %(default)s)")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset (default %(default)s)")
-    p.add_argument("--router-src", type=Path, default=REPO, metavar="DIR",
-                   help="run hotswap from this source tree, e.g. a patched copy to A/B a fix (default: this repo)")
     p.add_argument("--ab-src", type=Path, default=None, metavar="DIR",
                    help="source tree for the opt-in target hotswap-ab (a patched copy), measured beside hotswap in the same run")
     p.add_argument("--no-install", action="store_true", help="do not pip-install missing peers or apt-get nginx")
-    p.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md", help="where to write the section (default %(default)s)")
-    p.add_argument("--no-docs", action="store_true", help="print only")
-    p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with every process's log")
-    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                   help="first wait up to this long for the machine to be < 15%% busy (default: do not wait)")
+    h.add_session_args(p)
     a = p.parse_args(argv)
     unknown = set(a.peers.split(",")) - set(ALL_TARGETS)
     if unknown:
@@ -586,18 +402,18 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     wanted = [n for n in ALL_TARGETS if n in args.peers.split(",")]
     modes = [m for m in MODES if m in args.modes.split(",")]
-    phases: list[Phase] = []
+    phases: list[h.Phase] = []
     unavailable: dict[str, str] = {}
     versions: dict[str, str] = {}
-    with pc.session(args, "hotswap-peers-") as run:
+    with h.session(args, "hotswap-peers-") as run:
         procs, tmp, started, load_start, t0 = run.procs, run.tmp, run.started, run.load_start, run.t0
         print(f"bench: starting the sim and {', '.join(wanted)} (logs in {tmp})", flush=True)
-        sim_port, sim_pid = start_sim(procs, tmp)
+        sim_port, sim_pid = h.start_sim(procs, tmp)
         key = "bench-" + os.urandom(8).hex()
         starters = {
-            "direct": lambda: Target("direct", f"http://127.0.0.1:{sim_port}", None, 0),
+            "direct": lambda: h.Target("direct", f"http://127.0.0.1:{sim_port}", None, 0),
             "nginx": lambda: start_nginx(procs, tmp, sim_port, not args.no_install, versions),
-            "bare": lambda: start_bare(procs, tmp, sim_port),
+            "bare": lambda: h.start_bare(procs, tmp, sim_port, sim_pid),
             "vllm-router": lambda: start_vllm_router(procs, tmp, sim_port, not args.no_install, versions),
             "litellm": lambda: start_litellm(procs, tmp, sim_port, not args.no_install, versions),
             "hotswap": lambda: start_hotswap(procs, tmp, sim_port, key, args.router_src),
@@ -608,22 +424,19 @@ def main(argv: list[str]) -> int:
         for name in wanted:
             try:
                 t = starters[name]()
-            except PeerUnavailable as exc:
-                unavailable[name] = str(exc)
+            except (PeerUnavailable, h.NotReady) as exc:  # NotReady: it exited or never answered; that drops only this peer
+                unavailable[name] = _short(str(exc), 25)
                 print(f"bench: {name} unavailable: {exc}", file=sys.stderr, flush=True)
                 continue
             t.upstream_pid = sim_pid
             targets.append(t)
         print(f"bench: ready after {time.monotonic() - t0:.1f} s: {', '.join(t.name for t in targets)}", flush=True)
-        roots = {t.name: tree(t.root_pid) for t in targets if t.root_pid}
-        before = {n: sum(tree_cpu(p).values()) for n, p in roots.items()}
-        time.sleep(args.idle_seconds)  # measuring an idle interval, not waiting for anything
-        idle = {n: (sum(tree_cpu(p).values()) - before[n]) * 1e3 / args.idle_seconds for n, p in roots.items()}
+        idle = h.idle_cpu(targets, args.idle_seconds)
         for rep in range(1, args.reps + 1):
             for t in targets:
                 for mode in modes:
-                    phases.append(run_phase(procs, t, mode, rep, args, tmp))
-        text = report(phases, targets, unavailable, idle, versions, args, pc._command(), started, time.monotonic() - t0, load_start)
+                    phases.append(h.run_phase(procs, t, mode, rep, args, tmp))
+        text = report(phases, targets, unavailable, idle, versions, args, h.command_line(), started, time.monotonic() - t0, load_start)
         run.publish(text, SECTION)
         return 1 if any(p.errors for p in phases) else 0
     return 130
