@@ -32,23 +32,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import proxy_cost as pc  # noqa: E402
+import harness as h  # bench/harness.py: processes, the router starter, report helpers, the run session
+from engines import wake
 
-REPO = pc.REPO
 SECTION = "## Swap path overhead (issue 8)"
 GROUP = "bench"
 MODELS = ("swap-a", "swap-b")
-WAKE_ORDER = ("wake_weights", "reload_draft", "reload_weights", "wake_kv_cache", "reset_prefix_cache")
+# The roster's engines sleep at Level 2 and restore their draft by reload: the wake the router runs for them.
+WAKE_STEPS = tuple(wake.phases(2, "reload"))
 DEFAULT_DELAYS = {"sleep": 0.05, "wake_weights": 0.2, "reload_draft": 0.1, "reload_weights": 0.15,
                   "wake_kv_cache": 0.05, "reset_prefix_cache": 0.02}
 TOKEN_RATE = 2000.0
@@ -59,23 +54,13 @@ REQUEST = {"prompt": "Swap to", "max_tokens": 8, "temperature": 0, "ignore_eos":
 
 def http(method: str, url: str, body: Optional[dict] = None, timeout: float = 60.0) -> tuple[int, Any, float]:
     """(status, parsed JSON or raw bytes, seconds)."""
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"} if data else {})
     t0 = time.perf_counter()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw, status = r.read(), r.status
-    except urllib.error.HTTPError as e:
-        raw, status = e.read(), e.code
+    status, raw = h.request(method, url, json.dumps(body).encode() if body is not None else None, timeout=timeout)
     dt = time.perf_counter() - t0
     try:
         return status, json.loads(raw), dt
     except ValueError:
         return status, raw, dt
-
-
-def stat(xs: list[float], q: float) -> float:
-    return pc.percentile(xs, q) if xs else float("nan")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -85,11 +70,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--step-delay", action="append", default=[], metavar="STEP=SECONDS",
                    help=f"override a sim step delay (defaults: {', '.join(f'{k}={v:g}' for k, v in DEFAULT_DELAYS.items())})")
     p.add_argument("--max-seconds", type=float, default=300.0, help="stop measuring after this long (default %(default)s)")
-    p.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md", help="where to write the section (default %(default)s)")
-    p.add_argument("--no-docs", action="store_true", help="print only")
-    p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with every process's log")
-    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                   help="first wait up to this long for the machine to be < 15%% busy (default: do not wait)")
+    h.add_session_args(p)
     a = p.parse_args(argv)
     a.delays = dict(DEFAULT_DELAYS)
     for item in a.step_delay:
@@ -100,7 +81,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def write_roster(path: Path, port: int, delays: dict[str, float]) -> None:
+def roster(port: int, delays: dict[str, float]) -> str:
     sim_args = ["--sim-boot-s", "0", "--sim-token-rate", f"{TOKEN_RATE:g}"]
     for step, s in delays.items():
         sim_args += ["--sim-step-delay", f"{step}={s:g}"]
@@ -120,23 +101,17 @@ def write_roster(path: Path, port: int, delays: dict[str, float]) -> None:
                   f"    speculative: {{method: draft_model, model: bench/{name}-draft, num_speculative_tokens: 3}}"]
         if i == 0:
             lines.append("    default: true")
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    with pc.session(args, "hotswap-swapbench-") as run:
+    with h.session(args, "hotswap-swapbench-") as run:
         procs, tmp, started, load_start, t0 = run.procs, run.tmp, run.started, run.load_start, run.t0
-        port = pc.free_port()
-        roster = tmp / "roster.yaml"
-        write_roster(roster, port, args.delays)
-        log = tmp / "router.log"
-        router = procs.start("router", [sys.executable, "-m", "router.cli", "serve", "--config", str(roster), "--port", str(port),
-                                        "--log-dir", str(tmp / "engines")], log, env={"PYTHONUNBUFFERED": "1"})
+        port = h.free_port()
+        print(f"bench: starting the router on port {port}, logs in {tmp}", flush=True)
+        _, log = h.start_router(procs, tmp, "router", port, roster(port, args.delays), env={"PYTHONUNBUFFERED": "1"})
         base = f"http://127.0.0.1:{port}"
-        print(f"bench: router on {base}, logs in {tmp}", flush=True)
-        pc.wait_until_ok(f"{base}/health", router, log)
-        pc.wait_until_ok(f"{base}/ready", router, log, deadline_s=120)
         # Both engines booted (the default one last) before the first swap.
         deadline = time.monotonic() + 120
         while True:
@@ -145,7 +120,7 @@ def main(argv: list[str]) -> int:
             if group["booted"] and group["active"]:
                 break
             if time.monotonic() > deadline:
-                raise SystemExit(f"bench: group {GROUP} not booted within 120 s; log {log}:\n{pc._tail(log)}")
+                raise SystemExit(f"bench: group {GROUP} not booted within 120 s; log {log}:\n{h.tail(log)}")
             time.sleep(0.1)
         for e in group["engines"]:
             procs.extra_groups.append(e["pid"])  # engines.reaper leads each engine's process group
@@ -186,12 +161,12 @@ def main(argv: list[str]) -> int:
             if i < args.warmup_swaps:
                 continue
             phases = rec["phases"]
-            # The woken engine's calls from this wake on: the five wake steps, then the canary (the first
+            # The woken engine's calls from this wake on: the wake steps, then the canary (the first
             # generate after them; earlier generates are this bench's direct requests of the last round).
-            start = next((i for i, c in enumerate(sim_log) if c["step"] == "wake_weights"), len(sim_log))
+            start = next((i for i, c in enumerate(sim_log) if c["step"] == WAKE_STEPS[0]), len(sim_log))
             t_call: dict[str, float] = {}
             for c in sim_log[start:]:
-                if c["step"] in (*WAKE_ORDER, "generate") and c["step"] not in t_call:
+                if c["step"] in (*WAKE_STEPS, "generate") and c["step"] not in t_call:
                     t_call[c["step"]] = c["t"]
             verdict = eng.get("last_verdict") or {}
             rows.append({
@@ -210,7 +185,7 @@ def main(argv: list[str]) -> int:
                   f"client extra {r['client_extra_s'] * 1e3:5.1f} ms, verdict {r['verdict']}", flush=True)
         if not rows:
             raise SystemExit("bench: no swap measured")
-        text = report(rows, args, pc._command(), started, time.monotonic() - t0, load_start)
+        text = report(rows, args, h.command_line(), started, time.monotonic() - t0, load_start)
         run.publish(text, SECTION)
         return 0
     return 130
@@ -220,11 +195,11 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str, s
     ms = lambda xs: [x * 1e3 for x in xs if x is not None]  # noqa: E731
 
     def line(label: str, xs: list[float], note: str = "", target: Optional[float] = None) -> str:
-        med, p90 = stat(xs, 0.5), stat(xs, 0.9)
+        med, p90 = h.percentile(xs, 0.5), h.percentile(xs, 0.9)
         verdict = f" | **{'met' if med < target else 'missed'}** (< {target:g} ms)" if target is not None else " | "
         return f"| {label} | {med:.2f} | {p90:.2f} | {min(xs):.2f} | {max(xs):.2f}{verdict} | {note} |"
 
-    steps = [s for s in ("drain", "sleep", *WAKE_ORDER) if any(s in r["phases"] for r in rows)]
+    steps = [s for s in wake.PHASES if s != "gate" and any(s in r["phases"] for r in rows)]  # the gate has rows of its own
     table = [
         "| per swap, ms | median | p90 | min | max | target | what |",
         "|---|---:|---:|---:|---:|---|---|",
@@ -246,29 +221,30 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str, s
         xs = [r["phases"][s] for r in rows if s in r["phases"]]
         d = args.delays.get(s, 0.0)
         beyond = ms([x - d for x in xs])
-        step_rows.append(f"| {s} | {d * 1e3:.0f} | {stat(ms(xs), 0.5):.2f} | {stat(beyond, 0.5):.2f} | {stat(beyond, 0.9):.2f} |")
+        step_rows.append(f"| {s} | {d * 1e3:.0f} | {h.percentile(ms(xs), 0.5):.2f} | {h.percentile(beyond, 0.5):.2f} "
+                         f"| {h.percentile(beyond, 0.9):.2f} |")
     # From the woken engine's own clock: how long after the previous step's request reached the
     # engine did the next one arrive, beyond that step's delay (= that step's round trip + the router between steps).
     gaps = ["", "Gaps between the router's calls as the woken engine saw them (sim log, one monotonic clock): "
                 "arrival of each call − arrival of the previous one − the previous step's delay, median / p90 ms: "]
     parts = []
-    order = [*WAKE_ORDER, "generate"]
+    order = [*WAKE_STEPS, "generate"]
     for a, b in zip(order, order[1:]):
         xs = ms([r["t_call"][b] - r["t_call"][a] - args.delays.get(a, 0.0) for r in rows if a in r["t_call"] and b in r["t_call"]])
         if xs:
-            parts.append(f"{a} → {'canary' if b == 'generate' else b} {stat(xs, 0.5):.2f} / {stat(xs, 0.9):.2f}")
+            parts.append(f"{a} → {'canary' if b == 'generate' else b} {h.percentile(xs, 0.5):.2f} / {h.percentile(xs, 0.9):.2f}")
     gaps[-1] += "; ".join(parts) + "."
     verdicts = {r["verdict"] for r in rows}
     head = [
         SECTION, "",
-        f"Run {started} on {platform.node() or 'this machine'}: `nproc` = {len(os.sched_getaffinity(0))} ({pc._cpu_model()}), "
-        f"Linux {platform.release()}, Python {platform.python_version()}, commit {pc._git_rev()}. {len(rows)} swaps measured "
-        f"(after {args.warmup_swaps} warm-up swaps). Took {elapsed:.0f} s. Load average at start / end: {load_start} / {pc._loadavg()}.",
+        f"{h.host(started)}, commit {h.git_rev()}. {len(rows)} swaps measured "
+        f"(after {args.warmup_swaps} warm-up swaps). Took {elapsed:.0f} s. Load average at start / end: {load_start} / {h.loadavg()}.",
         "", "```", command, "```", "",
         "Two simulated engines (`engines.sim`, each with a draft model, `sleep_level: 2`, `draft_restore: reload`, gate on with its "
         f"defaults) in one group of a real router process, `swap.min_active_s: 0`, sim flags `--sim-boot-s 0 --sim-token-rate {TOKEN_RATE:g}` "
         "and step delays " + ", ".join(f"`{k}={v:g}`" for k, v in args.delays.items()) + ". One request at a time (max_tokens "
-        f"{REQUEST['max_tokens']}), alternating the two models, so each request swaps: sleep the awake engine, the five-step Level-2 "
+        f"{REQUEST['max_tokens']}), alternating the two models, so each request swaps: sleep the awake engine, the "
+        f"{len(WAKE_STEPS)}-step Level-2 "
         "wake of the other, the promotion gate. Each swap's `seconds` and `phases` come from GET /admin/status (`last_swap`); "
         f"gate verdicts: {', '.join(sorted(str(v) for v in verdicts))}.",
         "",
