@@ -1,14 +1,15 @@
 """Run the chaos matrix and the load scenarios, and write their figures into docs/reliability.md.
 
-    .venv/bin/python bench/reliability_report.py
+    .venv/bin/python bench/reliability_report.py [--no-docs]
 
 The scenarios are ordinary tests (tests/component/test_chaos.py, test_load.py); this runs
 them with HOTSWAP_CHAOS_REPORT / HOTSWAP_RELIABILITY_REPORT set and renders what they recorded
-between the generated-section markers of docs/reliability.md.
+between the generated-section markers of docs/reliability.md (with --no-docs: prints it only).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -18,7 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness as h  # bench/harness.py: the repo root, the commit a report names
+
+ROOT = h.REPO
 DOC = ROOT / "docs" / "reliability.md"
 BEGIN, END = "<!-- generated:begin (bench/reliability_report.py) -->", "<!-- generated:end -->"
 
@@ -30,10 +33,9 @@ def run_tests(env: dict[str, str]) -> int:
 
 
 def render(chaos: list[dict], load: list[dict], seconds: float, code: int) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     out = [BEGIN, "",
            f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.node()} ({os.cpu_count()} cores), "
-           f"Python {platform.python_version()}, commit {commit}; {seconds:.0f} s; pytest exit code {code}.", "",
+           f"Python {platform.python_version()}, commit {h.git_rev()}; {seconds:.0f} s; pytest exit code {code}.", "",
            "### Chaos matrix", "",
            "| fault (aimed at b) | sent | answered | errored (well-formed) | hung | b answered / errored | errors seen |",
            "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
@@ -53,7 +55,10 @@ def render(chaos: list[dict], load: list[dict], seconds: float, code: int) -> st
     return "\n".join(out + ["", END])
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--no-docs", action="store_true", help="print the section only; leave docs/reliability.md as it is")
+    args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         chaos_path, load_path = Path(tmp, "chaos.jsonl"), Path(tmp, "load.jsonl")
         started = time.monotonic()
@@ -61,6 +66,9 @@ def main() -> int:
         seconds = time.monotonic() - started
         read = lambda p: [json.loads(l) for l in p.read_text().splitlines()] if p.exists() else []
         section = render(read(chaos_path), read(load_path), seconds, code)
+    if args.no_docs:
+        print(section)
+        return code
     text = DOC.read_text()
     DOC.write_text(text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):])
     print(f"wrote {DOC.relative_to(ROOT)} (pytest exit {code})")
@@ -68,4 +76,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
