@@ -381,7 +381,7 @@ def start_script_proxy(procs: Processes, tmp: Path, name: str, script: str, upst
     log = tmp / f"{Path(script).stem}.log"
     proc = procs.start(name, [sys.executable, str(REPO / "bench" / script), "--upstream", f"http://127.0.0.1:{upstream_port}",
                               "--port", str(port)], log)
-    wait_until_ok(f"http://127.0.0.1:{port}/health", proc, log)
+    wait_until_ok(f"http://127.0.0.1:{port}/health", proc, log, deadline_s=90)
     return Target(name, f"http://127.0.0.1:{port}", proc.pid, upstream_pid, note=note)
 
 
@@ -397,7 +397,7 @@ def start_router(procs: Processes, tmp: Path, name: str, port: int, roster: str,
     log = tmp / f"{name}.log"
     proc = procs.start(name, [sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port", str(port),
                               "--log-dir", str(tmp / "engines")], log, env=env, cwd=src)
-    wait_until_ok(f"http://127.0.0.1:{port}/health", proc, log)
+    wait_until_ok(f"http://127.0.0.1:{port}/health", proc, log, deadline_s=90)
     wait_until_ok(f"http://127.0.0.1:{port}/ready", proc, log, deadline_s=120)
     return proc, log
 

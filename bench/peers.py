@@ -184,10 +184,10 @@ def start_nginx(procs: h.Processes, tmp: Path, upstream: int, install: bool, ver
     log = tmp / "nginx.log"
     proc = procs.start("nginx", [exe, "-p", str(d), "-c", str(conf)], log)
     # nginx has no /health of its own here: any answer from the sim through it will do.
-    h.wait_until_ok(f"http://127.0.0.1:{port}/health", proc, log)
+    h.wait_until_ok(f"http://127.0.0.1:{port}/health", proc, log, deadline_s=90)
     return h.Target("nginx", f"http://127.0.0.1:{port}", proc.pid, 0,
-                  note="worker_processes 1, proxy_buffering off, proxy_request_buffering off, proxy_http_version 1.1, "
-                       "upstream keepalive 128, access_log off")
+                    note="worker_processes 1, proxy_buffering off, proxy_request_buffering off, proxy_http_version 1.1, "
+                         "upstream keepalive 128, access_log off")
 
 
 def start_raw(procs: h.Processes, tmp: Path, upstream: int) -> h.Target:
@@ -207,9 +207,9 @@ def start_vllm_router(procs: h.Processes, tmp: Path, upstream: int, install: boo
             "--policy", "round_robin", "--log-level", "warning", "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(h.free_port())]
     proc = procs.start("vllm-router", argv, log)
-    h.wait_until_ok(f"http://127.0.0.1:{port}/health", proc, log)
+    h.wait_until_ok(f"http://127.0.0.1:{port}/health", proc, log, deadline_s=90)
     return h.Target("vllm-router", f"http://127.0.0.1:{port}", proc.pid, 0,
-                  note="--policy round_robin --log-level warning, Prometheus exporter on (its default)")
+                    note="--policy round_robin --log-level warning, Prometheus exporter on (its default)")
 
 
 def start_litellm(procs: h.Processes, tmp: Path, upstream: int, install: bool, versions: dict) -> h.Target:
@@ -237,8 +237,8 @@ def start_litellm(procs: h.Processes, tmp: Path, upstream: int, install: bool, v
     proc = procs.start("litellm", [str(exe), "--config", str(conf), "--host", "127.0.0.1", "--port", str(port)], log, env=env)
     h.wait_until_ok(f"http://127.0.0.1:{port}/health/liveliness", proc, log, deadline_s=180)
     return h.Target("litellm", f"http://127.0.0.1:{port}", proc.pid, 0, key=key, stream_check="min",
-                  note="one uvicorn worker (its default), master key on (it refuses to start without one), "
-                       "LITELLM_LOG=ERROR, spend logs off, no database; re-frames streams (65 data chunks for 64 tokens)")
+                    note="one uvicorn worker (its default), master key on (it refuses to start without one), "
+                         "LITELLM_LOG=ERROR, spend logs off, no database; re-frames streams (65 data chunks for 64 tokens)")
 
 
 def start_hotswap(procs: h.Processes, tmp: Path, upstream: int, key: str, src: Path = REPO, name: str = "hotswap") -> h.Target:
