@@ -1,4 +1,4 @@
-"""The floor for a Python reverse proxy: what bench/proxy_cost.py compares hotswap against.
+"""The floor for a Python reverse proxy: what bench/proxy_cost.py and bench/peers.py compare hotswap against.
 
 `python bench/bare_proxy.py --upstream http://127.0.0.1:8001 --port 8002`
 
