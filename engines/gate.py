@@ -14,6 +14,7 @@ canary's output with the baseline's (a target that was not reloaded answers gibb
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Optional
@@ -77,12 +78,15 @@ def read_counters(exposition: str) -> Counters:
     """Sum the counters the gate needs over every `engine` label (data-parallel engines)."""
     totals = {GENERATED: 0.0, DRAFTS: 0.0, ACCEPTED: 0.0}
     seen = set()
-    for family in text_string_to_metric_families(exposition):
-        # A typed counter's family drops `_total`; an untyped one (no `# TYPE` line) keeps it.
-        name = family.name.removesuffix("_total")
-        if name in totals:
-            seen.add(name)
-            totals[name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    try:
+        for family in text_string_to_metric_families(exposition):
+            # A typed counter's family drops `_total`; an untyped one (no `# TYPE` line) keeps it.
+            name = family.name.removesuffix("_total")
+            if name in totals:
+                seen.add(name)
+                totals[name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    except ValueError as exc:  # the parser's word for text that is not Prometheus exposition
+        raise GateError("GET /metrics", f"the answer is not Prometheus text ({exc}): {exposition[:120]!r}") from None
     return Counters(totals[GENERATED], totals[DRAFTS], totals[ACCEPTED], DRAFTS in seen and ACCEPTED in seen)
 
 
@@ -102,7 +106,7 @@ async def run_canary(client: VLLMClient, model: str, gate: Gate, has_draft: bool
         raise GateError("POST /v1/completions", f"canary answer has no choices[0].text / usage: {str(answer)[:200]}") from None
     after = await _landed(client, before, tokens, has_draft, started + timeout)
     drafts, accepted = after.drafts - before.drafts, after.accepted - before.accepted
-    mal = 1.0 + accepted / drafts if has_draft and drafts > 0 else None
+    mal = mean_acceptance_length(drafts, accepted) if has_draft else None
     return Canary(text, tokens, mal, drafts, accepted, time.monotonic() - started)
 
 
@@ -117,6 +121,45 @@ async def _landed(client: VLLMClient, before: Counters, tokens: int, has_draft: 
             moved = f"generation tokens +{after.generated - before.generated:g} of {tokens}, drafts +{after.drafts - before.drafts:g}"
             raise GateError("GET /metrics", f"counters did not take in the canary within {COUNTER_WAIT_S:g} s ({moved})")
         await asyncio.sleep(POLL_S)
+
+
+def mean_acceptance_length(drafts: float, accepted: float) -> Optional[float]:
+    """MAL = 1 + d(accepted) / d(drafts): tokens each verification step yields; None without drafts."""
+    return 1.0 + accepted / drafts if drafts > 0 else None
+
+
+class MidlifeWatch:
+    """The acceptance watch while an engine serves: MAL over the last `midlife_window_s` seconds of
+    traffic, judged like a canary against the cold-boot baseline. Pure bookkeeping over counter
+    samples (the engine scrapes, this counts), so the arithmetic is the canary's own."""
+
+    def __init__(self, gate: Gate):
+        self.gate = gate
+        self.collapsed = False
+        self.last_collapse: Optional[dict[str, Any]] = None  # kept across the restart that remedies it
+        self._samples: collections.deque[tuple[float, Counters]] = collections.deque()
+
+    def reset(self) -> None:
+        """A fresh process (or a verified wake): its counters and acceptance start over."""
+        self._samples.clear()
+        self.collapsed = False
+
+    def observe(self, now: float, counters: Counters, baseline_mal: float) -> tuple[Optional[float], list[str]]:
+        """Take one scrape: the window's MAL (None while it holds fewer than midlife_min_drafts
+        drafts) and what is wrong with it. `collapsed` follows; `last_collapse` records each new one."""
+        self._samples.append((now, counters))
+        while self._samples[0][0] < now - self.gate.midlife_window_s:
+            self._samples.popleft()
+        first = self._samples[0][1]
+        drafts = counters.drafts - first.drafts
+        if drafts < self.gate.midlife_min_drafts:
+            return None, []
+        mal = mean_acceptance_length(drafts, counters.accepted - first.accepted)
+        problems = acceptance_problems(baseline_mal, mal, self.gate)
+        if problems and not self.collapsed:
+            self.last_collapse = {"reason": "; ".join(problems), "observed_mal": mal, "at": time.time()}
+        self.collapsed = bool(problems)
+        return mal, problems
 
 
 def judge(baseline: Canary, observed: Canary, gate: Gate) -> Verdict:

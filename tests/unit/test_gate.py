@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from config.schema import Gate
-from engines.gate import Canary, acceptance_problems, judge, read_counters
+from engines.client import EngineError
+from engines.gate import Canary, Counters, MidlifeWatch, acceptance_problems, judge, read_counters
 
 EXPOSITION = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -89,3 +90,38 @@ def test_no_drafts_counted_after_a_wake_is_a_refusal_for_a_model_with_a_draft():
 def test_allow_keeps_the_numbers_and_says_what_was_overridden():
     v = judge(canary(mal=2.6), canary(mal=1.0), GATE).allowed()
     assert v.passed and v.result == "allowed" and v.observed_mal == 1.0 and v.reason.startswith("promoted despite: ")
+
+
+def test_text_that_is_not_prometheus_exposition_is_an_engine_error_with_the_text():
+    with pytest.raises(EngineError) as raised:
+        read_counters("vllm:x 1\nbroken None\n")
+    assert str(raised.value) == ("GET /metrics: the answer is not Prometheus text (could not convert string to float: "
+                                 "'None'): 'vllm:x 1\\nbroken None\\n'")
+
+
+def sample(drafts: float, accepted: float) -> Counters:
+    return Counters(generated=0, drafts=drafts, accepted=accepted, has_spec=True)
+
+
+def test_the_midlife_window_waits_for_enough_drafts_then_judges_like_the_canary():
+    watch = MidlifeWatch(Gate(midlife_window_s=60, midlife_min_drafts=100))
+    assert watch.observe(0, sample(0, 0), baseline_mal=3.0) == (None, [])
+    assert watch.observe(5, sample(50, 100), baseline_mal=3.0) == (None, []), "50 drafts are too few to judge"
+    mal, problems = watch.observe(10, sample(100, 200), baseline_mal=3.0)
+    assert (mal, problems, watch.collapsed) == (3.0, [], False)
+
+
+def test_a_collapse_in_the_window_is_flagged_once_and_remembered_after_a_reset():
+    watch = MidlifeWatch(Gate(midlife_window_s=10, midlife_min_drafts=100))
+    watch.observe(0, sample(0, 0), baseline_mal=3.0)
+    assert watch.observe(9, sample(100, 200), baseline_mal=3.0) == (3.0, [])  # healthy
+    watch.observe(12, sample(100, 200), baseline_mal=3.0)  # the draft is lost here; no traffic yet
+    # 200 new drafts, nothing accepted: the window (10 s) has slid past the healthy part.
+    mal, problems = watch.observe(20, sample(300, 200), baseline_mal=3.0)
+    assert mal == pytest.approx(1.0) and problems and watch.collapsed
+    collapse = watch.last_collapse
+    assert collapse["observed_mal"] == pytest.approx(1.0) and "the draft model looks lost" in collapse["reason"]
+    watch.observe(21, sample(400, 200), baseline_mal=3.0)
+    assert watch.last_collapse is collapse, "one collapse, one record"
+    watch.reset()  # the restart that remedies it
+    assert not watch.collapsed and watch.last_collapse is collapse
