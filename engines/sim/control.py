@@ -49,12 +49,13 @@ STEPS = (
     "reset_prefix_cache",
     "generate",
     "metrics",
+    "health",  # http500 here is vLLM's answer once its engine core has died under a live API server
 )
 FAULT_KINDS = ("crash", "hang", "http500", "malformed", "cut")
 BOOT_KINDS = ("crash", "hang", "http500")
 
 # Steps the router polls in a loop would bury the wake order the log exists for.
-UNLOGGED_STEPS = frozenset({"metrics", "boot"})
+UNLOGGED_STEPS = frozenset({"metrics", "health", "boot"})
 
 log = logging.getLogger("vllm.sim")
 

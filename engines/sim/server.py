@@ -196,6 +196,7 @@ class SimServer:
     # ---- OpenAI API ---------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
+        await self.control.enter("health")
         return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
