@@ -3,6 +3,10 @@
 The YAML is composed once into a node tree: the tree gives each key and value its line and
 column, and the same nodes are constructed into plain data. pydantic validates the data;
 its error locations (`('models', 1, 'sleep_level')`) are mapped back to node marks.
+
+In argv lists (`args`, `launcher`, `command`) a number, boolean or date is taken as the text
+written in the file: `[--gpu-memory-utilization, 0.85]` needs no quotes, and `0.10` stays
+`0.10` (YAML would make it the float 0.1).
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ Path_ = tuple[Any, ...]
 SECTIONS: dict[str, type[BaseModel]] = {"listen": Listen, "auth": Auth, "queue": Queue, "swap": Swap}
 TOP_LEVEL_KEYS = (*SECTIONS, "defaults", "models")
 SECRET_PATHS = (("auth", "admin_key"), ("auth", "api_keys"))
+ARGV_KEYS = ("args", "launcher", "command")
+# Scalars YAML would turn into something else than a string; in an argv list they keep their spelling.
+_TEXT_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("int", "float", "bool", "timestamp"))
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -83,6 +90,7 @@ class _Loader:
         self.issues: list[Issue] = []
         self.value_marks: dict[Path_, tuple[int, int]] = {}
         self.key_marks: dict[Path_, tuple[int, int]] = {}
+        self.scalar_text: dict[Path_, str] = {}  # non-string scalars as written, e.g. '0.10'
 
     # -- reporting -------------------------------------------------------------------
 
@@ -105,7 +113,7 @@ class _Loader:
     def load(self, text: str) -> Roster:
         data = self.parse_yaml(text)
         if not self.issues:
-            data = self.resolve_env(data, ())
+            data = self.resolve_env(self.keep_argv_spelling(data), ())
             roster = self.validate(data)
             if not self.issues and roster is not None:
                 return roster
@@ -155,6 +163,22 @@ class _Loader:
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
                 self.index(item, (*path, i))
+        elif node.tag in _TEXT_TAGS:
+            self.scalar_text[path] = node.value
+
+    def keep_argv_spelling(self, data: dict[str, Any]) -> dict[str, Any]:
+        """Numbers, booleans and dates in argv lists become the text the operator wrote."""
+        models = data.get("models")
+        holders: list[Path_] = [("defaults",), *(("models", i) for i in range(len(models) if isinstance(models, list) else 0))]
+        for base in holders:
+            holder = data.get(base[0]) if len(base) == 1 else models[base[1]]
+            if not isinstance(holder, dict):
+                continue
+            for key in ARGV_KEYS:
+                items = holder.get(key)
+                if isinstance(items, list):
+                    holder[key] = [self.scalar_text.get((*base, key, j), item) for j, item in enumerate(items)]
+        return data
 
     def resolve_env(self, value: Any, path: Path_) -> Any:
         if isinstance(value, dict):
@@ -228,6 +252,10 @@ class _Loader:
 
         def blame(loc: Path_) -> Path_:
             # An error in a merged value belongs to whoever wrote that value.
+            if loc[:1] == ("args",) and len(loc) > 1 and isinstance(loc[1], int) and "args" in defaults and "args" in entry:
+                # args append: the first items of the merged list are the defaults'.
+                n = len(_as_argv(defaults["args"]))
+                return ("defaults", *loc) if loc[1] < n else (*path, "args", loc[1] - n, *loc[2:])
             if _has_path(entry, loc) or not _has_path(defaults, loc):
                 return (*path, *loc)
             return ("defaults", *loc)

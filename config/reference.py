@@ -37,7 +37,8 @@ def _type(prop: dict[str, Any]) -> str:
         return "mapping"
     kind = prop.get("type", "any")
     if kind == "array":
-        return f"list of {_type(prop.get('items', {}))}"
+        items = prop.get("items", {})
+        return f"list of ({_type(items)})" if "anyOf" in items else f"list of {_type(items)}"
     if kind == "object":
         values = prop.get("additionalProperties")
         return f"mapping of {_type(values)}" if isinstance(values, dict) else "mapping"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import shlex
 import string
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
     AfterValidator,
@@ -49,6 +49,23 @@ def _argv(value: Any) -> Any:
     return value
 
 
+def _arg_text(value: Any) -> Any:
+    """One argv item: a number or boolean is taken as its text (`0.85`, `4096`, `true`).
+
+    `config.loader` already replaces such items with their spelling in the file (so `1e-3`
+    stays `1e-3`); this covers rosters built in Python, where a float becomes `str(value)`
+    and a boolean `true`/`false`, as YAML and JSON spell them.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, str):
+        return value
+    kind = {list: "a list", dict: "a mapping", type(None): "null"}.get(type(value), type(value).__name__)
+    raise ValueError(f"each item is one argument: a string, number or boolean (found {kind})")
+
+
 def _flag_name(arg: str) -> str:
     return arg.split("=", 1)[0]
 
@@ -69,7 +86,9 @@ def _output_check(value: str) -> str:
     raise ValueError("must be 'exact', 'off' or 'prefix:N' (N characters, N >= 1)")
 
 
-Argv = Annotated[list[str], BeforeValidator(_argv)]
+_Scalar = Union[str, float, bool]
+ArgvItem = Annotated[str, BeforeValidator(_arg_text, json_schema_input_type=_Scalar)]
+Argv = Annotated[list[ArgvItem], BeforeValidator(_argv, json_schema_input_type=Union[str, list[_Scalar]])]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
@@ -165,7 +184,9 @@ class ModelSpec(Section):
     launcher: Argv = Field(default_factory=lambda: list(DEFAULT_LAUNCHER), min_length=1,
                            description="argv prefix replacing `vllm serve` (another venv, a container wrapper).")
     args: Annotated[Argv, AfterValidator(_no_router_owned_flags)] = Field(
-        default_factory=list, description="Extra `vllm serve` flags (not the ones the router sets).")
+        default_factory=list,
+        description="Extra `vllm serve` flags (not the ones the router sets); a string is split like a shell, "
+        "a number or boolean is taken as written (`[--gpu-memory-utilization, 0.85]`).")
 
     @field_validator("url")
     @classmethod

@@ -104,9 +104,68 @@ def test_env_references_resolve_and_secrets_stay_out_of_the_printout():
     assert roster.redacted()["models"][0]["env"] == {"HF_TOKEN": "***", "CUDA_VISIBLE_DEVICES": "1"}
 
 
+def test_numbers_and_booleans_in_argv_lists_are_taken_as_written():
+    roster = load("""
+        defaults:
+          args: [--swap-space, 4]
+        models:
+          - name: a
+            model: /m/a
+            launcher: [python, -m, engines.sim, serve, --speed, 2.50]
+            args: [--gpu-memory-utilization, 0.85, --max-model-len, 4096, --enforce-eager, true,
+                   --x, 0.10, --y, 1.0e-3, --z, 1e-3, --w, 0x1F, --v, yes, --rev, 2024-01-01]
+          - name: b
+            command: [my-engine, --port, "{port}", --util, 0.9, --quiet, false]
+    """)
+    a, b = roster.models
+    assert a.launcher == ["python", "-m", "engines.sim", "serve", "--speed", "2.50"]
+    assert a.args == ["--swap-space", "4", "--gpu-memory-utilization", "0.85", "--max-model-len", "4096",
+                      "--enforce-eager", "true", "--x", "0.10", "--y", "1.0e-3", "--z", "1e-3", "--w", "0x1F",
+                      "--v", "yes", "--rev", "2024-01-01"]
+    assert b.command == ["my-engine", "--port", "{port}", "--util", "0.9", "--quiet", "false"]
+
+
+def test_numbers_in_argv_built_in_python_become_their_text():
+    from config.schema import ModelSpec
+
+    spec = ModelSpec(name="a", model="/m/a", args=["--gpu-memory-utilization", 0.85, "--n", 4096, "--b", True])
+    assert spec.args == ["--gpu-memory-utilization", "0.85", "--n", "4096", "--b", "true"]
+
+
+def test_the_schema_accepts_numbers_in_args():
+    schema = RosterFile.model_json_schema()
+    jsonschema.validate(yaml.safe_load("models: [{name: a, model: m, args: [--gpu-memory-utilization, 0.85, --n, 4]}]"), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(yaml.safe_load("models: [{name: a, model: m, args: [--x, [1]]}]"), schema)
+
+
+def test_an_error_in_appended_args_points_at_whoever_wrote_the_item():
+    found = errors("""
+        defaults:
+          args: [--a, "1", --b, "2"]
+        models:
+          - name: a
+            model: /m/a
+            args: [--c, {x: 1}]
+    """)
+    assert found == ["roster.yaml:7:17: models[0].args[1]: each item is one argument: a string, number or boolean (found a mapping)"]
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/a
+                args: [--max-model-len, [4096]]
+            """, "roster.yaml:5:29: models[0].args[1]: each item is one argument: a string, number or boolean (found a list)", id="nested-list-in-args"),
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/a
+                launcher: [vllm, {serve: 1}]
+            """, "roster.yaml:5:22: models[0].launcher[1]: each item is one argument: a string, number or boolean (found a mapping)", id="mapping-in-launcher"),
         pytest.param("""
             models:
               - name: a
