@@ -25,14 +25,17 @@ from pydantic import (
     model_validator,
 )
 
-# Flags the router composes itself; an operator setting them in `args` would fight it.
+# Flags the router composes itself, in the order it emits them; an operator setting them in
+# `args` would fight it. `engines.process.compose_argv` emits router-owned flags only by
+# walking this tuple (each with its value rule), so the two cannot drift apart.
 ROUTER_OWNED_FLAGS = (
     "--host",
     "--port",
+    "--served-model-name",
     "--enable-sleep-mode",
     "--speculative-config",
     "--worker-extension-cls",
-    "--served-model-name",
+    "--sleep-preserve-parameter-names",
 )
 
 DEFAULT_LAUNCHER = ("vllm", "serve")
@@ -67,7 +70,9 @@ def _arg_text(value: Any) -> Any:
 
 
 def _flag_name(arg: str) -> str:
-    return arg.split("=", 1)[0]
+    # vLLM's parser reads `--foo_bar` as `--foo-bar`, so compare in that spelling.
+    name = arg.split("=", 1)[0]
+    return name.replace("_", "-") if name.startswith("--") else name
 
 
 def _no_router_owned_flags(args: list[str]) -> list[str]:
@@ -236,7 +241,7 @@ class ModelSpec(Section):
     @classmethod
     def _stats_kept_for_gate(cls, args: list[str], info: ValidationInfo) -> list[str]:
         gate = info.data.get("gate")
-        if gate is not None and gate.enabled and "--disable-log-stats" in args:
+        if gate is not None and gate.enabled and any(_flag_name(a) == "--disable-log-stats" for a in args):
             raise ValueError(
                 "--disable-log-stats removes the spec-decode counters the gate reads; "
                 "drop it or set gate.enabled: false"
@@ -259,10 +264,12 @@ class ModelSpec(Section):
     def engine_api_key(self) -> Optional[str]:
         """The key the engine itself demands on /v1 (its `--api-key` or VLLM_API_KEY), for the router's own calls."""
         for i, arg in enumerate(self.args):
-            if arg == "--api-key" and i + 1 < len(self.args):
-                return self.args[i + 1]
-            if arg.startswith("--api-key="):
+            if _flag_name(arg) != "--api-key":
+                continue
+            if "=" in arg:
                 return arg.split("=", 1)[1]
+            if i + 1 < len(self.args):
+                return self.args[i + 1]
         return self.env.get("VLLM_API_KEY")
 
     @property

@@ -14,13 +14,31 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from config.schema import ModelSpec
+from config.schema import ROUTER_OWNED_FLAGS, ModelSpec
 
 WORKER_EXTENSION = "engines.vllm_ext.HotswapWorkerExtension"
 PRESERVE_DRAFT = "draft.*"
 TAIL_BYTES = 64 * 1024
+
+# The value of each router-owned flag for one engine: its arguments after the flag ([] for a bare
+# flag), or None to leave it out. compose_argv walks config.schema.ROUTER_OWNED_FLAGS (the list
+# `args` may not contain) and looks each flag up here, so it emits no flag outside that list, and
+# a flag added there without a rule here fails every compose_argv at once.
+FlagRule = Callable[[ModelSpec, int], Optional[list[str]]]
+ROUTER_FLAG_VALUES: dict[str, FlagRule] = {
+    "--host": lambda spec, port: ["127.0.0.1"],
+    "--port": lambda spec, port: [str(port)],
+    # Every alias is served too, so a request naming one passes through byte for byte.
+    "--served-model-name": lambda spec, port: list(spec.names),
+    "--enable-sleep-mode": lambda spec, port: [],
+    "--speculative-config": lambda spec, port: (
+        None if spec.speculative is None else [json.dumps(spec.speculative, separators=(",", ":"))]
+    ),
+    "--worker-extension-cls": lambda spec, port: [WORKER_EXTENSION] if spec.draft_restore == "reload" else None,
+    "--sleep-preserve-parameter-names": lambda spec, port: [PRESERVE_DRAFT] if spec.draft_restore == "preserve" else None,
+}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -35,14 +53,14 @@ def compose_argv(spec: ModelSpec, port: int) -> list[str]:
         fill = {"port": str(port), "model": spec.model or spec.name, "name": spec.name}
         return [_resolve_python(part.format(**fill)) if i == 0 else part.format(**fill) for i, part in enumerate(spec.command)]
     argv = [_resolve_python(spec.launcher[0]), *spec.launcher[1:], str(spec.model)]
-    # Every alias is served too, so a request naming one passes through byte for byte.
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", *spec.names, "--enable-sleep-mode"]
-    if spec.speculative is not None:
-        argv += ["--speculative-config", json.dumps(spec.speculative, separators=(",", ":"))]
-    if spec.draft_restore == "reload":
-        argv += ["--worker-extension-cls", WORKER_EXTENSION]
-    elif spec.draft_restore == "preserve":
-        argv += ["--sleep-preserve-parameter-names", PRESERVE_DRAFT]
+    for flag in ROUTER_OWNED_FLAGS:
+        try:
+            rule = ROUTER_FLAG_VALUES[flag]
+        except KeyError:
+            raise RuntimeError(f"router-owned flag {flag} has no value rule in engines.process.ROUTER_FLAG_VALUES") from None
+        value = rule(spec, port)
+        if value is not None:
+            argv += [flag, *value]
     return argv + list(spec.args)
 
 

@@ -139,6 +139,19 @@ def test_the_schema_accepts_numbers_in_args():
         jsonschema.validate(yaml.safe_load("models: [{name: a, model: m, args: [--x, [1]]}]"), schema)
 
 
+def test_flags_spelled_with_underscores_are_the_same_flags_to_vllm():
+    assert spec_with_args("--api_key", "k").engine_api_key == "k"
+    assert spec_with_args("--api_key=k").engine_api_key == "k"
+    with pytest.raises(ValueError, match="--disable-log-stats removes"):
+        spec_with_args("--disable_log_stats")
+
+
+def spec_with_args(*args: str):
+    from config.schema import ModelSpec
+
+    return ModelSpec(name="a", model="/m/a", args=list(args))
+
+
 def test_an_error_in_appended_args_points_at_whoever_wrote_the_item():
     found = errors("""
         defaults:
@@ -166,6 +179,12 @@ def test_an_error_in_appended_args_points_at_whoever_wrote_the_item():
                 model: /m/a
                 launcher: [vllm, {serve: 1}]
             """, "roster.yaml:5:22: models[0].launcher[1]: each item is one argument: a string, number or boolean (found a mapping)", id="mapping-in-launcher"),
+        pytest.param("""
+            models:
+              - name: a
+                model: /m/a
+                args: [--served_model_name, x]
+            """, "roster.yaml:5:11: models[0].args: --served-model-name is set by the router", id="router-owned-flag-underscores"),
         pytest.param("""
             models:
               - name: a
