@@ -140,6 +140,9 @@ class Swap(Section):
     idle_sleep_s: Optional[float] = Field(None, gt=0, description="Park an engine idle this long even if nobody waits.")
     drain_timeout_s: float = Field(30, ge=0, description="In-flight requests get this long before sleep aborts them.")
     boot_timeout_s: float = Field(900, gt=0, description="A cold boot must be healthy within this.")
+    kill_grace_s: float = Field(
+        15, gt=0, description="Stopping an engine (shutdown, restart, router death): SIGTERM to its process group, SIGKILL after this long."
+    )
     timeouts: StepTimeouts = Field(default_factory=StepTimeouts, description="Per-step limits; a step past its limit fails the engine.")
 
 

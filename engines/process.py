@@ -21,6 +21,10 @@ from config.schema import ROUTER_OWNED_FLAGS, ModelSpec
 WORKER_EXTENSION = "engines.vllm_ext.HotswapWorkerExtension"
 PRESERVE_DRAFT = "draft.*"
 TAIL_BYTES = 64 * 1024
+DEFAULT_KILL_GRACE_S = 15.0  # swap.kill_grace_s's default
+# The router waits this much longer than the reaper's grace before it SIGKILLs the group itself:
+# the reaper's own SIGKILL comes first unless the reaper is stuck.
+REAPER_MARGIN_S = 5.0
 
 # The value of each router-owned flag for one engine: its arguments after the flag ([] for a bare
 # flag), or None to leave it out. compose_argv walks config.schema.ROUTER_OWNED_FLAGS (the list
@@ -71,9 +75,10 @@ def _resolve_python(program: str) -> str:
 
 
 class EngineProcess:
-    def __init__(self, spec: ModelSpec, port: int, log_dir: Path):
+    def __init__(self, spec: ModelSpec, port: int, log_dir: Path, *, kill_grace_s: float = DEFAULT_KILL_GRACE_S):
         self.spec = spec
         self.port = port
+        self.kill_grace_s = kill_grace_s  # swap.kill_grace_s: SIGTERM, then SIGKILL after this long
         self.log_path = log_dir / f"{spec.name}.log"
         self.proc: Optional[asyncio.subprocess.Process] = None
         self._log_start = 0  # where this run's output begins in the (appended) log file
@@ -99,7 +104,7 @@ class EngineProcess:
 
     async def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "engines.reaper", "--", *self.argv]
+        argv = [sys.executable, "-m", "engines.reaper", "--grace-s", str(self.kill_grace_s), "--", *self.argv]
         header = f"=== hotswap {time.strftime('%Y-%m-%dT%H:%M:%S')}: starting {self.spec.name}: {' '.join(self.argv)}\n"
         # The engine writes its log file itself: its output never passes through the router's
         # event loop (vLLM logs a line per request), and the file outlives a router crash.
@@ -116,13 +121,21 @@ class EngineProcess:
         assert self.proc is not None
         return await self.proc.wait()
 
-    async def stop(self, grace_s: float = 15) -> Optional[int]:
-        """SIGTERM the engine's group, wait `grace_s`, then SIGKILL it."""
+    async def stop(self) -> Optional[int]:
+        """Stop the engine and everything below it; returns the reaper's exit code.
+
+        SIGTERM goes to the reaper, which SIGTERMs the engine's process group and SIGKILLs it
+        after `kill_grace_s`. Should the reaper itself not be done a little after that
+        (REAPER_MARGIN_S), the router SIGKILLs the group.
+        """
         if self.proc is None or self.proc.returncode is not None:
             return self.returncode
-        self._signal_group(signal.SIGTERM)
         try:
-            async with asyncio.timeout(grace_s):
+            self.proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            async with asyncio.timeout(self.kill_grace_s + REAPER_MARGIN_S):
                 return await asyncio.shield(self.wait())
         except TimeoutError:
             self._signal_group(signal.SIGKILL)

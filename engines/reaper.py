@@ -1,10 +1,11 @@
 """Run one engine command so that it cannot outlive the router.
 
-`python -m engines.reaper -- ARGV...` leads its own process group and asks Linux for SIGTERM
-when its parent (the router) dies for any reason, SIGKILL included. On SIGTERM, from the
-router's stop or from the parent-death signal, it stops the whole group: SIGTERM, a grace
-period, then SIGKILL. vLLM runs engine-core and worker processes below `vllm serve`; a
-parent-death signal on `vllm serve` alone would orphan them.
+`python -m engines.reaper --grace-s S -- ARGV...` leads its own process group and asks Linux
+for SIGTERM when its parent (the router) dies for any reason, SIGKILL included. On SIGTERM,
+from the router's stop or from the parent-death signal, it stops the whole group: SIGTERM,
+then SIGKILL after S seconds (the roster's `swap.kill_grace_s`; 15 when not given). vLLM runs
+engine-core and worker processes below `vllm serve`; a parent-death signal on `vllm serve`
+alone would orphan them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import sys
 import time
 
 PR_SET_PDEATHSIG = 1
-GRACE_S = float(os.environ.get("HOTSWAP_REAPER_GRACE_S", "10"))
+DEFAULT_GRACE_S = 15.0  # swap.kill_grace_s's default
+USAGE = "usage: python -m engines.reaper [--grace-s SECONDS] -- COMMAND [ARGS...]"
 
 
 def _die_with_parent(parent: int) -> None:
@@ -28,33 +30,57 @@ def _die_with_parent(parent: int) -> None:
         sys.exit(1)
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> tuple[float, list[str]]:
+    """`[--grace-s S] [--] COMMAND...` -> (grace, command); ValueError with the reason."""
+    grace = DEFAULT_GRACE_S
+    if argv[:1] == ["--grace-s"] or (argv and argv[0].startswith("--grace-s=")):
+        text = argv[0].partition("=")[2] if "=" in argv[0] else (argv[1] if len(argv) > 1 else "")
+        argv = argv[1:] if "=" in argv[0] else argv[2:]
+        try:
+            grace = float(text)
+        except ValueError:
+            raise ValueError(f"--grace-s needs a number of seconds, not {text!r}") from None
+        if not grace > 0:
+            raise ValueError(f"--grace-s must be > 0, not {text}")
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m engines.reaper -- COMMAND [ARGS...]", file=sys.stderr)
+        raise ValueError("no command given")
+    return grace, argv
+
+
+def main(argv: list[str]) -> int:
+    try:
+        grace_s, argv = parse_args(argv)
+    except ValueError as exc:
+        print(f"engines.reaper: {exc}\n{USAGE}", file=sys.stderr)
         return 2
     _die_with_parent(int(os.environ.get("HOTSWAP_REAPER_PARENT", os.getppid())))
     if os.getpgrp() != os.getpid():
         os.setpgid(0, 0)
-    try:
-        child = subprocess.Popen(argv)  # same process group: killpg reaches everything below
-    except OSError as exc:
-        print(f"hotswap: cannot start engine command {argv[0]!r}: {exc.strerror}", file=sys.stderr, flush=True)
-        return 127
     group = os.getpgrp()
     kill_at: list[float] = []
 
     def stop(signum: int, frame: object) -> None:
         # Only note the deadline here: the main loop does the waiting, since Popen's wait
         # lock is held by the wait() this handler interrupted.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # killpg below signals us too
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        kill_at.append(time.monotonic() + GRACE_S)
+        if kill_at:
+            return  # the killpg below signals us too
+        kill_at.append(time.monotonic() + grace_s)
         os.killpg(group, signal.SIGTERM)
 
+    # The handler is in place before the engine starts: a SIGTERM in between must not kill the
+    # reaper alone and leave the engine running. (Handled, not ignored: the engine would
+    # inherit an ignored SIGTERM.)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    try:
+        child = subprocess.Popen(argv)  # same process group: killpg reaches everything below
+    except OSError as exc:
+        print(f"hotswap: cannot start engine command {argv[0]!r}: {exc.strerror}", file=sys.stderr, flush=True)
+        return 127
+    if kill_at:  # stopped while the engine was starting: it may have missed the group's SIGTERM
+        os.killpg(group, signal.SIGTERM)
     while True:
         try:
             code = child.wait(timeout=0.05)

@@ -1,13 +1,24 @@
-"""Engine processes: the argv the router composes."""
+"""Engine processes: the argv the router composes, and how an engine is stopped (engines.reaper)."""
 
 from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
 import engines.process
 from config import RosterError, parse_roster
 from config.schema import ROUTER_OWNED_FLAGS, ModelSpec
-from engines.process import ROUTER_FLAG_VALUES, compose_argv
+from engines.process import REAPER_MARGIN_S, ROUTER_FLAG_VALUES, EngineProcess, compose_argv
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def spec(**fields) -> ModelSpec:
@@ -53,3 +64,91 @@ def test_a_router_owned_flag_without_a_value_rule_fails_loudly(monkeypatch):
     monkeypatch.setattr(engines.process, "ROUTER_OWNED_FLAGS", (*ROUTER_OWNED_FLAGS, "--new-flag"))
     with pytest.raises(RuntimeError, match="--new-flag has no value rule"):
         compose_argv(SPECS["reload"], 9000)
+
+
+# -- stopping: SIGTERM, then SIGKILL after swap.kill_grace_s ---------------------------------
+
+STUBBORN = textwrap.dedent("""
+    import os, signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("ready %d" % os.getpid(), flush=True)
+    while True:
+        time.sleep(1)
+""")
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for an init that does not reap counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_the_reaper_sigkills_a_child_that_ignores_sigterm_after_its_grace():
+    reaper = subprocess.Popen(
+        [sys.executable, "-m", "engines.reaper", "--grace-s", "0.5", "--", sys.executable, "-c", STUBBORN],
+        cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        line = reaper.stdout.readline()
+        assert line.startswith("ready "), line
+        child = int(line.split()[1])
+        started = time.monotonic()
+        reaper.send_signal(signal.SIGTERM)
+        reaper.wait(timeout=10)
+        took = time.monotonic() - started
+        assert reaper.returncode == -signal.SIGKILL  # its own killpg after the grace ends it too
+        assert 0.5 <= took < 5, took
+        wait_until(lambda: gone(child), 5, "the engine to be gone")
+    finally:
+        if reaper.poll() is None:
+            os.killpg(reaper.pid, signal.SIGKILL)
+            reaper.wait()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--grace-s", "0", "--", "true"], "--grace-s must be > 0"),
+    (["--grace-s", "soon", "--", "true"], "--grace-s needs a number of seconds"),
+    (["--grace-s", "1", "--"], "no command given"),
+])
+def test_the_reaper_refuses_a_bad_command_line(argv, message):
+    run = subprocess.run([sys.executable, "-m", "engines.reaper", *argv], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2 and message in run.stderr
+
+
+async def test_engine_process_stop_kills_after_the_configured_grace(tmp_path: Path):
+    model = ModelSpec(name="stubborn", command=["python", "-c", STUBBORN], port=9)
+    process = EngineProcess(model, 9, tmp_path, kill_grace_s=0.5)
+    await process.start()
+    try:
+        with open(f"/proc/{process.pid}/cmdline", "rb") as f:
+            reaper_argv = f.read().decode().split("\0")
+        assert reaper_argv[reaper_argv.index("--grace-s") + 1] == "0.5"
+        deadline = time.monotonic() + 30
+        while not any(line.startswith("ready ") for line in process.last_lines()):
+            assert time.monotonic() < deadline and process.returncode is None, process.last_lines()
+            await asyncio.sleep(0.02)
+        child = int(next(line for line in process.last_lines() if line.startswith("ready ")).split()[1])
+        started = time.monotonic()
+        code = await process.stop()
+        took = time.monotonic() - started
+        assert code == -signal.SIGKILL  # the reaper's own SIGKILL, after the grace
+        assert 0.5 <= took < 0.5 + REAPER_MARGIN_S, took
+        deadline = time.monotonic() + 5
+        while not gone(child):
+            assert time.monotonic() < deadline, "the engine outlived its stop"
+            await asyncio.sleep(0.02)
+    finally:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()

@@ -164,6 +164,13 @@ def test_an_error_in_appended_args_points_at_whoever_wrote_the_item():
     assert found == ["roster.yaml:7:17: models[0].args[1]: each item is one argument: a string, number or boolean (found a mapping)"]
 
 
+def test_kill_grace_is_one_roster_setting():
+    assert load(MINIMAL).swap.kill_grace_s == 15
+    assert load("swap: {kill_grace_s: 0.5}\n" + textwrap.dedent(MINIMAL)).swap.kill_grace_s == 0.5
+    assert errors("swap: {kill_grace_s: 0}\n" + textwrap.dedent(MINIMAL)) == [
+        "roster.yaml:1:22: swap.kill_grace_s: must be greater than 0 (found 0)"]
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [
