@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import yaml
 
@@ -15,6 +16,9 @@ from config import DEMO_ROSTER, Roster, RosterError, RosterFile, load_roster
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_ROSTER = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `cat` and friends cut off by `| head`
+
+T = TypeVar("T")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,9 +68,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    handler = {"serve": cmd_serve, "check": cmd_check, "schema": cmd_schema, "status": cmd_status}[args.command]
-    return handler(args)
+    args = _writing_stdout(build_parser().parse_args, argv)  # --help prints
+    if args.command == "serve":
+        return cmd_serve(args)  # logs to stderr: a broken pipe in there is a real error, not a reader gone
+    handler = {"check": cmd_check, "schema": cmd_schema, "status": cmd_status}[args.command]
+    return _writing_stdout(handler, args)
+
+
+def _writing_stdout(command: Callable[..., T], *args: Any) -> T:
+    """Run a command that prints to stdout. When the reader goes away (`hotswap schema | head -1`)
+    it ends quietly with exit 141, as a Unix tool killed by SIGPIPE does, not with a traceback."""
+    try:
+        try:
+            return command(*args)
+        finally:
+            sys.stdout.flush()  # here, not at exit, where a broken pipe is past catching
+    except BrokenPipeError:
+        # Python flushes stdout once more at exit: give that flush nowhere to fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        raise SystemExit(EXIT_BROKEN_PIPE) from None
 
 
 def _load(path: str) -> Optional[Roster]:
