@@ -104,9 +104,7 @@ class _Loader:
     def mark(self, path: Path_, *, at_key: bool = False) -> tuple[int, int]:
         if at_key and path in self.key_marks:
             return self.key_marks[path]
-        while path not in self.value_marks and path:
-            path = path[:-1]
-        return self.value_marks.get(path, (1, 1))
+        return _mark(self.value_marks, path)
 
     # -- stages ----------------------------------------------------------------------
 
@@ -216,7 +214,9 @@ class _Loader:
         self.check_across(raw_models, defaults, sections["listen"])
         if self.issues:
             return None
-        return Roster(source=self.source, models=models, **sections)
+        roster = Roster(source=self.source, models=models, **sections)
+        roster._located = Locations(self.value_marks, defaults, raw_models)
+        return roster
 
     def validate_model(self, cls: type[BaseModel], value: Any, path: Path_, blame=None) -> Any:
         if not isinstance(value, dict):
@@ -250,17 +250,7 @@ class _Loader:
             self.report(path, "must be a mapping with at least `name:` and one of model, command, url")
             return None
 
-        def blame(loc: Path_) -> Path_:
-            # An error in a merged value belongs to whoever wrote that value.
-            if loc[:1] == ("args",) and len(loc) > 1 and isinstance(loc[1], int) and "args" in defaults and "args" in entry:
-                # args append: the first items of the merged list are the defaults'.
-                n = len(_as_argv(defaults["args"]))
-                return ("defaults", *loc) if loc[1] < n else (*path, "args", loc[1] - n, *loc[2:])
-            if _has_path(entry, loc) or not _has_path(defaults, loc):
-                return (*path, *loc)
-            return ("defaults", *loc)
-
-        return self.validate_model(ModelSpec, merge_defaults(defaults, entry), path, blame)
+        return self.validate_model(ModelSpec, merge_defaults(defaults, entry), path, lambda loc: _blame(entry, defaults, index, loc))
 
     def check_across(self, entries: list[Any], defaults: dict[str, Any], listen: Optional[Listen]) -> None:
         """Names, ports and group defaults must be unique across models.
@@ -291,6 +281,43 @@ class _Loader:
             if merged.get("default") is True:
                 group = merged.get("group", "default")
                 claim(group_default, group, (*base, "default"), "group '{key}' already has its default model at {other}")
+
+
+@dataclass(frozen=True)
+class Locations:
+    """Where the parts of a loaded roster were written; `Roster.locate` asks it."""
+
+    marks: Mapping[Path_, tuple[int, int]]
+    defaults: Mapping[str, Any]
+    entries: list[Any]
+
+    def __call__(self, path: Path_) -> tuple[str, int, int]:
+        """(field, line, col) of `path` in the resolved roster: a model's key may have been written
+        in `defaults`; one nobody wrote (a schema default) is placed at its model."""
+        if len(path) > 2 and path[0] == "models" and isinstance(path[1], int) and path[1] < len(self.entries):
+            path = _blame(self.entries[path[1]], self.defaults, path[1], path[2:])
+        return format_field(path), *_mark(self.marks, path)
+
+
+def _blame(entry: Any, defaults: Mapping[str, Any], index: int, loc: Path_) -> Path_:
+    """Where a value of model `index` (at `loc` in the merged model) was written."""
+    here: Path_ = ("models", index, *loc)
+    if not isinstance(entry, dict):
+        return here
+    if loc[:1] == ("args",) and len(loc) > 1 and isinstance(loc[1], int) and "args" in defaults and "args" in entry:
+        # args append: the first items of the merged list are the defaults'.
+        n = len(_as_argv(defaults["args"]))
+        return ("defaults", *loc) if loc[1] < n else ("models", index, "args", loc[1] - n, *loc[2:])
+    if _has_path(entry, loc) or not _has_path(defaults, loc):
+        return here
+    return ("defaults", *loc)
+
+
+def _mark(marks: Mapping[Path_, tuple[int, int]], path: Path_) -> tuple[int, int]:
+    """The line and column of `path`, or of the nearest enclosing value that has one."""
+    while path not in marks and path:
+        path = path[:-1]
+    return marks.get(path, (1, 1))
 
 
 def merge_defaults(defaults: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import shlex
 import string
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 from pydantic import (
     AfterValidator,
@@ -19,6 +19,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
     create_model,
     field_validator,
@@ -316,6 +317,14 @@ class Roster(Section):
     queue: Queue
     swap: Swap
     models: list[ModelSpec]
+    _located: Optional[Callable[[tuple[Any, ...]], tuple[str, int, int]]] = PrivateAttr(None)  # config.loader.Locations
+
+    def locate(self, path: tuple[Any, ...]) -> Optional[tuple[str, int, int]]:
+        """Where `path` (e.g. `("models", 0, "launcher")`) was written in the roster file, as
+        (field, line, col), for messages in `file:line:col: field: message` form. A model's key
+        set in `defaults` is placed there; one nobody wrote, at its model. None for a roster
+        not loaded from YAML."""
+        return self._located(path) if self._located is not None else None
 
     def groups(self) -> dict[str, list[ModelSpec]]:
         out: dict[str, list[ModelSpec]] = {}

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import yaml
 
-from config import DEMO_ROSTER, Roster, RosterError, RosterFile, load_roster
+from config import DEMO_ROSTER, Issue, Roster, RosterError, RosterFile, load_roster
+from engines.process import compose_argv
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -47,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         "check",
         help="validate a roster and print it resolved",
         description="Validate a roster. Prints the resolved roster (defaults applied, secrets masked) "
-        "and exits 0, or prints every error as file:line:col: field: message and exits 2.",
+        "and exits 0, or prints every error as file:line:col: field: message and exits 2. "
+        "Warnings (an engine program not on PATH) go to stderr and leave the exit code 0.",
     )
     check.add_argument("--config", metavar="ROSTER.yaml", required=True)
 
@@ -107,7 +110,38 @@ def cmd_check(args: argparse.Namespace) -> int:
     if roster is None:
         return EXIT_BAD_ROSTER
     yaml.safe_dump(roster.redacted(), sys.stdout, sort_keys=False)
+    sys.stdout.flush()  # the roster, then the warnings, also when both go to one file
+    warnings = check_warnings(roster)
+    for warning in warnings:
+        print(warning, file=sys.stderr)
+    if warnings:
+        noun = "warning" if len(warnings) == 1 else "warnings"
+        print(f"{args.config}: {len(warnings)} {noun}; the roster is valid", file=sys.stderr)
     return EXIT_OK
+
+
+def check_warnings(roster: Roster) -> list[Issue]:
+    """What is valid but will not work here: a managed engine's program (launcher[0] or
+    command[0]) that is not on PATH. One warning per place in the file, so a launcher set in
+    `defaults` is reported once."""
+    found: dict[tuple[str, int, int], Issue] = {}
+    for i, model in enumerate(roster.models):
+        if not model.managed:
+            continue
+        key = "command" if model.command is not None else "launcher"
+        program = compose_argv(model, 0)[0]  # placeholders filled; python/python3 are the router's own
+        if shutil.which(program) is not None:
+            continue
+        written = (model.command or model.launcher)[0]
+        field, _, _ = roster.locate(("models", i, key)) or (f"models[{i}].{key}", 1, 1)
+        _, line, col = roster.locate(("models", i, key, 0)) or ("", 1, 1)
+        if os.sep in program:
+            message = f"{written!r} is not an executable file"
+        else:
+            what = "vLLM" if program == "vllm" else "it"
+            message = f"{written!r} is not on PATH (install {what} in this environment, or set {key} to its full path)"
+        found.setdefault((field, line, col), Issue(roster.source, line, col, field, message))
+    return sorted(found.values())
 
 
 def cmd_schema(args: argparse.Namespace) -> int:

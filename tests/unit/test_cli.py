@@ -69,3 +69,56 @@ def test_check_piped_into_head_prints_the_first_line_and_no_traceback(tmp_path: 
 def test_the_output_is_whole_when_nobody_leaves():
     run = subprocess.run([*HOTSWAP, "schema"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and json.loads(run.stdout)["title"] == "RosterFile"
+
+
+# -- check: valid, but will it run here? ---------------------------------------------------
+
+def test_check_warns_about_engine_programs_not_on_path_and_still_exits_0(tmp_path: Path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "my-engine").write_text("#!/bin/sh\n")
+    (bin_dir / "my-engine").chmod(0o755)
+    roster = tmp_path / "roster.yaml"
+    roster.write_text(
+        "models:\n"
+        "  - name: a\n"                                                 # 2
+        "    model: /m/a\n"                                             # default launcher: vllm
+        "  - name: b\n"                                                 # 4
+        "    model: /m/b\n"
+        "    launcher: [no-such-engine, serve]\n"                       # 6
+        "  - name: c\n"
+        "    command: [/nonexistent/engine, --port, '{port}']\n"        # 8
+        "  - name: d\n"
+        "    command: [my-engine, --port, '{port}']\n"                  # on PATH
+        "  - name: e\n"
+        "    model: /m/e\n"
+        "    launcher: [python, -m, engines.sim, serve]\n"              # the router's own python
+        "  - name: f\n"
+        "    url: http://127.0.0.1:9000\n"                              # not started by the router
+    )
+    run = subprocess.run([*HOTSWAP, "check", "--config", str(roster)], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PATH": str(bin_dir)})
+    assert run.returncode == 0
+    assert run.stderr.splitlines() == [
+        f"{roster}:2:5: models[0].launcher: 'vllm' is not on PATH (install vLLM in this environment, or set launcher to its full path)",
+        f"{roster}:6:16: models[1].launcher: 'no-such-engine' is not on PATH (install it in this environment, or set launcher to its full path)",
+        f"{roster}:8:15: models[2].command: '/nonexistent/engine' is not an executable file",
+        f"{roster}: 3 warnings; the roster is valid",
+    ]
+    assert "models:" in run.stdout
+
+
+def test_a_launcher_from_defaults_is_reported_once_where_it_is_written(tmp_path: Path):
+    roster = tmp_path / "roster.yaml"
+    roster.write_text("defaults:\n  launcher: [no-such-vllm, serve]\nmodels:\n  - {name: a, model: /m/a}\n  - {name: b, model: /m/b}\n")
+    run = subprocess.run([*HOTSWAP, "check", "--config", str(roster)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0
+    assert run.stderr.splitlines() == [
+        f"{roster}:2:14: defaults.launcher: 'no-such-vllm' is not on PATH (install it in this environment, or set launcher to its full path)",
+        f"{roster}: 1 warning; the roster is valid",
+    ]
+
+
+def test_check_of_the_demo_roster_warns_about_nothing():
+    run = subprocess.run([*HOTSWAP, "check", "--config", str(EXAMPLES / "demo.yaml")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stderr) == (0, "")

@@ -431,3 +431,21 @@ def test_schema_validates_every_example_and_rejects_a_typo():
         jsonschema.validate(yaml.safe_load(example.read_text()), schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"models": [{"name": "a", "model": "m", "sleep_levl": 1}]}, schema)
+
+
+def test_a_loaded_roster_knows_where_each_model_key_was_written():
+    text = """
+        defaults:
+          launcher: [my-vllm, serve]
+        models:
+          - name: a
+            model: /m/a
+          - name: b
+            model: /m/b
+            launcher: [other, serve]
+    """
+    roster = load(text)
+    assert roster.locate(("models", 0, "launcher", 0)) == ("defaults.launcher[0]", 3, 14)
+    assert roster.locate(("models", 1, "launcher")) == ("models[1].launcher", 9, 15)
+    assert roster.locate(("models", 1, "sleep_level")) == ("models[1].sleep_level", 7, 5)  # a schema default: at its model
+    assert roster == load(text)  # two loads of one file are still equal
