@@ -1,11 +1,11 @@
 """One engine's lifecycle as an explicit state machine (see DESIGN.md, "Engine states").
 
-    COLD -> BOOTING -> AWAKE -> DRAINING -> SLEEPING -> WAKING -> VERIFYING -> AWAKE
-    any step that fails, times out, or finds the process dead -> FAILED
-
 Only an AWAKE engine may be leased to client traffic: a vLLM engine that is asleep accepts
-generation requests and hangs them. Every transition goes through `_enter`, and every step
-of a sleep or wake through `_step`, so both are visible in one place (and to the observer).
+generation requests and hangs them. Every transition goes through `_enter`, which refuses
+any that `TRANSITIONS` does not list, and every step of a sleep or wake through `_step`, so
+both are visible in one place (and to the observer). The wake's steps are `engines.wake`'s.
+A failure, expected or not, leaves the engine FAILED with a message naming the step and the
+cause; the first failure's message is the one kept.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from engines import gate, wake
 from engines.client import EngineError, EngineRefused, VLLMClient
 from engines.process import EngineProcess, free_port
 
-HEALTH_POLL_S = 0.25
+HEALTH_POLL_S = 0.25  # how often a booting engine is asked; not a limit
+HEALTH_CALL_S = 5.0  # one /health call; the boot as a whole is bounded by swap.boot_timeout_s
 log = logging.getLogger("hotswap")
 
 
@@ -38,6 +39,20 @@ class State(str, enum.Enum):
     WAKING = "waking"
     VERIFYING = "verifying"
     FAILED = "failed"
+
+
+# Every transition an engine may make. COLD and FAILED are reachable from everywhere: stop() ends
+# any state, and anything can fail.
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.COLD: frozenset({State.BOOTING, State.FAILED}),
+    State.BOOTING: frozenset({State.AWAKE, State.FAILED, State.COLD}),
+    State.AWAKE: frozenset({State.DRAINING, State.FAILED, State.COLD}),
+    State.DRAINING: frozenset({State.SLEEPING, State.FAILED, State.COLD}),  # to COLD: a restart after its drain
+    State.SLEEPING: frozenset({State.WAKING, State.FAILED, State.COLD}),
+    State.WAKING: frozenset({State.VERIFYING, State.FAILED, State.COLD}),
+    State.VERIFYING: frozenset({State.AWAKE, State.FAILED, State.COLD}),  # to COLD: a refused gate's restart
+    State.FAILED: frozenset({State.COLD}),  # and only so: a restart goes through stop()
+}
 
 
 class EngineFailed(Exception):
@@ -87,16 +102,19 @@ class Engine:
         self.last_verdict: Optional[gate.Verdict] = None
         self.baseline: Optional[gate.Canary] = None  # from the first cold boot; kept across restarts
         self.restarts: collections.Counter[str] = collections.Counter()
-        self.needs_restart: Optional[str] = None  # set by the mid-life watch; the scheduler acts when idle
-        self.collapsed = False
+        self.needs_restart: Optional[str] = None
+        self.midlife = gate.MidlifeWatch(spec.gate)
         self.observed_mal: Optional[float] = None
-        self._acceptance: collections.deque[tuple[float, float, float]] = collections.deque()
+        self.watch_error: Optional[str] = None  # the acceptance watch's last failure to read the engine
         self.in_flight = 0
         self.last_used = time.monotonic()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._no_step = asyncio.Event()  # cleared while a sleep or wake step talks to the engine
+        self._no_step.set()
         self._stopping = False
         self._watch: Optional[asyncio.Task[None]] = None
+        self.probe: Optional[asyncio.Task[None]] = None  # engines.watch's health probe, one at a time
 
     # -- what the router reads -----------------------------------------------------------
 
@@ -108,6 +126,15 @@ class Engine:
     def serviceable(self) -> bool:
         """Booted and gated: awake, or parked and wakeable on demand."""
         return self.state in (State.AWAKE, State.DRAINING, State.SLEEPING, State.WAKING, State.VERIFYING)
+
+    @property
+    def has_draft(self) -> bool:
+        return self.spec.speculative is not None
+
+    @property
+    def phases(self) -> list[str]:
+        """The steps this engine's sleep and wake go through (for metrics that must exist up front)."""
+        return ["sleep", *wake.phases(self.spec.sleep_level, self.spec.draft_restore), "gate"]
 
     def last_log_lines(self, n: int = 20) -> list[str]:
         return self.process.last_lines(n) if self.process else []
@@ -139,37 +166,28 @@ class Engine:
     # -- transitions ---------------------------------------------------------------------
 
     def _enter(self, new: State, failure: Optional[str] = None) -> None:
-        old, self.state, self.since = self.state, new, time.monotonic()
-        self.failure = failure
+        old = self.state
+        if new not in TRANSITIONS[old]:
+            raise self._refuse_transition(old, new)
+        self.state, self.since, self.failure = new, time.monotonic(), failure
         if new is State.AWAKE:
             self.sleep_level = None
         self.observer.state_changed(self, old, new)
 
-    async def _step(self, phase: str, action: Callable[[float], Awaitable[Any]], timeout: Optional[float] = None) -> Any:
-        """Run one named step under its own timeout; record its duration; FAILED on any error."""
-        timeout = timeout if timeout is not None else getattr(self.swap.timeouts, phase)
-        started = time.monotonic()
-        try:
-            async with asyncio.timeout(timeout):
-                result = await action(timeout)
-        except (EngineError, TimeoutError, OSError) as exc:
-            seconds = time.monotonic() - started
-            self.last_phases[phase] = seconds
-            self.observer.step_done(self, phase, seconds, False)
-            cause = f"no answer within {timeout:.3g} s" if isinstance(exc, TimeoutError) else str(exc)
-            if isinstance(exc, EngineRefused):
-                await self._reap_briefly()  # so the message can say how the process ended
-            raise self._fail(f"{phase} failed: {cause}") from None
-        seconds = time.monotonic() - started
-        self.last_phases[phase] = seconds
-        self.observer.step_done(self, phase, seconds, True)
-        return result
+    def _refuse_transition(self, old: State, new: State) -> "EngineFailed":
+        cause = f"internal error: transition {old.value} -> {new.value} is not allowed"
+        if old is State.FAILED:  # e.g. the process died while a boot or wake was finishing: it stays FAILED
+            log.error("engine %s: %s; it stays failed: %s", self.name, cause, self.failure)
+            return EngineFailed(self.failure or f"engine {self.name}: {cause}")
+        log.error("engine %s: %s", self.name, cause, stack_info=True)
+        return self._fail(cause)
 
-    async def _reap_briefly(self, timeout: float = 2.0) -> None:
-        if self.process is not None and self.process.proc is not None:
-            await asyncio.wait({asyncio.ensure_future(self.process.wait())}, timeout=timeout)
+    def _fail(self, what: str) -> "EngineFailed":
+        """Enter FAILED with a message naming the engine, the step and the cause; log it once.
 
-    def _fail(self, what: str) -> EngineFailed:
+        An engine that is already FAILED keeps its first message: later errors are echoes of it."""
+        if self.state is State.FAILED:
+            return EngineFailed(self.failure or f"engine {self.name}: {what}")
         message = f"engine {self.name}: {what}"
         code = self.process.returncode if self.process else None
         if code is not None:
@@ -177,8 +195,47 @@ class Engine:
             lines = self.last_log_lines(8)
             if lines:
                 message += "; last log lines:\n  " + "\n  ".join(lines)
+        log.error("%s", message)
         self._enter(State.FAILED, message)
         return EngineFailed(message)
+
+    def fail(self, what: str) -> "EngineFailed":
+        """FAILED from outside (the scheduler's guard against its own internal errors)."""
+        return self._fail(what)
+
+    async def _step(self, phase: str, action: Callable[[float], Awaitable[Any]], timeout: Optional[float] = None) -> Any:
+        """Run one named step under its own timeout; record its duration; FAILED on any error."""
+        if self.state is State.FAILED:  # the process died between two steps
+            raise EngineFailed(self.failure or f"engine {self.name}: failed before {phase}")
+        timeout = timeout if timeout is not None else getattr(self.swap.timeouts, phase)
+        started = time.monotonic()
+        self._no_step.clear()
+        try:
+            async with asyncio.timeout(timeout):
+                result = await action(timeout)
+        except (EngineError, TimeoutError, OSError) as exc:
+            self._step_done(phase, started, False)
+            cause = f"no answer within {timeout:.3g} s" if isinstance(exc, TimeoutError) else str(exc)
+            if isinstance(exc, EngineRefused):
+                await self._reap_briefly()  # so the message can say how the process ended
+            raise self._fail(f"{phase} failed: {cause}") from None
+        except Exception as exc:  # a defect, ours or an answer nothing anticipated: contained to this engine
+            self._step_done(phase, started, False)
+            log.exception("engine %s: unexpected error in step %s", self.name, phase)
+            raise self._fail(f"{phase} failed: internal error: {exc!r} (traceback in the router log)") from None
+        finally:
+            self._no_step.set()
+        self._step_done(phase, started, True)
+        return result
+
+    def _step_done(self, phase: str, started: float, ok: bool) -> None:
+        self.last_phases[phase] = seconds = time.monotonic() - started
+        self.observer.step_done(self, phase, seconds, ok)
+
+    async def _reap_briefly(self) -> None:
+        # A crashed engine drops its connections a moment before its reaper reports the exit code.
+        if self.process is not None and self.process.proc is not None:
+            await asyncio.wait({asyncio.ensure_future(self.process.wait())}, timeout=self.swap.kill_grace_s)
 
     # -- boot --------------------------------------------------------------------------------
 
@@ -195,16 +252,20 @@ class Engine:
     async def _boot(self) -> None:
         self.last_phases = {}
         self._enter(State.BOOTING)
-        self.boot_deadline = time.monotonic() + self.swap.boot_timeout_s
+        self.boot_deadline = deadline = time.monotonic() + self.swap.boot_timeout_s
         started = time.monotonic()
-        if self.spec.managed:
-            await self._start_process()
-        assert self.client is not None
-        await self._wait_healthy()
+        client = await self._start_process() if self.spec.managed else self.client
+        if client is None:
+            raise self._fail("boot failed: no engine URL (internal error)")
+        await self._wait_healthy(client, deadline)
         try:
-            served = await self.client.served_models(timeout=30)
+            served = await client.served_models(timeout=max(0.1, deadline - time.monotonic()))
         except EngineError as exc:
             raise self._fail(f"boot failed: {exc}") from None
+        if self.spec.managed and self.spec.command is None and self.spec.name not in served:
+            # The router composed --served-model-name: someone else answered on this port.
+            raise self._fail(f"boot failed: port {self.port} is answered by an engine serving {served}, not "
+                             f"{self.spec.name!r} (another process took the port this engine was given)")
         self.served_names = frozenset(served)
         self.served_name = self.spec.name if self.spec.name in served or not served else served[0]
         self.last_phases["boot"] = time.monotonic() - started
@@ -216,11 +277,11 @@ class Engine:
         self._reset_acceptance_watch()
         self._enter(State.AWAKE)
 
-    async def _start_process(self) -> None:
+    async def _start_process(self) -> VLLMClient:
         if self.process is not None:
             await self.process.stop()
         self.port = self.spec.port or free_port()
-        self.process = EngineProcess(self.spec, self.port, self.log_dir)
+        self.process = EngineProcess(self.spec, self.port, self.log_dir, kill_grace_s=self.swap.kill_grace_s)
         self.client = VLLMClient(f"http://127.0.0.1:{self.port}", self.session, self.spec.engine_api_key)
         self._stopping = False
         try:
@@ -228,16 +289,16 @@ class Engine:
         except OSError as exc:
             raise self._fail(f"cannot start {self.process.argv[0]!r}: {exc}") from None
         self._watch = asyncio.create_task(self._watch_process(self.process), name=f"watch:{self.name}")
+        return self.client
 
-    async def _wait_healthy(self) -> None:
-        assert self.client is not None and self.boot_deadline is not None
+    async def _wait_healthy(self, client: VLLMClient, deadline: float) -> None:
         last_error = "no answer yet"
-        while time.monotonic() < self.boot_deadline:
+        while time.monotonic() < deadline:
             if self.process is not None and self.process.returncode is not None:
-                await self.process.wait()  # the last log lines explain why
+                await self._reap_briefly()  # the last log lines explain why
                 raise self._fail("exited during boot")
             try:
-                await self.client.health(timeout=min(5.0, max(0.1, self.boot_deadline - time.monotonic())))
+                await client.health(timeout=min(HEALTH_CALL_S, max(0.1, deadline - time.monotonic())))
                 return
             except EngineError as exc:
                 last_error = str(exc)
@@ -245,22 +306,31 @@ class Engine:
         raise self._fail(f"not healthy within boot_timeout_s={self.swap.boot_timeout_s:g} s (last: {last_error})")
 
     async def _watch_process(self, process: EngineProcess) -> None:
+        """Notice a death at once, in any state: a dead AWAKE engine must stop getting leases."""
         await process.wait()
-        if process is self.process and not self._stopping and self.state is not State.FAILED:
-            self._fail(f"process died unexpectedly in state {self.state.value}")
+        await self._no_step.wait()  # a step in progress reports the death itself, naming the step
+        if process is not self.process or self._stopping:
+            return
+        if self.state is State.FAILED:
+            log.error("engine %s: process exited with code %s (it had already failed)", self.name, process.returncode)
+            return
+        self._fail("exited during boot" if self.state is State.BOOTING else f"process died unexpectedly in state {self.state.value}")
 
     # -- sleep ---------------------------------------------------------------------------
 
-    async def sleep(self, level: Optional[int] = None) -> None:
-        """Stop leasing, let in-flight requests finish (bounded), then put vLLM to sleep."""
-        level = level or self.spec.sleep_level
+    async def _drain(self) -> bool:
+        """Stop leasing; let in-flight requests finish, up to drain_timeout_s. True if all did."""
         self._enter(State.DRAINING)
-        self.last_phases = {}
         started = time.monotonic()
-        # past the drain deadline the stragglers are cut, not waited on
-        mode = "wait" if await self.wait_idle(self.swap.drain_timeout_s) else "abort"
-        self.last_phases["drain"] = time.monotonic() - started
-        self.observer.step_done(self, "drain", self.last_phases["drain"], True)
+        idle = await self.wait_idle(self.swap.drain_timeout_s)
+        self._step_done("drain", started, True)
+        return idle
+
+    async def sleep(self, level: Optional[int] = None) -> None:
+        """Drain, then put vLLM to sleep (stragglers past the drain deadline are aborted)."""
+        level = level or self.spec.sleep_level
+        self.last_phases = {}
+        mode = "wait" if await self._drain() else "abort"
         await self._step("sleep", lambda t: self.client.sleep(level, mode, timeout=t))
         self.sleep_level = level
         self._enter(State.SLEEPING)
@@ -270,7 +340,7 @@ class Engine:
     async def wake(self) -> None:
         """The staged wake (engines.wake), then the promotion gate. AWAKE on success; FAILED (raised) otherwise."""
         if self.state is not State.SLEEPING:
-            raise self._fail(f"wake asked in state {self.state.value}, not sleeping (internal error)")
+            raise self._refuse_transition(self.state, State.WAKING)
         self.last_phases = {}
         self._enter(State.WAKING)
         for step in wake.steps(self.sleep_level or 2, self.spec.draft_restore):
@@ -290,15 +360,6 @@ class Engine:
             raise self._fail(f"gate refused promotion: {verdict.reason}")
 
     # -- the promotion gate ------------------------------------------------------------------
-
-    @property
-    def phases(self) -> list[str]:
-        """The steps this engine's sleep and wake go through (for metrics that must exist up front)."""
-        return ["sleep", *wake.phases(self.spec.sleep_level, self.spec.draft_restore), "gate"]
-
-    @property
-    def has_draft(self) -> bool:
-        return self.spec.speculative is not None
 
     async def _judged_canary(self) -> gate.Verdict:
         """Run the canary; the first one on a cold engine is its baseline, every later one is judged against it."""
@@ -323,49 +384,20 @@ class Engine:
             return verdict
         return gate.judge(self.baseline, canary, self.spec.gate)
 
-    # -- mid-life acceptance watch ----------------------------------------------------------
-
     def _reset_acceptance_watch(self) -> None:
-        self._acceptance.clear()
-        self.collapsed = False
-        self.needs_restart = None
-
-    async def watch_acceptance(self) -> None:
-        """Sample the spec-decode counters; flag a collapse over the sliding window (served traffic only)."""
-        if self.state is not State.AWAKE or not self.has_draft or self.baseline is None or self.baseline.mal is None:
-            return
-        counters = gate.read_counters(await self.client.metrics(timeout=5))
-        now = time.monotonic()
-        window = self._acceptance
-        window.append((now, counters.drafts, counters.accepted))
-        while window and window[0][0] < now - self.spec.gate.midlife_window_s:
-            window.popleft()
-        _, drafts0, accepted0 = window[0]
-        drafts = counters.drafts - drafts0
-        if drafts < self.spec.gate.midlife_min_drafts:
-            return
-        mal = 1 + (counters.accepted - accepted0) / drafts
-        self.observed_mal = mal
-        problems = gate.acceptance_problems(self.baseline.mal, mal, self.spec.gate)
-        if problems and not self.collapsed:
-            self.collapsed = True
-            reason = "; ".join(problems)
-            log.error("engine %s: acceptance collapsed while serving: %s", self.name, reason)
-            self.observer.midlife_collapse(self, mal, reason)
-            if self.spec.gate.on_midlife == "restart":
-                self.needs_restart = reason
-        elif not problems:
-            self.collapsed = False
+        self.midlife.reset()
+        self.needs_restart = None  # set by engines.watch on a mid-life collapse; the scheduler acts on it
 
     # -- stop and restart -------------------------------------------------------------------
 
     async def stop(self) -> None:
         self._stopping = True
-        self._enter(State.COLD)  # first: no lease may be handed out to a process that is going away
+        if self.state is not State.COLD:
+            self._enter(State.COLD)  # first: no lease may be handed out to a process that is going away
         if self.process is not None:
             await self.process.stop()
         if self._watch is not None:
-            await asyncio.wait({self._watch}, timeout=2)
+            await asyncio.gather(self._watch, return_exceptions=True)
 
     async def stop_after_failure(self) -> None:
         """Kill a FAILED engine's process (a broken engine must not hold GPU memory); stay FAILED."""
@@ -374,8 +406,10 @@ class Engine:
             await self.process.stop()
 
     async def restart(self, reason: str) -> None:
-        """Cold restart; the boot's canary is judged against the original baseline."""
+        """Cold restart, after a drain when awake; the boot's canary is judged against the original baseline."""
         self.restarts[reason] += 1
         self.observer.restarted(self, reason)
+        if self.state is State.AWAKE:
+            await self._drain()  # in-flight requests finish (bounded) before their process goes
         await self.stop()
         await self.boot()

@@ -13,11 +13,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from engines import wake
 from engines.engine import Engine, EngineFailed, Observer, State
 from engines.process import compose_argv
 from tests.support import eventually, pid_alive, sim_model, sim_roster
 
-WAKE_L2 = ["wake_weights", "reload_draft", "reload_weights", "wake_kv_cache", "reset_prefix_cache"]
+WAKE_L2 = wake.phases(2, "reload")
 
 
 class Recorder(Observer):
@@ -247,3 +248,97 @@ async def test_a_draft_reload_that_a_worker_did_not_do_fails_the_step(make_engin
     with pytest.raises(EngineFailed, match=r"engine a: reload_draft failed: POST /collective_rpc hotswap_reload_draft: "
                                            r"not every worker reloaded its draft: \[\{'reloaded': False"):
         await engine.wake()
+
+
+# -- failures are loud and contained ------------------------------------------------------------
+
+async def test_a_death_while_awake_stops_leases_and_is_logged_once_with_code_and_last_lines(make_engine, caplog):
+    engine = await make_engine(sim_model("a"))
+    await engine.boot()
+    os.kill((await sim(engine, "GET", "/sim/state"))["pid"], signal.SIGKILL)
+    await eventually(lambda: engine.state is State.FAILED, what="FAILED after the crash")
+    assert not engine.try_lease(), "a dead engine must not be leased"
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "engine a" in r.getMessage()]
+    assert len(errors) == 1, errors
+    assert "process died unexpectedly in state awake (process exited with code 137); last log lines:" in errors[0]
+
+
+async def test_a_death_while_asleep_is_logged_too(make_engine, caplog):
+    engine = await make_engine(sim_model("a"))
+    await engine.boot()
+    await engine.sleep()
+    os.kill((await sim(engine, "GET", "/sim/state"))["pid"], signal.SIGKILL)
+    await eventually(lambda: engine.state is State.FAILED, what="FAILED after the crash")
+    assert any("process died unexpectedly in state sleeping (process exited with code 137)" in r.getMessage()
+               for r in caplog.records if r.levelname == "ERROR")
+
+
+async def test_a_failed_engine_is_never_promoted_by_a_late_transition(make_engine, caplog):
+    # The race the table closes: the process dies (the watch marks FAILED) while a boot or wake
+    # is finishing; its final `AWAKE` must not resurrect the engine.
+    engine = await make_engine(sim_model("a"))
+    await engine.boot()
+    os.kill((await sim(engine, "GET", "/sim/state"))["pid"], signal.SIGKILL)
+    await eventually(lambda: engine.state is State.FAILED, what="FAILED after the crash")
+    failure = engine.failure
+    with pytest.raises(EngineFailed):
+        engine._enter(State.AWAKE)
+    assert engine.state is State.FAILED and engine.failure == failure, "the first failure's message is kept"
+    assert "transition failed -> awake is not allowed" in caplog.text
+
+
+async def test_a_transition_outside_the_table_fails_the_engine_as_an_internal_error(make_engine):
+    engine = await make_engine(sim_model("a"))
+    await engine.boot()
+    with pytest.raises(EngineFailed, match="engine a: internal error: transition awake -> waking is not allowed"):
+        await engine.wake()  # an awake engine has nothing to wake: a caller's defect, not a state to invent
+    assert engine.state is State.FAILED
+
+
+async def test_metrics_that_are_not_prometheus_text_fail_the_gate_with_a_reason(make_engine):
+    engine = await make_engine(sim_model("a", spec=True, args=("--sim-fault", "metrics=malformed")))
+    with pytest.raises(EngineFailed, match=r"engine a: gate failed: GET /metrics: the answer is not Prometheus text"):
+        await engine.boot()
+    assert engine.state is State.FAILED
+
+
+async def test_an_unexpected_exception_in_a_step_is_contained_to_the_engine(make_engine, monkeypatch, caplog):
+    engine = await make_engine(sim_model("a", spec=True))
+    await engine.boot()
+    await engine.sleep()
+
+    def broken(exposition: str):
+        raise RuntimeError("a defect in the counter reader")
+
+    monkeypatch.setattr("engines.gate.read_counters", broken)
+    with pytest.raises(EngineFailed, match=r"engine a: gate failed: internal error: RuntimeError\('a defect in the counter reader'\)"):
+        await engine.wake()
+    assert engine.state is State.FAILED and ("gate", False) in engine.observer.steps
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1 and "unexpected error in step gate" in tracebacks[0].getMessage()
+
+
+async def test_a_restart_of_the_awake_engine_drains_before_the_process_goes(make_engine):
+    engine = await make_engine(sim_model("a"))
+    await engine.boot()
+    first_pid = engine.process.pid
+    assert engine.try_lease()  # a request in flight
+    restart = asyncio.create_task(engine.restart("admin"))
+    await eventually(lambda: engine.state is State.DRAINING, what="draining")
+    assert not engine.try_lease(), "no new lease while draining for a restart"
+    assert engine.process.pid == first_pid and engine.process.returncode is None, "the in-flight request still has its engine"
+    engine.release()
+    await asyncio.wait_for(restart, 15)
+    assert engine.state is State.AWAKE and engine.process.pid != first_pid
+    assert engine.last_phases.get("boot") is not None
+
+
+async def test_an_engine_whose_port_another_engine_answers_fails_its_boot(make_engine, start_sim_engine):
+    # Two engines given the same free port: the one that loses the bind must not pass its boot
+    # (and record its baseline) on the other one's answers.
+    squatter = start_sim_engine(model="other")
+    engine = await make_engine(sim_model("a", port=squatter.port, args=("--sim-boot-s", "2")))
+    with pytest.raises(EngineFailed, match=rf"engine a: boot failed: port {squatter.port} is answered by an engine "
+                                           r"serving \['other'\], not 'a'"):
+        await engine.boot()
+    assert engine.baseline is None
