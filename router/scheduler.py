@@ -3,8 +3,10 @@
 Requests for the awake, promoted model are leased at once. Others wait in their model's
 queue. A swap to the model with the oldest waiter starts when the awake engine is idle, or
 when that waiter has waited `max_hold_s` (fairness), but never before the awake engine has
-been awake `min_active_s` (no thrash). All decisions are made by one loop per group
-(`_decide`), so there is never more than one swap in flight in a group.
+been awake `min_active_s` (no thrash). One loop per group asks `decide` what to do next and
+does it, so there is never more than one swap in flight in a group. Whatever goes wrong
+inside an action is contained to the engine it concerns: that engine is FAILED, its waiters
+get a 503, and the loop goes on serving the group's other models.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from typing import Awaitable, Callable, Optional
 
 from config.schema import Queue, Swap
 from engines.engine import Engine, EngineFailed, State
-from router.errors import ProxyError
+from router.errors import APIError
+from router.tasks import spawn
 
 log = logging.getLogger("hotswap")
 
 MAX_BACKOFF_S = 60.0
+# States an engine is only in while the group's loop drives it through an action.
+MID_TRANSITION = frozenset({State.BOOTING, State.DRAINING, State.WAKING, State.VERIFYING})
 
 
 @dataclass
@@ -44,20 +49,43 @@ class SwapRecord:
     error: Optional[str] = None
 
 
+@dataclass
+class Command:
+    """An admin action, run by the group's loop between decisions."""
+
+    engine: Engine
+    name: str
+    action: Callable[[], Awaitable[str]]
+    future: asyncio.Future[str]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the group's loop does next: an action on an engine, or wait (at most `wait_s`; None: until poked)."""
+
+    action: Optional[str] = None  # "swap" | "park" | "restart" | "failed"
+    engine: Optional[Engine] = None
+    why: str = ""
+    wait_s: Optional[float] = None
+
+
 class GroupScheduler:
-    def __init__(self, name: str, engines: list[Engine], swap: Swap, queue: Queue, on_swap=None):
+    def __init__(self, name: str, engines: list[Engine], swap: Swap, limits: Queue, on_swap=None,
+                 clock: Callable[[], float] = time.monotonic):
         self.name = name
         self.engines = engines
         self.swap = swap
-        self.queue = queue
+        self.limits = limits
         self.on_swap = on_swap or (lambda record: None)
-        self.queues: dict[str, collections.deque[Waiter]] = {e.name: collections.deque() for e in engines}
+        self.clock = clock
+        self.waiting: dict[str, collections.deque[Waiter]] = {e.name: collections.deque() for e in engines}
         self.active: Optional[Engine] = None
         self.booted = False
+        self.boot_done = asyncio.Event()
         self.failures: dict[str, int] = {e.name: 0 for e in engines}  # consecutive: drives the backoff
         self.retry_at: dict[str, float] = {}
         self.history: collections.deque[SwapRecord] = collections.deque(maxlen=20)
-        self._commands: collections.deque[tuple[Callable[[], Awaitable[str]], asyncio.Future[str]]] = collections.deque()
+        self._commands: collections.deque[Command] = collections.deque()
         self._poke = asyncio.Event()
         self._closing = False  # shutting down: no new requests; the queued ones are still served
         self._stopping = False
@@ -66,21 +94,21 @@ class GroupScheduler:
     # -- what handlers call ----------------------------------------------------------------
 
     async def acquire(self, engine: Engine) -> None:
-        """Return with a lease on `engine` (AWAKE, promoted), or raise a ProxyError."""
+        """Return with a lease on `engine` (AWAKE, promoted), or raise an APIError."""
         if self._closing:
-            raise ProxyError(503, "the router is shutting down; retry on another instance", "shutting_down", retry_after=5)
+            raise APIError(503, "the router is shutting down; retry on another instance", "shutting_down", retry_after=5)
         if engine is self.active and engine.try_lease():
             return
         self._refuse_if_backing_off(engine)
-        queue = self.queues[engine.name]
-        if len(queue) >= self.queue.max_waiting:
-            raise ProxyError(429, f"model '{engine.name}' has {len(queue)} requests waiting (queue.max_waiting); retry later",
-                             "queue_full", retry_after=self._expected_wait())
-        waiter = Waiter(engine, time.monotonic())
+        queue = self.waiting[engine.name]
+        if len(queue) >= self.limits.max_waiting:
+            raise APIError(429, f"model '{engine.name}' has {len(queue)} requests waiting (queue.max_waiting); retry later",
+                           "queue_full", retry_after=self._expected_wait())
+        waiter = Waiter(engine, self.clock())
         queue.append(waiter)
         self.poke()
         try:
-            await asyncio.wait({waiter.future}, timeout=self.queue.max_wait_s)
+            await asyncio.wait({waiter.future}, timeout=self.limits.max_wait_s)
         except asyncio.CancelledError:  # the client went away while waiting
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 self.release(engine)
@@ -88,9 +116,9 @@ class GroupScheduler:
             raise
         if not waiter.future.done():
             self._forget(waiter)
-            raise ProxyError(503, f"model '{engine.name}' did not become ready within queue.max_wait_s={self.queue.max_wait_s:g} s "
-                             f"(engine state: {engine.state.value})", "model_not_ready", retry_after=self._expected_wait())
-        waiter.future.result()  # raises the ProxyError a failed engine left for its waiters
+            raise APIError(503, f"model '{engine.name}' did not become ready within queue.max_wait_s={self.limits.max_wait_s:g} s "
+                           f"(engine state: {engine.state.value})", "model_not_ready", retry_after=self._expected_wait())
+        waiter.future.result()  # raises the APIError a failed engine left for its waiters
 
     def release(self, engine: Engine) -> None:
         engine.release()
@@ -105,7 +133,7 @@ class GroupScheduler:
         return self.history[-1] if self.history else None
 
     def queued(self, engine: Engine) -> int:
-        return len(self.queues[engine.name])
+        return len(self.waiting[engine.name])
 
     def close(self) -> None:
         """Refuse new requests (they may still arrive over kept-alive connections); serve those queued."""
@@ -113,124 +141,146 @@ class GroupScheduler:
 
     # -- admin actions: run by the group's loop between decisions, never beside a swap -------------
 
-    async def pre_warm(self, engine: Engine) -> str:
+    async def swap_in(self, engine: Engine) -> str:
         async def action() -> str:
             if engine is self.active and engine.state is State.AWAKE:
                 return "already awake"
             await self._swap_to(engine)
-            return self._outcome(engine, "awake")
-        return await self._command(action)
+            return self._outcome(engine)
+        return await self._command(engine, "swap", action)
 
-    async def park(self, engine: Engine) -> str:
+    async def sleep(self, engine: Engine) -> str:
         async def action() -> str:
             if engine is not self.active or engine.state is not State.AWAKE:
                 return f"not awake ({engine.state.value})"
             await self._park(engine, "on request")
-            return self._outcome(engine, "asleep")
-        return await self._command(action)
+            return self._outcome(engine)
+        return await self._command(engine, "sleep", action)
 
     async def restart(self, engine: Engine) -> str:
         async def action() -> str:
             if engine is self.active and engine.state is State.AWAKE:
-                await engine.wait_idle(self.swap.drain_timeout_s)
-                await self._restart_in_place(engine, "admin")
+                await self._restart_in_place(engine, "admin")  # drains first, like a sleep
             else:
                 await self._swap_to(engine, restart="admin")  # a cold boot needs the group's GPU: it becomes the active one
-            return self._outcome(engine, "restarted")
-        return await self._command(action)
+            return self._outcome(engine)
+        return await self._command(engine, "restart", action)
 
-    def _outcome(self, engine: Engine, success: str) -> str:
+    def _outcome(self, engine: Engine) -> str:
         if engine.state is State.FAILED:
-            raise ProxyError(503, f"model '{engine.name}' failed: {engine.failure}", "engine_failed")
-        return success
+            raise APIError(503, f"model '{engine.name}' failed: {engine.failure}", "engine_failed")
+        return engine.state.value
 
-    async def _command(self, action: Callable[[], Awaitable[str]]) -> str:
+    async def _command(self, engine: Engine, name: str, action: Callable[[], Awaitable[str]]) -> str:
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._commands.append((action, future))
+        self._commands.append(Command(engine, name, action, future))
         self.poke()
         return await future
 
-    @staticmethod
-    async def _run_command(action: Callable[[], Awaitable[str]], future: asyncio.Future[str]) -> None:
-        if future.done():  # the admin client gave up before its turn
+    async def _run_command(self, command: "Command") -> None:
+        if command.future.done():  # the admin client gave up before its turn
             return
         try:
-            future.set_result(await action())
-        except ProxyError as exc:
-            future.set_exception(exc)
+            result = await command.action()
+        except APIError as exc:
+            command.future.set_exception(exc)
+        except Exception as exc:  # a defect: the admin caller hears of it now, not at its own timeout
+            log.exception("group %s: internal error in admin %s %s", self.name, command.name, command.engine.name)
+            await self._defect(f"admin {command.name}", exc, command.engine)
+            if not command.future.done():
+                command.future.set_exception(APIError(500, f"admin {command.name} {command.engine.name} failed on an internal "
+                                                      f"error: {exc!r} (traceback in the router log)", "internal_error"))
+        else:
+            if not command.future.done():
+                command.future.set_result(result)
 
     # -- the loop ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"scheduler:{self.name}")
+        self._task = spawn(self._run(), f"scheduler:{self.name}")
 
     async def stop(self) -> None:
         self._stopping = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for queue in self.queues.values():
+        for queue in self.waiting.values():
             while queue:
-                self._fail(queue.popleft(), ProxyError(503, "the router is shutting down; retry on another instance",
-                                                       "shutting_down", retry_after=5))
+                self._fail(queue.popleft(), APIError(503, "the router is shutting down; retry on another instance",
+                                                     "shutting_down", retry_after=5))
 
     async def _run(self) -> None:
         await self._boot_all()
         while not self._stopping:
             self._poke.clear()
             if self._commands:
-                await self._run_command(*self._commands.popleft())
+                await self._run_command(self._commands.popleft())
                 continue
-            action, wait_s = self._decide(time.monotonic())
-            if action is not None:
-                await action
+            decision = self.decide(self.clock())
+            if decision.action is not None:
+                await self._act(decision)
                 continue
             try:
                 # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that
                 # lands as the poke completes, and stop() would then wait on this loop forever.
-                async with asyncio.timeout(wait_s):
+                async with asyncio.timeout(decision.wait_s):
                     await self._poke.wait()
             except TimeoutError:
                 pass
 
-    def _decide(self, now: float) -> tuple[Optional[Awaitable[None]], Optional[float]]:
-        """What to do next: (an action to await, or None and how long to wait at most)."""
+    def decide(self, now: float) -> Decision:
+        """What to do next. Grants leases to the awake engine's waiters on the way (no awaiting)."""
         active = self.active
-        if active is not None and active.state is not State.AWAKE:
-            self._engine_failed(active, active.failure or f"engine {active.name} left the awake state")
-            self.active = active = None
+        if active is not None and active.state is not State.AWAKE:  # e.g. its process died while serving
+            return Decision("failed", active, active.failure or f"engine {active.name} left the awake state")
         if active is not None:
-            if active.needs_restart and active.in_flight == 0:
-                log.warning("group %s: restarting %s while idle (mid-life acceptance collapse: %s)", self.name, active.name, active.needs_restart)
-                return self._restart_in_place(active, "midlife"), None
+            if active.needs_restart:
+                return Decision("restart", active, active.needs_restart)
             self._grant(active)
-        target, oldest = self._next_target()
+        target, oldest = self._next_target(now)
         if target is None:
             idle = self.swap.idle_sleep_s
             if active is not None and idle is not None and active.in_flight == 0:
                 idle_for = now - active.last_used
                 if idle_for >= idle and now - active.since >= self.swap.min_active_s:
-                    return self._park(active, f"idle for {idle_for:.0f} s"), None
-                return None, max(idle - idle_for, self.swap.min_active_s - (now - active.since), 0.01)
-            return None, None
+                    return Decision("park", active, f"idle for {idle_for:.0f} s")
+                return Decision(wait_s=max(idle - idle_for, self.swap.min_active_s - (now - active.since), 0.01))
+            return Decision()
         if active is None:
-            return self._swap_to(target), None
+            return Decision("swap", target)
         awake_for = now - active.since
         if awake_for < self.swap.min_active_s:
-            return None, self.swap.min_active_s - awake_for
+            return Decision(wait_s=self.swap.min_active_s - awake_for)
         if active.in_flight == 0 or now - oldest >= self.swap.max_hold_s:
-            return self._swap_to(target), None
-        return None, oldest + self.swap.max_hold_s - now
+            return Decision("swap", target)
+        return Decision(wait_s=oldest + self.swap.max_hold_s - now)
 
-    def _next_target(self) -> tuple[Optional[Engine], float]:
+    async def _act(self, decision: Decision) -> None:
+        engine = decision.engine
+        try:
+            if decision.action == "swap":
+                await self._swap_to(engine)
+            elif decision.action == "park":
+                await self._park(engine, decision.why)
+            elif decision.action == "restart":
+                log.warning("group %s: restarting %s now (mid-life acceptance collapse: %s); its requests wait",
+                            self.name, engine.name, decision.why)
+                await self._restart_in_place(engine, "midlife")
+            else:
+                await self._handle_failure(engine, decision.why)
+        except Exception as exc:  # a defect: contained to the engine the action concerned
+            log.exception("group %s: internal error during %s %s", self.name, decision.action, engine.name)
+            await self._defect(decision.action or "", exc, engine)
+
+    def _next_target(self, now: float) -> tuple[Optional[Engine], float]:
         """The model (other than the awake one) whose oldest waiter has waited longest."""
         best: Optional[Engine] = None
         best_since = float("inf")
         for engine in self.engines:
-            queue = self.queues[engine.name]
+            queue = self.waiting[engine.name]
             if engine is self.active or not queue:
                 continue
-            if self._backing_off(engine):
+            if self._backing_off(engine, now):
                 self._fail_waiters(engine, self._unavailable(engine))
                 continue
             if queue[0].since < best_since:
@@ -238,7 +288,7 @@ class GroupScheduler:
         return best, best_since
 
     def _grant(self, engine: Engine) -> None:
-        queue = self.queues[engine.name]
+        queue = self.waiting[engine.name]
         while queue and engine.try_lease():
             waiter = queue.popleft()
             if waiter.future.done():  # its client left; give the lease back
@@ -262,10 +312,15 @@ class GroupScheduler:
             except EngineFailed as exc:
                 await self._handle_failure(engine, str(exc))
                 continue
+            except Exception as exc:  # a defect: this engine fails, the others still boot
+                log.exception("group %s: internal error while booting %s", self.name, engine.name)
+                await self._defect("boot", exc, engine)
+                continue
             log.info("group %s: %s booted in %.1f s%s", self.name, engine.name, time.monotonic() - started,
                      "" if engine is default else f", asleep at level {engine.sleep_level}")
         self.active = default if default.state is State.AWAKE else None
         self.booted = True
+        self.boot_done.set()
         self.poke()
 
     async def _swap_to(self, target: Engine, restart: Optional[str] = None) -> None:
@@ -317,44 +372,61 @@ class GroupScheduler:
         steps = ", ".join(f"{k} {v:.2f}" for k, v in record.phases.items())
         if record.result == "ok":
             log.info("group %s: swap %s -> %s took %.2f s: %s", self.name, record.from_model, record.to_model, record.seconds, steps)
-        else:
-            log.error("group %s: swap %s -> %s failed after %.2f s: %s", self.name, record.from_model, record.to_model, record.seconds, record.error)
+        else:  # the engine has logged its failure in full; one line here ties it to the swap
+            log.error("group %s: swap %s -> %s failed after %.2f s: %s", self.name, record.from_model, record.to_model,
+                      record.seconds, (record.error or "").splitlines()[0])
         self.on_swap(record)
 
     # -- failures ------------------------------------------------------------------------------
 
     async def _handle_failure(self, engine: Engine, reason: str) -> None:
-        log.error("%s", reason)
+        self._count_failure(engine, reason)
         await engine.stop_after_failure()  # a broken engine must not keep holding the GPU
-        self._engine_failed(engine, reason)
 
-    def _engine_failed(self, engine: Engine, reason: str) -> None:
+    def _count_failure(self, engine: Engine, reason: str) -> None:
+        """One failure, counted once: the engine leaves the group's GPU, its waiters hear why at once."""
+        if engine is self.active:
+            self.active = None
         self.failures[engine.name] += 1
         n = self.failures[engine.name]
         # The first restart is immediate (the next request triggers it); repeats back off.
-        self.retry_at[engine.name] = time.monotonic() + (0 if n == 1 else min(MAX_BACKOFF_S, 2.0 ** (n - 2)))
-        self._fail_waiters(engine, ProxyError(503, f"model '{engine.name}' is unavailable: {reason}", "engine_failed",
-                                              retry_after=max(1.0, self.retry_at[engine.name] - time.monotonic())))
+        self.retry_at[engine.name] = self.clock() + (0 if n == 1 else min(MAX_BACKOFF_S, 2.0 ** (n - 2)))
+        self._fail_waiters(engine, APIError(503, f"model '{engine.name}' is unavailable: {reason}", "engine_failed",
+                                            retry_after=max(1.0, self.retry_at[engine.name] - self.clock())))
 
-    def _backing_off(self, engine: Engine) -> bool:
-        return engine.state is State.FAILED and time.monotonic() < self.retry_at.get(engine.name, 0)
+    async def _defect(self, what: str, exc: Exception, engine: Engine) -> None:
+        """After an unexpected exception (its traceback already logged): `engine`, and any engine
+        left mid-transition with nothing driving it any more, end FAILED, and their waiters get a 503."""
+        cause = f"internal error during {what}: {exc!r} (traceback in the router log)"
+        for e in self.engines:
+            if e.state is not State.FAILED and (e is engine or e.state in MID_TRANSITION):
+                self._count_failure(e, str(e.fail(cause)))
+                try:
+                    await e.stop_after_failure()
+                except Exception:
+                    log.exception("group %s: could not stop %s after an internal error", self.name, e.name)
+        if self.active is not None and self.active.state is not State.AWAKE:
+            self.active = None
+
+    def _backing_off(self, engine: Engine, now: float) -> bool:
+        return engine.state is State.FAILED and now < self.retry_at.get(engine.name, 0)
 
     def _refuse_if_backing_off(self, engine: Engine) -> None:
-        if self._backing_off(engine):
+        if self._backing_off(engine, self.clock()):
             raise self._unavailable(engine)
 
-    def _unavailable(self, engine: Engine) -> ProxyError:
-        wait = self.retry_at[engine.name] - time.monotonic()
-        return ProxyError(503, f"model '{engine.name}' is unavailable, restarting in {wait:.0f} s after "
-                          f"{self.failures[engine.name]} failures; last: {engine.failure}", "engine_failed", retry_after=wait)
+    def _unavailable(self, engine: Engine) -> APIError:
+        wait = self.retry_at[engine.name] - self.clock()
+        return APIError(503, f"model '{engine.name}' is unavailable, restarting in {wait:.0f} s after "
+                        f"{self.failures[engine.name]} failures; last: {engine.failure}", "engine_failed", retry_after=wait)
 
-    def _fail_waiters(self, engine: Engine, error: ProxyError) -> None:
-        queue = self.queues[engine.name]
+    def _fail_waiters(self, engine: Engine, error: APIError) -> None:
+        queue = self.waiting[engine.name]
         while queue:
             self._fail(queue.popleft(), error)
 
     @staticmethod
-    def _fail(waiter: Waiter, error: ProxyError) -> None:
+    def _fail(waiter: Waiter, error: APIError) -> None:
         if not waiter.future.done():
             waiter.future.set_exception(error)
 
@@ -362,7 +434,7 @@ class GroupScheduler:
         if not waiter.future.done():
             waiter.future.cancel()
         try:
-            self.queues[waiter.engine.name].remove(waiter)
+            self.waiting[waiter.engine.name].remove(waiter)
         except ValueError:
             pass
 
