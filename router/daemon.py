@@ -52,10 +52,18 @@ def run(roster: Roster, host: Optional[str] = None, port: Optional[int] = None, 
 
 
 async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
-    stop = asyncio.Event()
+    """Serve until SIGTERM/SIGINT; then drain and stop. A second signal while draining stops at
+    once: engines get SIGTERM, then SIGKILL after swap.kill_grace_s, and the exit code is 128+signal."""
     loop = asyncio.get_running_loop()
+    signals: list[int] = []
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal(sig: int) -> None:
+        signals.append(sig)
+        (force if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     loop.add_signal_handler(signal.SIGUSR1, log_tasks)
 
     # Control calls carry their own per-call timeouts; proxied generations may run long,
@@ -75,11 +83,27 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
         router.start()
         await stop.wait()
 
-        log.info("hotswap: stopping: no new connections or requests; draining in-flight and queued ones (up to %g s)",
-                 roster.swap.drain_timeout_s)
-        await site.stop()
-        await router.drain(roster.swap.drain_timeout_s)
-        await router.stop()
-        await runner.cleanup()
+        log.info("hotswap: stopping: no new connections or requests; draining in-flight and queued ones (up to %g s); "
+                 "a second signal stops at once", roster.swap.drain_timeout_s)
+        graceful = asyncio.create_task(_stop_gracefully(router, site, runner, roster.swap.drain_timeout_s))
+        forced = asyncio.create_task(force.wait())
+        await asyncio.wait({graceful, forced}, return_when=asyncio.FIRST_COMPLETED)
+        forced.cancel()
+        if not graceful.done():
+            graceful.cancel()
+            await asyncio.gather(graceful, return_exceptions=True)
+            log.warning("hotswap: second %s: stopping now; in-flight requests are cut, engines get SIGTERM "
+                        "and SIGKILL after %g s", signal.Signals(signals[-1]).name, roster.swap.kill_grace_s)
+            await router.stop()
+            log.info("hotswap: stopped")
+            return 128 + signals[-1]
+        await graceful
         log.info("hotswap: stopped")
     return 0
+
+
+async def _stop_gracefully(router: Router, site: web.TCPSite, runner: web.AppRunner, drain_s: float) -> None:
+    await site.stop()
+    await router.drain(drain_s)
+    await router.stop()
+    await runner.cleanup()

@@ -26,7 +26,7 @@ _TYPES = {
 }
 
 
-class ProxyError(Exception):
+class APIError(Exception):
     """Raised anywhere in request handling; rendered once, by the error middleware."""
 
     def __init__(self, status: int, message: str, code: str, *, param: Optional[str] = None, retry_after: Optional[float] = None):
@@ -56,5 +56,5 @@ def error_response(status: int, message: str, code: str, *, param: Optional[str]
 
 
 def sse_error(message: str, code: str) -> bytes:
-    """An error inside an SSE stream that has already started: the SDK raises it as APIError."""
+    """An error inside an SSE stream that has already started: the openai SDK raises it as its APIError."""
     return b"data: " + json.dumps(error_body(502, message, code)).encode() + b"\n\n"

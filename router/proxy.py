@@ -14,8 +14,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from engines import watch
 from engines.engine import Engine
-from router.errors import ProxyError, sse_error
+from router.errors import APIError, sse_error
 
 UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
 
@@ -24,15 +25,19 @@ async def forward(request: web.Request, session: aiohttp.ClientSession, engine: 
     if body["model"] not in engine.served_names:  # only attached engines that serve other names
         body["model"] = engine.served_name
         raw = json.dumps(body).encode()
-    assert engine.client is not None
+    client = engine.client
+    if client is None:  # a lease implies a started engine; say so rather than crash if that ever breaks
+        raise APIError(502, f"engine '{engine.name}' has no address yet", "engine_unreachable")
     try:
         # The client's Authorization is never forwarded; the engine gets its own key, if it has one.
-        headers = {"Content-Type": "application/json", **engine.client.headers}
-        upstream = await session.post(engine.client.base_url + path, data=raw, headers=headers, timeout=UPSTREAM_TIMEOUT)
+        headers = {"Content-Type": "application/json", **client.headers}
+        upstream = await session.post(client.base_url + path, data=raw, headers=headers, timeout=UPSTREAM_TIMEOUT)
     except aiohttp.ClientConnectorError as exc:
-        raise ProxyError(502, f"engine '{engine.name}' is unreachable: {exc.os_error or exc}", "engine_unreachable") from None
+        watch.suspect(engine, f"connect: {exc.os_error or exc}")
+        raise APIError(502, f"engine '{engine.name}' is unreachable: {exc.os_error or exc}", "engine_unreachable") from None
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        raise ProxyError(502, f"engine '{engine.name}' failed before answering: {exc!r}", "engine_error") from None
+        watch.suspect(engine, f"before answering: {exc!r}")
+        raise APIError(502, f"engine '{engine.name}' failed before answering: {exc!r}", "engine_error") from None
     try:
         content_type = upstream.headers.get("Content-Type", "application/json")
         if content_type.startswith("text/event-stream"):
@@ -40,7 +45,8 @@ async def forward(request: web.Request, session: aiohttp.ClientSession, engine: 
         try:
             payload = await upstream.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise ProxyError(502, f"engine '{engine.name}' failed while answering: {exc!r}", "engine_error") from None
+            watch.suspect(engine, f"while answering: {exc!r}")
+            raise APIError(502, f"engine '{engine.name}' failed while answering: {exc!r}", "engine_error") from None
         request["first_byte_at"] = time.monotonic()
         return web.Response(status=upstream.status, body=payload, headers={"Content-Type": content_type})
     finally:
@@ -63,6 +69,7 @@ async def _stream(request: web.Request, upstream: aiohttp.ClientResponse, engine
         pass
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, asyncio.TimeoutError) as exc:
         # Headers are gone already: the error travels in the stream, where the SDK raises it.
+        watch.suspect(engine, f"mid-stream: {exc!r}")
         await response.write(sse_error(f"engine '{engine.name}' failed mid-stream: {exc!r}", "engine_error"))
     await response.write_eof()
     return response
