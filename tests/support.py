@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import yaml
 
+import engines.wake
 from config import Roster, parse_roster
 
 SIM_LAUNCHER = ["python", "-m", "engines.sim", "serve"]
@@ -37,6 +38,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Hopeless(AssertionError):
+    """Polling cannot succeed any more (the router process has exited): fail now, not at the deadline."""
+
+
 async def eventually(check: Callable[[], Any], timeout: float = 10, interval: float = 0.02, what: str = "condition") -> Any:
     """Poll `check` (sync or async) until it returns something truthy, or fail after `timeout`."""
     deadline = time.monotonic() + timeout
@@ -48,6 +53,8 @@ async def eventually(check: Callable[[], Any], timeout: float = 10, interval: fl
                 value = await value
             if value:
                 return value
+        except Hopeless:
+            raise
         except Exception as exc:  # the thing polled may not be up yet
             last = exc
         await asyncio.sleep(interval)
@@ -63,6 +70,8 @@ def until(check: Callable[[], Any], timeout: float, what: str, interval: float =
             value = check()
             if value:
                 return value
+        except Hopeless:
+            raise
         except Exception as exc:  # the thing polled may not be up yet
             last = exc
         time.sleep(interval)
@@ -104,10 +113,13 @@ class RouterProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise Hopeless(f"the router exited with {self.proc.returncode}:\n{self.log()}")
+
     async def wait_ready(self, timeout: float = 30, session=None) -> None:
         async def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"router exited with {self.proc.returncode}:\n{self.log()}")
+            self.check_alive()
             async with aiohttp.ClientSession() as s, s.get(self.url + "/ready") as r:
                 return r.status == 200
 
@@ -119,6 +131,7 @@ class RouterProcess:
         await eventually(booted, timeout, interval=0.05, what="every group booted")
 
     async def status(self) -> dict[str, Any]:
+        self.check_alive()
         async with aiohttp.ClientSession() as s, s.get(self.url + "/admin/status", headers=self.admin_headers) as r:
             return await r.json()
 
@@ -143,7 +156,7 @@ class RouterProcess:
 
 def roster_dict(*models: dict[str, Any], **sections: Any) -> dict[str, Any]:
     swap = {"min_active_s": 0, "max_hold_s": 5, "drain_timeout_s": 5, "boot_timeout_s": 30,
-            "timeouts": {k: 5 for k in ("sleep", "wake_weights", "reload_draft", "reload_weights", "wake_kv_cache", "reset_prefix_cache", "gate")}}
+            "timeouts": {k: 5 for k in engines.wake.PHASES if k != "drain"}}
     swap.update(sections.pop("swap", {}))
     # A short canary keeps scenarios with slow simulated engines quick; 16 tokens still give the
     # simulator's acceptance accumulator enough drafts to land within 0.1 of its configured value.

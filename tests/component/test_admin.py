@@ -24,21 +24,21 @@ async def admin(router, action: str, model: str, key: str | None = None):
     return await http(router, "POST", f"/admin/{action}?model={model}", headers=headers)
 
 
-async def test_an_operator_can_pre_warm_park_and_restart_a_model(start_router):
+async def test_an_operator_can_swap_in_sleep_and_restart_a_model(start_router):
     router = await start_router(TWO)
     status, _, body = await admin(router, "swap", "b")
     assert status == 200 and body["result"] == "awake" and body["engine"]["state"] == "awake"
     assert (await router.engine("a"))["state"] == "sleeping"
-    # b has no draft restore: the pre-warm went through the gate, was refused, and was restarted
+    # b has no draft restore: the swap went through the gate, was refused, and was restarted
     assert body["engine"]["restarts_by_reason"] == {"gate": 1}
 
     assert (await admin(router, "swap", "b"))[2]["result"] == "already awake"
     status, _, body = await admin(router, "sleep", "b")
-    assert status == 200 and body["result"] == "asleep" and body["engine"]["sleep_level"] == 2
+    assert status == 200 and body["result"] == "sleeping" and body["engine"]["sleep_level"] == 2
     assert (await admin(router, "sleep", "b"))[2]["result"] == "not awake (sleeping)"
 
     status, _, body = await admin(router, "restart", "a")  # asleep: the cold boot makes it the awake one
-    assert status == 200 and body["result"] == "restarted" and body["engine"]["state"] == "awake"
+    assert status == 200 and body["result"] == "awake" and body["engine"]["state"] == "awake"
     assert body["engine"]["restarts_by_reason"] == {"admin": 1}
     first_pid = body["engine"]["pid"]
     status, _, body = await admin(router, "restart", "a")  # awake: restarted in place

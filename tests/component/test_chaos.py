@@ -5,7 +5,7 @@ of streaming and non-streaming requests across them, one fault aimed at b. Then:
   sent == answered + errored, every error is a well-formed OpenAI error, no request outlives
   its deadline, the models not hit keep answering, and b recovers.
 Set HOTSWAP_CHAOS_REPORT=path to append each scenario's counts (docs/reliability.md is built
-from them by bench/chaos_report.py).
+from them by bench/reliability_report.py).
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ import aiohttp
 import openai
 import pytest
 
+from engines import wake
 from tests.support import ask, client, eventually, roster_dict, sim_model
 
 DEADLINE_S = 20  # per request, client side; queue.max_wait_s in the roster is shorter
-WAKE_STEPS = ["wake_weights", "reload_draft", "reload_weights", "wake_kv_cache", "reset_prefix_cache"]
+WAKE_STEPS = wake.phases(2, "reload")
 
 
 def chaos_roster(b_extra=(), **b_kw) -> dict:
-    step_timeouts = {k: 1.5 for k in ("sleep", *WAKE_STEPS)}
+    step_timeouts = {k: 1.5 for k in ("sleep", *WAKE_STEPS)} | {"gate": 3}
     return roster_dict(
         sim_model("a", group="g1", default=True, args=("--sim-token-rate", "2000")),
         sim_model("b", group="g1", spec=True, args=("--sim-token-rate", "2000", *b_extra), **b_kw),
@@ -120,10 +121,10 @@ async def engine_port_and_pid(router, name: str) -> tuple[int, int]:
         return port, (await r.json())["pid"]
 
 
-async def inject(router, name: str, step: str, kind: str) -> None:
+async def inject(router, name: str, step: str, kind: str, times=1) -> None:
     port, _ = await engine_port_and_pid(router, name)
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://127.0.0.1:{port}/sim/faults", json={"step": step, "kind": kind, "times": 1}) as r:
+        async with s.post(f"http://127.0.0.1:{port}/sim/faults", json={"step": step, "kind": kind, "times": times}) as r:
             assert r.status == 200
 
 
@@ -162,6 +163,49 @@ async def test_a_fault_at_sleep_under_load(start_router, kind):
     await mixed_load(router, tally, models=("a", "c", "b"))
     tally.check(victims={"b"})
     await recovers(router, "b")
+    tally.report()
+
+
+# The gate reads /metrics around its canary: a broken read must fail the wake with a reason (not
+# leave b VERIFYING with a dead scheduler, as a parser error once did), and b recovers by restart.
+@pytest.mark.parametrize("kind, reason", [("malformed", "the answer is not Prometheus text"), ("http500", "HTTP 500"),
+                                          ("hang", "no answer within")])
+async def test_a_broken_metrics_read_at_the_gate_under_load(start_router, kind, reason):
+    router = await start_router(chaos_roster())
+    await inject(router, "b", "metrics", kind)
+    tally = Tally(f"/metrics {kind} at the gate")
+    await mixed_load(router, tally)
+    tally.check(victims={"b"})
+    await _failed_with(router, "b", "gate failed: GET /metrics", reason)
+    await recovers(router, "b")
+    tally.report()
+
+
+async def test_a_canary_answer_that_is_not_json_under_load(start_router):
+    router = await start_router(chaos_roster())  # b sleeps: its canary after the wake is the first generation
+    await inject(router, "b", "generate", "malformed")
+    tally = Tally("canary answers malformed JSON")
+    await mixed_load(router, tally)
+    tally.check(victims={"b"})
+    await _failed_with(router, "b", "gate failed: POST /v1/completions", "answer is not JSON")
+    await recovers(router, "b")
+    tally.report()
+
+
+async def test_a_stream_cut_mid_way_by_an_engine_whose_core_died_under_load(start_router):
+    router = await start_router(chaos_roster(b_extra=("--sim-token-rate", "500")))
+    await ask(client(router), "b")
+    # vLLM's API server outlives its engine core: streams break, /health answers 500.
+    await inject(router, "b", "generate", "cut", times=3)
+    await inject(router, "b", "health", "http500", times=None)
+    tally = Tally("200 stream cut mid-way (engine core dead)")
+    await mixed_load(router, tally, models=("b", "b", "c"))
+    tally.check(victims={"b"})
+    assert any(e.startswith("stream ") or e.startswith("502") for e in tally.errors), tally.errors
+    await recovers(router, "b")
+    b = await router.engine("b")
+    assert b["restarts_by_reason"].get("failed", 0) >= 1
+    assert "unhealthy after an answer broke off" in router.log()
     tally.report()
 
 
@@ -231,6 +275,13 @@ async def test_router_sigterm_under_load(start_router):
     # requests that came after SIGTERM were refused at once, never left to time out in a queue
     assert not any("model_not_ready" in e for e in tally.errors), tally.errors
     tally.report()
+
+
+async def _failed_with(router, name: str, *fragments: str) -> None:
+    """The victim ended FAILED, and the message it failed with (kept in the swap history) says why."""
+    swaps = [s for g in (await router.status())["groups"].values() for s in g["swaps"]]
+    errors = [s["error"] for s in swaps if s["to"] == name and s["result"] == "failed"]
+    assert any(all(f in e for f in fragments) for e in errors), errors
 
 
 async def _state_is(router, name, state) -> bool:

@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 
+import engines.wake
 from tests.support import RouterProcess, ask, client, direct, eventually, free_port, http, roster_dict, sim_model
 
 
@@ -33,7 +34,7 @@ async def test_alternating_requests_swap_in_order_and_all_succeed(start_router):
     group = status["groups"]["default"]
     assert group["active"] == "a" and group["last_swap"]["from"] == "b" and group["last_swap"]["result"] == "ok"
     # b booted, slept, then was woken twice with the five steps, and slept once in between
-    wake = ["wake_weights", "reload_draft", "reload_weights", "wake_kv_cache", "reset_prefix_cache"]
+    wake = engines.wake.phases(2, "reload")
     assert [s for s in await sim_log(router, "b") if s != "generate"] == ["sleep", *wake, "sleep", *wake, "sleep"]
 
 

@@ -34,8 +34,6 @@ class LiveRouter:
         """Until /ready answers 200 and every group has booted (each engine's baseline taken)."""
 
         def booted() -> Optional[dict[str, Any]]:
-            if self.proc.proc.poll() is not None:
-                raise AssertionError(f"router exited with {self.proc.proc.returncode}:\n{self.log_tail()}")
             status = self.status()
             return status if all(g["booted"] for g in status["groups"].values()) else None
 
@@ -88,6 +86,7 @@ class LiveRouter:
     # -- what the router shows -------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        self.proc.check_alive()
         code, body = http("GET", self.url + "/admin/status", timeout=30)
         assert code == 200, (code, body)
         for engine in self.engines(body).values():

@@ -1,0 +1,135 @@
+"""Failures are loud and contained: scenarios against the real router process and simulated engines."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from tests.support import RouterProcess, ask, client, eventually, http, pid_alive, roster_dict, sim_model
+
+
+async def sim_fault(router: RouterProcess, name: str, step: str, kind: str, times=1) -> None:
+    port = (await router.engine(name))["port"]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{port}/sim/faults", json={"step": step, "kind": kind, "times": times}) as r:
+            assert r.status == 200
+
+
+async def test_when_every_engine_fails_to_boot_the_log_says_so_plainly(tmp_path):
+    broken = ("--sim-fail-boot",)
+    router = RouterProcess(roster_dict(sim_model("a", args=broken), sim_model("b", args=broken)), tmp_path)
+    try:
+        await eventually(lambda: "boot finished" in router.log(), timeout=30, what="the end-of-boot summary")
+        log = router.log()
+        assert "boot finished: EVERY engine failed (2 of 2); nothing can be served and /ready answers 503" in log
+        summary = log[log.index("boot finished"):]
+        assert "  a: engine a: exited during boot (process exited with code 1)" in summary
+        assert "  b: engine b: exited during boot (process exited with code 1)" in summary
+        assert "simulated boot failure" in summary, "the reason, quoted from the engine's own log"
+        assert (await http(router, "GET", "/ready"))[0] == 503
+    finally:
+        assert router.stop() == 0
+
+
+async def test_a_partial_boot_names_the_engine_that_failed(start_router):
+    router = await start_router(roster_dict(sim_model("a", default=True), sim_model("b", args=("--sim-fail-boot",))))
+    await eventually(lambda: "boot finished" in router.log(), what="the end-of-boot summary")
+    assert "boot finished: 1 of 2 engines FAILED (b); serving the others." in router.log()
+    assert await ask(client(router), "a")
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+async def test_a_second_signal_while_draining_stops_at_once(tmp_path, sig, code):
+    slow = sim_model("a", args=("--sim-token-rate", "5"))  # a stream that would outlast any test
+    router = RouterProcess(roster_dict(slow, swap={"drain_timeout_s": 300}), tmp_path)
+    try:
+        await router.wait_ready()
+        stream = await client(router).completions.create(model="a", prompt="long", max_tokens=1000, stream=True)
+        await stream.__anext__()  # in flight: the drain would wait for it
+        engine_pid = (await router.engine("a"))["pid"]
+        router.proc.send_signal(sig)
+        await eventually(lambda: "a second signal stops at once" in router.log(), what="draining")
+        started = time.monotonic()
+        router.proc.send_signal(sig)
+        assert await asyncio.to_thread(router.proc.wait, 10) == code
+        assert time.monotonic() - started < 5
+        assert f"second {sig.name}: stopping now" in router.log()
+        await eventually(lambda: not pid_alive(engine_pid), what="the engine stopped with the router")
+        with pytest.raises(openai.APIError):
+            async for _ in stream:
+                pass
+    finally:
+        router.stop()
+
+
+async def test_a_midlife_collapse_under_steady_load_restarts_without_waiting_for_idle(start_router):
+    watched = sim_model("a", spec=True, default=True,
+                        gate={"on_midlife": "restart", "midlife_window_s": 2, "midlife_min_drafts": 20})
+    router = await start_router(roster_dict(watched, swap={"drain_timeout_s": 5}))
+    port = (await router.engine("a"))["port"]
+    async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/collective_rpc", json={"method": "hotswap_discard_draft"}) as r:
+        assert r.status == 200
+    c = client(router)
+    done = asyncio.Event()
+    answered, failed = [0], []
+
+    async def back_to_back() -> None:  # the load never lets the engine go idle
+        while not done.is_set():
+            try:
+                await ask(c, "a", max_tokens=24)
+                answered[0] += 1
+            except openai.APIError as exc:
+                failed.append(repr(exc))
+
+    clients = [asyncio.create_task(back_to_back()) for _ in range(4)]
+    try:
+        engine = await eventually(lambda: _restarted(router, "midlife"), timeout=30, what="a mid-life restart under load")
+    finally:
+        done.set()
+        await asyncio.gather(*clients)
+    assert not failed, f"requests failed across the restart: {failed[:3]}"
+    assert answered[0] > 0
+    collapse = engine["last_collapse"]
+    assert collapse is not None, "the collapse that caused the restart stays visible after it"
+    assert collapse["observed_mal"] < 1.5 and "below" in collapse["reason"] and collapse["at"] > 0
+    assert engine["collapsed"] is False and engine["restart_pending"] is None
+
+
+async def _restarted(router: RouterProcess, reason: str):
+    engine = await router.engine("a")
+    return engine if engine["restarts_by_reason"].get(reason) == 1 and engine["state"] == "awake" else None
+
+
+async def test_a_cut_stream_from_a_healthy_engine_errors_that_request_only(start_router):
+    router = await start_router(roster_dict(sim_model("a", default=True)))
+    await sim_fault(router, "a", "generate", "cut")
+    c = client(router)
+    stream = await c.completions.create(model="a", prompt="x", max_tokens=16, stream=True)
+    with pytest.raises(openai.APIError, match="engine 'a' failed mid-stream"):
+        async for _ in stream:
+            pass
+    await eventually(lambda: "/health answers ok, so it keeps serving" in router.log(), what="the health probe")
+    engine = await router.engine("a")
+    assert engine["state"] == "awake" and engine["restarts"] == 0, "one broken connection is no reason for a cold restart"
+    assert await ask(c, "a")
+
+
+async def test_a_cut_stream_from_an_engine_whose_core_died_fails_it_and_it_recovers(start_router):
+    router = await start_router(roster_dict(sim_model("a", default=True)))
+    first_pid = (await router.engine("a"))["pid"]
+    await sim_fault(router, "a", "generate", "cut")
+    await sim_fault(router, "a", "health", "http500", times=None)  # vLLM's API server up, its engine core dead
+    c = client(router)
+    stream = await c.completions.create(model="a", prompt="x", max_tokens=16, stream=True)
+    with pytest.raises(openai.APIError, match="engine 'a' failed mid-stream"):
+        async for _ in stream:
+            pass
+    await eventually(lambda: "unhealthy after an answer broke off" in router.log(), what="FAILED by the health probe")
+    assert await ask(c, "a"), "the next request restarts it"
+    engine = await router.engine("a")
+    assert engine["pid"] != first_pid and engine["restarts_by_reason"] == {"failed": 1}
