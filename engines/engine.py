@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable, Optional
 import aiohttp
 
 from config.schema import ModelSpec, Swap
-from engines import gate, wake
+from engines import gate, reaper, wake
 from engines.client import EngineError, EngineRefused, VLLMClient
 from engines.process import EngineProcess, free_port
 
@@ -233,9 +233,10 @@ class Engine:
         self.observer.step_done(self, phase, seconds, ok)
 
     async def _reap_briefly(self) -> None:
-        # A crashed engine drops its connections a moment before its reaper reports the exit code.
+        # A crashed engine drops its connections a moment before its reaper reports the exit
+        # code; an engine that only dropped a connection and lives on is not waited on longer.
         if self.process is not None and self.process.proc is not None:
-            await asyncio.wait({asyncio.ensure_future(self.process.wait())}, timeout=self.swap.kill_grace_s)
+            await asyncio.wait({asyncio.ensure_future(self.process.wait())}, timeout=reaper.REPORT_S)
 
     # -- boot --------------------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ import time
 
 PR_SET_PDEATHSIG = 1
 DEFAULT_GRACE_S = 15.0  # swap.kill_grace_s's default
+POLL_S = 0.05  # how often the reaper looks at its engine: it reports an exit within this
+REPORT_S = 20 * POLL_S  # what a caller may wait for that report once the engine's sockets dropped
 USAGE = "usage: python -m engines.reaper [--grace-s SECONDS] -- COMMAND [ARGS...]"
 
 
@@ -83,7 +85,7 @@ def main(argv: list[str]) -> int:
         os.killpg(group, signal.SIGTERM)
     while True:
         try:
-            code = child.wait(timeout=0.05)
+            code = child.wait(timeout=POLL_S)
             break
         except subprocess.TimeoutExpired:
             if kill_at and time.monotonic() > kill_at[0]:
