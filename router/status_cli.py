@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.request
 from typing import Any, Optional
@@ -37,6 +38,11 @@ def render(status: dict[str, Any]) -> str:
         for e in group["engines"]:
             if e["failure"]:
                 lines.append(f"  {e['name']} failed: {e['failure']}")
+            collapse = e.get("last_collapse")
+            if collapse:
+                at = time.strftime("%H:%M:%S", time.localtime(collapse["at"]))
+                lines.append(f"  {e['name']} last acceptance collapse at {at}: MAL {collapse['observed_mal']:.2f} "
+                             f"({collapse['reason']})")
     return "\n".join(lines)
 
 

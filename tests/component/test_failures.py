@@ -10,6 +10,7 @@ import aiohttp
 import openai
 import pytest
 
+from router.status_cli import render
 from tests.support import RouterProcess, ask, client, eventually, http, pid_alive, roster_dict, sim_model
 
 
@@ -98,6 +99,7 @@ async def test_a_midlife_collapse_under_steady_load_restarts_without_waiting_for
     assert collapse is not None, "the collapse that caused the restart stays visible after it"
     assert collapse["observed_mal"] < 1.5 and "below" in collapse["reason"] and collapse["at"] > 0
     assert engine["collapsed"] is False and engine["restart_pending"] is None
+    assert "a last acceptance collapse at " in render(await router.status()), "`hotswap status` shows it too"
 
 
 async def _restarted(router: RouterProcess, reason: str):
@@ -105,14 +107,18 @@ async def _restarted(router: RouterProcess, reason: str):
     return engine if engine["restarts_by_reason"].get(reason) == 1 and engine["state"] == "awake" else None
 
 
-async def test_a_cut_stream_from_a_healthy_engine_errors_that_request_only(start_router):
-    router = await start_router(roster_dict(sim_model("a", default=True)))
-    await sim_fault(router, "a", "generate", "cut")
-    c = client(router)
+async def a_stream_that_breaks_off(c: openai.AsyncOpenAI) -> None:
     stream = await c.completions.create(model="a", prompt="x", max_tokens=16, stream=True)
     with pytest.raises(openai.APIError, match="engine 'a' failed mid-stream"):
         async for _ in stream:
             pass
+
+
+async def test_a_cut_stream_from_a_healthy_engine_errors_that_request_only(start_router):
+    router = await start_router(roster_dict(sim_model("a", default=True)))
+    await sim_fault(router, "a", "generate", "cut")
+    c = client(router)
+    await a_stream_that_breaks_off(c)
     await eventually(lambda: "/health answers ok, so it keeps serving" in router.log(), what="the health probe")
     engine = await router.engine("a")
     assert engine["state"] == "awake" and engine["restarts"] == 0, "one broken connection is no reason for a cold restart"
@@ -125,10 +131,7 @@ async def test_a_cut_stream_from_an_engine_whose_core_died_fails_it_and_it_recov
     await sim_fault(router, "a", "generate", "cut")
     await sim_fault(router, "a", "health", "http500", times=None)  # vLLM's API server up, its engine core dead
     c = client(router)
-    stream = await c.completions.create(model="a", prompt="x", max_tokens=16, stream=True)
-    with pytest.raises(openai.APIError, match="engine 'a' failed mid-stream"):
-        async for _ in stream:
-            pass
+    await a_stream_that_breaks_off(c)
     await eventually(lambda: "unhealthy after an answer broke off" in router.log(), what="FAILED by the health probe")
     assert await ask(c, "a"), "the next request restarts it"
     engine = await router.engine("a")
