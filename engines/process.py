@@ -118,7 +118,8 @@ class EngineProcess:
             )
 
     async def wait(self) -> int:
-        assert self.proc is not None
+        if self.proc is None:
+            raise RuntimeError(f"engine {self.spec.name}: wait() before start()")
         return await self.proc.wait()
 
     async def stop(self) -> Optional[int]:
@@ -142,7 +143,8 @@ class EngineProcess:
             return await self.wait()
 
     def _signal_group(self, sig: int) -> None:
-        assert self.proc is not None
+        if self.proc is None:
+            return
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
