@@ -16,9 +16,9 @@ import aiohttp
 from aiohttp import web
 
 from config.schema import Roster
+from engines import watch
 from engines.client import EngineError
 from engines.engine import Engine, Observer, State
-from engines import watch
 from engines.gate import Verdict
 from router import handlers
 from router.auth import auth_middleware

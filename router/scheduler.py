@@ -20,12 +20,12 @@ from typing import Awaitable, Callable, Optional
 
 from config.schema import Queue, Swap
 from engines.engine import Engine, EngineFailed, State
+from router.backoff import Backoff
 from router.errors import APIError
 from router.tasks import spawn
 
 log = logging.getLogger("hotswap")
 
-MAX_BACKOFF_S = 60.0
 # States an engine is only in while the group's loop drives it through an action.
 MID_TRANSITION = frozenset({State.BOOTING, State.DRAINING, State.WAKING, State.VERIFYING})
 
@@ -82,8 +82,7 @@ class GroupScheduler:
         self.active: Optional[Engine] = None
         self.booted = False
         self.boot_done = asyncio.Event()
-        self.failures: dict[str, int] = {e.name: 0 for e in engines}  # consecutive: drives the backoff
-        self.retry_at: dict[str, float] = {}
+        self.backoff = Backoff([e.name for e in engines], clock)
         self.history: collections.deque[SwapRecord] = collections.deque(maxlen=20)
         self._commands: collections.deque[Command] = collections.deque()
         self._poke = asyncio.Event()
@@ -99,7 +98,8 @@ class GroupScheduler:
             raise APIError(503, "the router is shutting down; retry on another instance", "shutting_down", retry_after=5)
         if engine is self.active and engine.try_lease():
             return
-        self._refuse_if_backing_off(engine)
+        if self.backoff.waiting(engine, self.clock()):
+            raise self.backoff.unavailable(engine)
         queue = self.waiting[engine.name]
         if len(queue) >= self.limits.max_waiting:
             raise APIError(429, f"model '{engine.name}' has {len(queue)} requests waiting (queue.max_waiting); retry later",
@@ -280,8 +280,8 @@ class GroupScheduler:
             queue = self.waiting[engine.name]
             if engine is self.active or not queue:
                 continue
-            if self._backing_off(engine, now):
-                self._fail_waiters(engine, self._unavailable(engine))
+            if self.backoff.waiting(engine, now):
+                self._fail_waiters(engine, self.backoff.unavailable(engine))
                 continue
             if queue[0].since < best_since:
                 best, best_since = engine, queue[0].since
@@ -348,7 +348,7 @@ class GroupScheduler:
             self._record(SwapRecord(self.name, old.name if old else None, target.name, "failed", time.monotonic() - started, phases, error=str(exc)))
             return
         phases.update(target.last_phases)
-        self.failures[target.name] = 0
+        self.backoff.succeeded(target.name)
         self.active = target
         self._grant(target)
         self._record(SwapRecord(self.name, old.name if old else None, target.name, "ok", time.monotonic() - started, phases))
@@ -387,12 +387,9 @@ class GroupScheduler:
         """One failure, counted once: the engine leaves the group's GPU, its waiters hear why at once."""
         if engine is self.active:
             self.active = None
-        self.failures[engine.name] += 1
-        n = self.failures[engine.name]
-        # The first restart is immediate (the next request triggers it); repeats back off.
-        self.retry_at[engine.name] = self.clock() + (0 if n == 1 else min(MAX_BACKOFF_S, 2.0 ** (n - 2)))
+        delay = self.backoff.failed(engine.name)
         self._fail_waiters(engine, APIError(503, f"model '{engine.name}' is unavailable: {reason}", "engine_failed",
-                                            retry_after=max(1.0, self.retry_at[engine.name] - self.clock())))
+                                            retry_after=max(1.0, delay)))
 
     async def _defect(self, what: str, exc: Exception, engine: Engine) -> None:
         """After an unexpected exception (its traceback already logged): `engine`, and any engine
@@ -407,18 +404,6 @@ class GroupScheduler:
                     log.exception("group %s: could not stop %s after an internal error", self.name, e.name)
         if self.active is not None and self.active.state is not State.AWAKE:
             self.active = None
-
-    def _backing_off(self, engine: Engine, now: float) -> bool:
-        return engine.state is State.FAILED and now < self.retry_at.get(engine.name, 0)
-
-    def _refuse_if_backing_off(self, engine: Engine) -> None:
-        if self._backing_off(engine, self.clock()):
-            raise self._unavailable(engine)
-
-    def _unavailable(self, engine: Engine) -> APIError:
-        wait = self.retry_at[engine.name] - self.clock()
-        return APIError(503, f"model '{engine.name}' is unavailable, restarting in {wait:.0f} s after "
-                        f"{self.failures[engine.name]} failures; last: {engine.failure}", "engine_failed", retry_after=wait)
 
     def _fail_waiters(self, engine: Engine, error: APIError) -> None:
         queue = self.waiting[engine.name]

@@ -44,7 +44,7 @@ def engine_status(router: "Router", e: Engine) -> dict[str, Any]:
         "last_phases": {k: round(v, 4) for k, v in e.last_phases.items()},
         "last_verdict": e.last_verdict.as_dict() if e.last_verdict else None,
         "verdicts": [v.as_dict() for v in reversed(router.verdicts[e.name])],
-        "failures": router.scheduler(e).failures[e.name],
+        "failures": router.scheduler(e).backoff.failures[e.name],
         "restarts": sum(e.restarts.values()),
         "restarts_by_reason": dict(e.restarts),
         "baseline_mal": e.baseline.mal if e.baseline else None,

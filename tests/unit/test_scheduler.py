@@ -12,7 +12,8 @@ import pytest
 from config.schema import Queue, Swap
 from engines.engine import EngineFailed, State
 from router.errors import APIError
-from router.scheduler import MAX_BACKOFF_S, Decision, GroupScheduler, Waiter
+from router.backoff import MAX_BACKOFF_S
+from router.scheduler import Decision, GroupScheduler, Waiter
 
 
 class Clock:
@@ -142,7 +143,7 @@ async def test_an_awake_engine_that_died_is_handled_as_a_failure_and_its_waiters
     decision = scheduler.decide(clock.now)
     assert decision == Decision("failed", a, a.failure)
     await scheduler._act(decision)
-    assert scheduler.active is None and a.stopped == 1 and scheduler.failures["a"] == 1
+    assert scheduler.active is None and a.stopped == 1 and scheduler.backoff.failures["a"] == 1
     with pytest.raises(APIError) as raised:
         waiter.future.result()
     assert raised.value.status == 503 and "process died unexpectedly" in raised.value.message
@@ -164,14 +165,14 @@ async def test_repeated_failures_back_off_and_the_first_retry_is_immediate(clock
     expected = [0, 1, 2, 4, 8, 16, 32, MAX_BACKOFF_S, MAX_BACKOFF_S]
     for n, delay in enumerate(expected, 1):
         scheduler._count_failure(b, "boom")
-        assert scheduler.failures["b"] == n
-        assert scheduler.retry_at["b"] - clock.now == delay
-    assert scheduler._backing_off(b, clock.now)
+        assert scheduler.backoff.failures["b"] == n
+        assert scheduler.backoff.retry_at["b"] - clock.now == delay
+    assert scheduler.backoff.waiting(b, clock.now)
     with pytest.raises(APIError, match="restarting in 60 s after 9 failures") as raised:
-        scheduler._refuse_if_backing_off(b)
+        await scheduler.acquire(b)
     assert raised.value.status == 503 and raised.value.retry_after == MAX_BACKOFF_S
     clock.now += MAX_BACKOFF_S
-    assert not scheduler._backing_off(b, clock.now)
+    assert not scheduler.backoff.waiting(b, clock.now)
 
 
 async def test_waiters_of_a_model_that_is_backing_off_are_failed_not_swapped_to(clock):
@@ -194,7 +195,7 @@ async def test_a_failure_of_the_active_engine_is_counted_once(clock):
     await scheduler._handle_failure(a, a.failure)
     assert scheduler.active is None
     assert scheduler.decide(clock.now) == Decision(), "the loop must not count the same failure again"
-    assert scheduler.failures["a"] == 1 and scheduler.retry_at["a"] == clock.now
+    assert scheduler.backoff.failures["a"] == 1 and scheduler.backoff.retry_at["a"] == clock.now
 
 
 async def test_a_defect_inside_an_action_fails_that_engine_and_the_loop_goes_on(clock, caplog):
