@@ -180,10 +180,11 @@ class Engine:
             log.error("engine %s: %s; it stays failed: %s", self.name, cause, self.failure)
             return EngineFailed(self.failure or f"engine {self.name}: {cause}")
         log.error("engine %s: %s", self.name, cause, stack_info=True)
-        return self._fail(cause)
+        return self.fail(cause)
 
-    def _fail(self, what: str) -> "EngineFailed":
+    def fail(self, what: str) -> "EngineFailed":
         """Enter FAILED with a message naming the engine, the step and the cause; log it once.
+        Public: the scheduler's guard against its own defects and engines.watch use it too.
 
         An engine that is already FAILED keeps its first message: later errors are echoes of it."""
         if self.state is State.FAILED:
@@ -198,10 +199,6 @@ class Engine:
         log.error("%s", message)
         self._enter(State.FAILED, message)
         return EngineFailed(message)
-
-    def fail(self, what: str) -> "EngineFailed":
-        """FAILED from outside (the scheduler's guard against its own internal errors)."""
-        return self._fail(what)
 
     async def _step(self, phase: str, action: Callable[[float], Awaitable[Any]], timeout: Optional[float] = None) -> Any:
         """Run one named step under its own timeout; record its duration; FAILED on any error."""
@@ -218,11 +215,11 @@ class Engine:
             cause = f"no answer within {timeout:.3g} s" if isinstance(exc, TimeoutError) else str(exc)
             if isinstance(exc, EngineRefused):
                 await self._reap_briefly()  # so the message can say how the process ended
-            raise self._fail(f"{phase} failed: {cause}") from None
+            raise self.fail(f"{phase} failed: {cause}") from None
         except Exception as exc:  # a defect, ours or an answer nothing anticipated: contained to this engine
             self._step_done(phase, started, False)
             log.exception("engine %s: unexpected error in step %s", self.name, phase)
-            raise self._fail(f"{phase} failed: internal error: {exc!r} (traceback in the router log)") from None
+            raise self.fail(f"{phase} failed: internal error: {exc!r} (traceback in the router log)") from None
         finally:
             self._no_step.set()
         self._step_done(phase, started, True)
@@ -257,15 +254,15 @@ class Engine:
         started = time.monotonic()
         client = await self._start_process() if self.spec.managed else self.client
         if client is None:
-            raise self._fail("boot failed: no engine URL (internal error)")
+            raise self.fail("boot failed: no engine URL (internal error)")
         await self._wait_healthy(client, deadline)
         try:
             served = await client.served_models(timeout=max(0.1, deadline - time.monotonic()))
         except EngineError as exc:
-            raise self._fail(f"boot failed: {exc}") from None
+            raise self.fail(f"boot failed: {exc}") from None
         if self.spec.managed and self.spec.command is None and self.spec.name not in served:
             # The router composed --served-model-name: someone else answered on this port.
-            raise self._fail(f"boot failed: port {self.port} is answered by an engine serving {served}, not "
+            raise self.fail(f"boot failed: port {self.port} is answered by an engine serving {served}, not "
                              f"{self.spec.name!r} (another process took the port this engine was given)")
         self.served_names = frozenset(served)
         self.served_name = self.spec.name if self.spec.name in served or not served else served[0]
@@ -274,7 +271,7 @@ class Engine:
         self.boot_deadline = None
         verdict = await self._judged_canary()
         if not verdict.passed:
-            raise self._fail(f"gate refused promotion after a cold boot: {verdict.reason}")
+            raise self.fail(f"gate refused promotion after a cold boot: {verdict.reason}")
         self._reset_acceptance_watch()
         self._enter(State.AWAKE)
 
@@ -288,7 +285,7 @@ class Engine:
         try:
             await self.process.start()
         except OSError as exc:
-            raise self._fail(f"cannot start {self.process.argv[0]!r}: {exc}") from None
+            raise self.fail(f"cannot start {self.process.argv[0]!r}: {exc}") from None
         self._watch = asyncio.create_task(self._watch_process(self.process), name=f"watch:{self.name}")
         return self.client
 
@@ -297,14 +294,14 @@ class Engine:
         while time.monotonic() < deadline:
             if self.process is not None and self.process.returncode is not None:
                 await self._reap_briefly()  # the last log lines explain why
-                raise self._fail("exited during boot")
+                raise self.fail("exited during boot")
             try:
                 await client.health(timeout=min(HEALTH_CALL_S, max(0.1, deadline - time.monotonic())))
                 return
             except EngineError as exc:
                 last_error = str(exc)
             await asyncio.sleep(HEALTH_POLL_S)
-        raise self._fail(f"not healthy within boot_timeout_s={self.swap.boot_timeout_s:g} s (last: {last_error})")
+        raise self.fail(f"not healthy within boot_timeout_s={self.swap.boot_timeout_s:g} s (last: {last_error})")
 
     async def _watch_process(self, process: EngineProcess) -> None:
         """Notice a death at once, in any state: a dead AWAKE engine must stop getting leases."""
@@ -315,7 +312,7 @@ class Engine:
         if self.state is State.FAILED:
             log.error("engine %s: process exited with code %s (it had already failed)", self.name, process.returncode)
             return
-        self._fail("exited during boot" if self.state is State.BOOTING else f"process died unexpectedly in state {self.state.value}")
+        self.fail("exited during boot" if self.state is State.BOOTING else f"process died unexpectedly in state {self.state.value}")
 
     # -- sleep ---------------------------------------------------------------------------
 
@@ -358,7 +355,7 @@ class Engine:
             await self.restart("gate")
             self.last_phases = {**wake_phases, "restart": time.monotonic() - started}
         else:
-            raise self._fail(f"gate refused promotion: {verdict.reason}")
+            raise self.fail(f"gate refused promotion: {verdict.reason}")
 
     # -- the promotion gate ------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ from config.schema import ROUTER_OWNED_FLAGS, ModelSpec
 WORKER_EXTENSION = "engines.vllm_ext.HotswapWorkerExtension"
 PRESERVE_DRAFT = "draft.*"
 TAIL_BYTES = 64 * 1024
-DEFAULT_KILL_GRACE_S = 15.0  # swap.kill_grace_s's default
 # The router waits this much longer than the reaper's grace before it SIGKILLs the group itself:
 # the reaper's own SIGKILL comes first unless the reaper is stuck.
 REAPER_MARGIN_S = 5.0
@@ -75,7 +74,7 @@ def _resolve_python(program: str) -> str:
 
 
 class EngineProcess:
-    def __init__(self, spec: ModelSpec, port: int, log_dir: Path, *, kill_grace_s: float = DEFAULT_KILL_GRACE_S):
+    def __init__(self, spec: ModelSpec, port: int, log_dir: Path, *, kill_grace_s: float):
         self.spec = spec
         self.port = port
         self.kill_grace_s = kill_grace_s  # swap.kill_grace_s: SIGTERM, then SIGKILL after this long
