@@ -25,6 +25,8 @@ from pydantic import BaseModel, ValidationError
 from config.schema import (
     IDENTITY_KEYS,
     Auth,
+    Gpu,
+    Host,
     Listen,
     ModelDefaults,
     ModelSpec,
@@ -34,8 +36,8 @@ from config.schema import (
 )
 
 Path_ = tuple[Any, ...]
-SECTIONS: dict[str, type[BaseModel]] = {"listen": Listen, "auth": Auth, "queue": Queue, "swap": Swap}
-TOP_LEVEL_KEYS = (*SECTIONS, "defaults", "models")
+SECTIONS: dict[str, type[BaseModel]] = {"listen": Listen, "auth": Auth, "queue": Queue, "swap": Swap, "host": Host}
+TOP_LEVEL_KEYS = (*SECTIONS, "gpus", "defaults", "models")
 SECRET_PATHS = (("auth", "admin_key"), ("auth", "api_keys"))
 ARGV_KEYS = ("args", "launcher", "command")
 # Scalars YAML would turn into something else than a string; in an argv list they keep their spelling.
@@ -205,6 +207,7 @@ class _Loader:
             if key not in TOP_LEVEL_KEYS:
                 self.report((key,), _unknown_key(key, TOP_LEVEL_KEYS), at_key=True)
         sections = {name: self.validate_model(cls, data.get(name) or {}, (name,)) for name, cls in SECTIONS.items()}
+        gpus = self.validate_gpus(data.get("gpus"))
         defaults = self.check_defaults(data.get("defaults") or {})
         raw_models = data.get("models")
         if not isinstance(raw_models, list) or not raw_models:
@@ -214,7 +217,7 @@ class _Loader:
         self.check_across(raw_models, defaults, sections["listen"])
         if self.issues:
             return None
-        roster = Roster(source=self.source, models=models, **sections)
+        roster = Roster(source=self.source, models=models, gpus=gpus, **sections)
         roster._located = Locations(self.value_marks, defaults, raw_models)
         return roster
 
@@ -229,6 +232,22 @@ class _Loader:
                 where = (blame or (lambda loc: (*path, *loc)))(err["loc"])
                 self.report(where, _message(err, cls, err["loc"]), at_key=err["type"] == "extra_forbidden")
             return None
+
+    def validate_gpus(self, value: Any) -> Optional[list[Gpu]]:
+        if value is None:
+            return None
+        if not isinstance(value, list) or not value:
+            self.report(("gpus",), "must be a list of {index: N, memory_gb: GB}, one per GPU (or leave it out to discover them)")
+            return None
+        gpus = []
+        for i, entry in enumerate(value):
+            gpu = self.validate_model(Gpu, entry, ("gpus", i))
+            if gpu is None:
+                continue
+            if any(g.index == gpu.index for g in gpus):
+                self.report(("gpus", i, "index"), f"GPU {gpu.index} is listed twice")
+            gpus.append(gpu)
+        return gpus
 
     def check_defaults(self, defaults: Any) -> dict[str, Any]:
         if not isinstance(defaults, dict):
@@ -278,8 +297,8 @@ class _Loader:
                     claim(owners, name, where, "'{key}' is already used by {other}; names and aliases must be unique")
             if isinstance(merged.get("port"), int):
                 claim(ports, merged["port"], (*base, "port"), "port {key} is already taken by {other}")
-            if merged.get("default") is True:
-                group = merged.get("group", "default")
+            group = merged.get("group")
+            if merged.get("default") is True and isinstance(group, str):
                 claim(group_default, group, (*base, "default"), "group '{key}' already has its default model at {other}")
 
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from config.schema import Auth, Gate, Listen, ModelSpec, Queue, StepTimeouts, Swap
+from config.schema import Auth, Gate, Gpu, Host, Listen, ModelSpec, Queue, StepTimeouts, Swap
 
 SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("listen", Listen),
@@ -20,6 +20,8 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("queue", Queue),
     ("swap", Swap),
     ("swap.timeouts", StepTimeouts),
+    ("gpus[] (optional)", Gpu),
+    ("host", Host),
     ("models[] (and defaults)", ModelSpec),
     ("models[].gate", Gate),
 ]

@@ -86,6 +86,36 @@ def _no_router_owned_flags(args: list[str]) -> list[str]:
     return args
 
 
+GPU_SHARE_FLAG = "--gpu-memory-utilization"
+VLLM_DEFAULT_GPU_SHARE = 0.9  # vLLM's own default for --gpu-memory-utilization
+ROUTER_OWNED_ENV = ("CUDA_VISIBLE_DEVICES",)  # set from `devices`
+
+
+def _flag_value(args: list[str], flag: str) -> Optional[str]:
+    """The value of `flag` in argv (`--flag=V` or `--flag V`), the last one winning as in argparse."""
+    found = None
+    for i, arg in enumerate(args):
+        name = _flag_name(arg)
+        if name == flag:
+            if "=" in arg:
+                found = arg.split("=", 1)[1]
+            elif i + 1 < len(args):
+                found = args[i + 1]
+    return found
+
+
+def _gpu_share_in(args: list[str]) -> list[str]:
+    text = _flag_value(args, GPU_SHARE_FLAG)
+    if text is not None:
+        try:
+            share = float(text)
+        except ValueError:
+            raise ValueError(f"{GPU_SHARE_FLAG} must be a number in (0, 1] (found {text!r})") from None
+        if not 0 < share <= 1:
+            raise ValueError(f"{GPU_SHARE_FLAG} must be in (0, 1]: the fraction of each of the model's devices it uses when awake (found {text})")
+    return args
+
+
 def _output_check(value: str) -> str:
     if value in ("exact", "off") or re.fullmatch(r"prefix:[1-9][0-9]*", value):
         return value
@@ -121,6 +151,16 @@ class Auth(Section):
 class Queue(Section):
     max_waiting: int = Field(256, ge=1, description="Waiting requests per model before 429.")
     max_wait_s: float = Field(300, gt=0, description="A waiting request gets 503 after this long.")
+
+
+class Gpu(Section):
+    index: int = Field(ge=0, description="The GPU index, as in `devices` (nvidia-smi's numbering).")
+    memory_gb: float = Field(gt=0, description="Its memory, in GB.")
+
+
+class Host(Section):
+    ram_budget_gb: Optional[float] = Field(
+        None, gt=0, description="Host RAM that Level-1 sleepers' weights may take; unset: half of MemTotal.")
 
 
 class StepTimeouts(Section):
@@ -175,15 +215,26 @@ class ModelSpec(Section):
 
     name: NonEmptyStr = Field(description="What clients put in `model`.")
     aliases: list[NonEmptyStr] = Field(default_factory=list, description="Other names clients may use.")
-    group: NonEmptyStr = Field("default", description="Engines in one group share GPUs: one awake at a time.")
-    default: bool = Field(False, description="The model left awake in its group after boot.")
+    group: Optional[NonEmptyStr] = Field(
+        None, description="Models that share a group are never awake together; unset: placed by GPU memory only.")
+    default: bool = Field(False, description="Serves requests that name no model; kept awake at boot when it fits.")
+    devices: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=lambda: [0], min_length=1,
+        description="GPU indexes the engine uses (the router sets CUDA_VISIBLE_DEVICES from them).")
+    pin: bool = Field(False, description="Never parked to make room (still drained at shutdown).")
+    weights_gb: Optional[float] = Field(
+        None, gt=0, description="Host RAM the weights take at sleep level 1; unset: measured from the checkpoint files.")
+    sleep_residual_gb: float = Field(
+        1.0, ge=0, description="GPU memory a sleeping engine still holds per device (CUDA context, pools).")
     model: Optional[NonEmptyStr] = Field(None, description="Path or id given to `vllm serve`.")
     url: Optional[NonEmptyStr] = Field(None, description="Attach to an engine something else runs.")
     port: Optional[int] = Field(None, ge=1, le=65535, description="Engine port; picked free when unset.")
     command: Optional[Argv] = Field(None, description="Full argv; {port}, {model}, {name} are filled in.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine process.")
     speculative: Optional[dict[str, Any]] = Field(None, description="Becomes --speculative-config (JSON).")
-    sleep_level: Literal[1, 2] = Field(2, description="vLLM sleep level when parked: 1 keeps weights in host RAM, 2 discards them.")
+    sleep_level: Literal["auto", 1, 2] = Field(
+        "auto", description="vLLM sleep level when parked: 1 keeps weights in host RAM, 2 discards them; "
+        "auto: 1 while host.ram_budget_gb holds the weights, else 2.")
     draft_restore: Optional[Literal["reload", "preserve", "none"]] = Field(
         None,
         validate_default=True,
@@ -192,7 +243,7 @@ class ModelSpec(Section):
     gate: Gate = Field(default_factory=Gate, description="The promotion gate (see below).")
     launcher: Argv = Field(default_factory=lambda: list(DEFAULT_LAUNCHER), min_length=1,
                            description="argv prefix replacing `vllm serve` (another venv, a container wrapper).")
-    args: Annotated[Argv, AfterValidator(_no_router_owned_flags)] = Field(
+    args: Annotated[Argv, AfterValidator(_no_router_owned_flags), AfterValidator(_gpu_share_in)] = Field(
         default_factory=list,
         description="Extra `vllm serve` flags (not the ones the router sets); a string is split like a shell, "
         "a number or boolean is taken as written (`[--gpu-memory-utilization, 0.85]`).")
@@ -203,6 +254,21 @@ class ModelSpec(Section):
         if url is not None and not re.match(r"https?://[^/]+", url):
             raise ValueError("must be an http:// or https:// URL, e.g. http://127.0.0.1:8001")
         return url
+
+    @field_validator("devices")
+    @classmethod
+    def _devices_unique(cls, devices: list[int]) -> list[int]:
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"lists a device twice ({devices})")
+        return devices
+
+    @field_validator("env")
+    @classmethod
+    def _env_not_router_owned(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in ROUTER_OWNED_ENV:
+            if name in env:
+                raise ValueError(f"{name} is set by the router from `devices`; list the GPU indexes there instead")
+        return env
 
     @field_validator("command")
     @classmethod
@@ -277,6 +343,12 @@ class ModelSpec(Section):
         return self.env.get("VLLM_API_KEY")
 
     @property
+    def gpu_share(self) -> float:
+        """The fraction of each of its devices this engine takes when awake (vLLM's default when unset)."""
+        text = _flag_value(self.args, GPU_SHARE_FLAG)
+        return float(text) if text is not None else VLLM_DEFAULT_GPU_SHARE
+
+    @property
     def managed(self) -> bool:
         """The router starts and stops this engine's process (not attached by url)."""
         return self.url is None
@@ -304,6 +376,8 @@ class RosterFile(Section):
     auth: Auth = Field(default_factory=Auth)
     queue: Queue = Field(default_factory=Queue)
     swap: Swap = Field(default_factory=Swap)
+    gpus: Optional[list[Gpu]] = Field(None, description="GPU sizes; unset: discovered through NVML, else each device is 1.0 of itself.")
+    host: Host = Field(default_factory=Host)
     defaults: ModelDefaults = Field(default_factory=ModelDefaults)  # type: ignore[valid-type]
     models: list[ModelSpec] = Field(min_length=1)
 
@@ -316,6 +390,8 @@ class Roster(Section):
     auth: Auth
     queue: Queue
     swap: Swap
+    gpus: Optional[list[Gpu]] = None
+    host: Host = Host()
     models: list[ModelSpec]
     _located: Optional[Callable[[tuple[Any, ...]], tuple[str, int, int]]] = PrivateAttr(None)  # config.loader.Locations
 
@@ -325,12 +401,6 @@ class Roster(Section):
         set in `defaults` is placed there; one nobody wrote, at its model. None for a roster
         not loaded from YAML."""
         return self._located(path) if self._located is not None else None
-
-    def groups(self) -> dict[str, list[ModelSpec]]:
-        out: dict[str, list[ModelSpec]] = {}
-        for m in self.models:
-            out.setdefault(m.group, []).append(m)
-        return out
 
     def redacted(self) -> dict[str, Any]:
         """The roster as plain data with secrets masked (for `hotswap check` and /admin)."""

@@ -134,7 +134,14 @@ class Engine:
     @property
     def phases(self) -> list[str]:
         """The steps this engine's sleep and wake go through (for metrics that must exist up front)."""
-        return ["sleep", *wake.phases(self.spec.sleep_level, self.spec.draft_restore), "gate"]
+        phases = [p for level in self.sleep_levels for p in wake.phases(level, self.spec.draft_restore)]
+        return ["sleep", *dict.fromkeys(phases), "gate"]
+
+    @property
+    def sleep_levels(self) -> tuple[int, ...]:
+        """The levels this engine may be parked at (`auto`: either, chosen per park by host RAM)."""
+        level = self.spec.sleep_level
+        return (1, 2) if level == "auto" else (level,)
 
     def last_log_lines(self, n: int = 20) -> list[str]:
         return self.process.last_lines(n) if self.process else []
@@ -326,7 +333,7 @@ class Engine:
 
     async def sleep(self, level: Optional[int] = None) -> None:
         """Drain, then put vLLM to sleep (stragglers past the drain deadline are aborted)."""
-        level = level or self.spec.sleep_level
+        level = level or self.sleep_levels[-1]
         self.last_phases = {}
         mode = "wait" if await self._drain() else "abort"
         await self._step("sleep", lambda t: self.client.sleep(level, mode, timeout=t))

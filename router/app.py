@@ -43,14 +43,14 @@ class Router(Observer):
         self.by_name: dict[str, Engine] = {n: self.engines[m.name] for m in roster.models for n in m.names}
         self.groups: dict[str, GroupScheduler] = {
             group: GroupScheduler(group, [self.engines[m.name] for m in models], roster.swap, roster.queue, self.metrics.swap_done)
-            for group, models in roster.groups().items()
+            for group, models in _groups(roster).items()
         }
         self.metrics.attach(self)
         self.verdicts: dict[str, collections.deque[Verdict]] = {name: collections.deque(maxlen=10) for name in self.engines}
         self._tasks: list[asyncio.Task[None]] = []
 
     def scheduler(self, engine: Engine) -> GroupScheduler:
-        return self.groups[engine.spec.group]
+        return self.groups[engine.spec.group or "default"]
 
     def lookup(self, model: str) -> Engine:
         engine = self.by_name.get(model)
@@ -152,6 +152,13 @@ class Router(Observer):
 
     def midlife_collapse(self, engine: Engine, observed_mal: float, reason: str) -> None:
         self.metrics.midlife_collapse(engine, observed_mal, reason)
+
+
+def _groups(roster: Roster) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for m in roster.models:  # until placement by memory lands, every model without a group shares one
+        out.setdefault(m.group or "default", []).append(m)
+    return out
 
 
 def build_app(router: Router) -> web.Application:

@@ -43,7 +43,7 @@ async def openai_endpoint(request: web.Request) -> web.StreamResponse:
     try:
         body = await _json_body(request)
         engine = router.lookup(body["model"])
-        label, group = engine.name, engine.spec.group
+        label, group = engine.name, engine.spec.group or "default"
         stream = "true" if body.get("stream") is True else "false"
         scheduler = router.scheduler(engine)
         await scheduler.acquire(engine)
@@ -82,7 +82,7 @@ async def list_models(request: web.Request) -> web.Response:
     data = [
         {"id": name, "object": "model", "created": router.started, "owned_by": "hotswap",
          "root": engine.spec.model or engine.spec.url or engine.name, "parent": None if name == engine.name else engine.name,
-         "state": engine.state.value, "group": engine.spec.group}
+         "state": engine.state.value, "group": engine.spec.group or "default"}
         for name, engine in router.by_name.items()
     ]
     return web.json_response({"object": "list", "data": data})

@@ -79,7 +79,7 @@ class Metrics(Observer):
     def attach(self, router: "Router") -> None:
         self.registry.register(_LiveState(router))
         for engine in router.engines.values():  # series exist from the start: increase() sees the first event
-            labels = (engine.name, engine.spec.group)
+            labels = (engine.name, engine.spec.group or "default")
             self.collapses.labels(*labels)
             self.boot_failures.labels(*labels)
             for phase in engine.phases:
@@ -95,7 +95,7 @@ class Metrics(Observer):
     # -- Observer ----------------------------------------------------------------------------
 
     def step_done(self, engine: Engine, phase: str, seconds: float, ok: bool) -> None:
-        labels = (engine.name, engine.spec.group)
+        labels = (engine.name, engine.spec.group or "default")
         if phase == "boot":
             (self.boot_seconds.labels(*labels).observe(seconds) if ok else self.boot_failures.labels(*labels).inc())
             return
@@ -104,13 +104,13 @@ class Metrics(Observer):
             self.phase_failures.labels(*labels, phase).inc()
 
     def verdict(self, engine: Engine, verdict: Verdict) -> None:
-        self.verdicts.labels(engine.name, engine.spec.group, verdict.result).inc()
+        self.verdicts.labels(engine.name, engine.spec.group or "default", verdict.result).inc()
 
     def restarted(self, engine: Engine, reason: str) -> None:
-        self.restarts.labels(engine.name, engine.spec.group, reason).inc()
+        self.restarts.labels(engine.name, engine.spec.group or "default", reason).inc()
 
     def midlife_collapse(self, engine: Engine, observed_mal: float, reason: str) -> None:
-        self.collapses.labels(engine.name, engine.spec.group).inc()
+        self.collapses.labels(engine.name, engine.spec.group or "default").inc()
 
     def swap_done(self, record: "SwapRecord") -> None:
         self.swaps.labels(record.group, record.from_model or "", record.to_model, record.result).inc()
@@ -132,7 +132,7 @@ class _LiveState(Collector):
         baseline = GaugeMetricFamily("hotswap_acceptance_baseline", "Mean acceptance length of the cold-boot canary.", labels=m)
         observed = GaugeMetricFamily("hotswap_acceptance_observed", "Last observed mean acceptance length (gate or mid-life watch).", labels=m)
         for engine in self.router.engines.values():
-            labels = [engine.name, engine.spec.group]
+            labels = [engine.name, engine.spec.group or "default"]
             for s in State:
                 state.add_metric([*labels, s.value], 1.0 if engine.state is s else 0.0)
             level.add_metric(labels, float(engine.sleep_level or 0) if engine.state is State.SLEEPING else 0.0)

@@ -39,7 +39,8 @@ def test_a_minimal_roster_gets_every_default():
     roster = load(MINIMAL)
     (m,) = roster.models
     assert (roster.listen.host, roster.listen.port) == ("127.0.0.1", 8080)
-    assert m.group == "default" and m.sleep_level == 2 and m.draft_restore == "none"
+    assert m.group is None and m.sleep_level == "auto" and m.draft_restore == "none"
+    assert (m.devices, m.pin, m.weights_gb, m.gpu_share) == ([0], False, None, 0.9)
     assert m.launcher == ["vllm", "serve"] and m.args == [] and m.managed
     assert (m.gate.min_acceptance_ratio, m.gate.min_acceptance_length, m.gate.on_fail) == (0.5, 1.2, "restart")
     assert m.gate.max_tokens == 64 and m.gate.output_check == "exact"
@@ -64,7 +65,7 @@ def test_defaults_merge_into_every_model_and_the_model_wins():
         defaults:
           group: gpu0
           sleep_level: 1
-          env: {CUDA_VISIBLE_DEVICES: "0", A: "1"}
+          env: {OMP_NUM_THREADS: "4", A: "1"}
           args: [--max-model-len, "4096"]
           gate: {max_tokens: 32, on_fail: refuse}
         models:
@@ -80,11 +81,10 @@ def test_defaults_merge_into_every_model_and_the_model_wins():
     """)
     a, b = roster.models
     assert a.group == "gpu0" and a.sleep_level == 1
-    assert a.env == {"CUDA_VISIBLE_DEVICES": "0", "A": "2"}
+    assert a.env == {"OMP_NUM_THREADS": "4", "A": "2"}
     assert a.args == ["--max-model-len", "4096", "--dtype", "float16"]
     assert (a.gate.max_tokens, a.gate.on_fail) == (32, "allow")
     assert (b.group, b.sleep_level, b.gate.on_fail) == ("gpu1", 2, "refuse")
-    assert list(roster.groups()) == ["gpu0", "gpu1"]
 
 
 def test_env_references_resolve_and_secrets_stay_out_of_the_printout():
@@ -95,13 +95,13 @@ def test_env_references_resolve_and_secrets_stay_out_of_the_printout():
         models:
           - name: a
             model: ${MODEL_DIR:-/default}/a
-            env: {HF_TOKEN: "${KEY_A}", CUDA_VISIBLE_DEVICES: "1"}
+            env: {HF_TOKEN: "${KEY_A}", OMP_NUM_THREADS: "1"}
     """)
     assert roster.auth.api_keys == ["sk-client-secret"] and roster.auth.admin_key == "sk-admin-secret"
     assert roster.models[0].model == "/default/a"
     shown = json.dumps(roster.redacted())
     assert "secret" not in shown
-    assert roster.redacted()["models"][0]["env"] == {"HF_TOKEN": "***", "CUDA_VISIBLE_DEVICES": "1"}
+    assert roster.redacted()["models"][0]["env"] == {"HF_TOKEN": "***", "OMP_NUM_THREADS": "1"}
 
 
 def test_numbers_and_booleans_in_argv_lists_are_taken_as_written():
@@ -197,7 +197,7 @@ def test_kill_grace_is_one_roster_setting():
               - name: a
                 model: /m/a
                 sleep_level: 3
-            """, "roster.yaml:5:18: models[0].sleep_level: must be 1 or 2 (found 3)", id="sleep-level"),
+            """, "roster.yaml:5:18: models[0].sleep_level: must be 'auto', 1 or 2 (found 3)", id="sleep-level"),
         pytest.param("""
             models:
               - name: a
@@ -284,7 +284,7 @@ def test_kill_grace_is_one_roster_setting():
             defaults:
               sleep_level: 0
             models: [{name: a, model: /m/a}, {name: b, model: /m/b}]
-            """, "roster.yaml:3:16: defaults.sleep_level: must be 1 or 2 (found 0)", id="bad-default-blamed-once"),
+            """, "roster.yaml:3:16: defaults.sleep_level: must be 'auto', 1 or 2 (found 0)", id="bad-default-blamed-once"),
         pytest.param("""
             models:
               - name: a
@@ -323,10 +323,12 @@ def test_clashes_across_models_point_at_the_second_one():
             aliases: [alpha]
             model: /m/a
             port: 9001
+            group: gpu0
             default: true
           - name: alpha
             model: /m/b
             port: 9001
+            group: gpu0
             default: true
           - name: c
             aliases: [a]
@@ -334,11 +336,11 @@ def test_clashes_across_models_point_at_the_second_one():
             port: 8080
     """)
     assert found == [
-        "roster.yaml:9:11: models[1].name: 'alpha' is already used by models[0].aliases[0]; names and aliases must be unique",
-        "roster.yaml:11:11: models[1].port: port 9001 is already taken by models[0].port",
-        "roster.yaml:12:14: models[1].default: group 'default' already has its default model at models[0].default",
-        "roster.yaml:14:15: models[2].aliases[0]: 'a' is already used by models[0].name; names and aliases must be unique",
-        "roster.yaml:16:11: models[2].port: port 8080 is already taken by listen.port",
+        "roster.yaml:10:11: models[1].name: 'alpha' is already used by models[0].aliases[0]; names and aliases must be unique",
+        "roster.yaml:12:11: models[1].port: port 9001 is already taken by models[0].port",
+        "roster.yaml:14:14: models[1].default: group 'gpu0' already has its default model at models[0].default",
+        "roster.yaml:16:15: models[2].aliases[0]: 'a' is already used by models[0].name; names and aliases must be unique",
+        "roster.yaml:18:11: models[2].port: port 8080 is already taken by listen.port",
     ]
 
 
@@ -405,7 +407,7 @@ def test_check_prints_every_error_and_exits_2(tmp_path: Path):
     run = hotswap("check", "--config", str(roster))
     assert run.returncode == 2 and run.stdout == ""
     lines = run.stderr.splitlines()
-    assert lines[0] == f"{roster}:4:18: models[0].sleep_level: must be 1 or 2 (found 5)"
+    assert lines[0] == f"{roster}:4:18: models[0].sleep_level: must be 'auto', 1 or 2 (found 5)"
     assert lines[1] == f"{roster}:5:11: models[1].name: 'a' is already used by models[0].name; names and aliases must be unique"
     assert "2 errors" in lines[2]
 
