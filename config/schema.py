@@ -151,6 +151,9 @@ class Auth(Section):
 class Queue(Section):
     max_waiting: int = Field(256, ge=1, description="Waiting requests per model before 429.")
     max_wait_s: float = Field(300, gt=0, description="A waiting request gets 503 after this long.")
+    stream_keepalive_s: Optional[float] = Field(
+        None, gt=0, description="A streaming request that waits for a swap gets SSE comment lines "
+        "(`: waking NAME (STEP)`) this often, so proxies and UIs do not time out; unset: off.")
 
 
 class Gpu(Section):

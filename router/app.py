@@ -20,10 +20,11 @@ from engines import watch
 from engines.client import EngineError
 from engines.engine import Engine, Observer, State
 from engines.gate import Verdict
-from router import handlers
+from router import endpoints, handlers, routes
 from router.auth import auth_middleware
 from router.errors import APIError
 from router.metrics import Metrics
+from router.responses import ResponseIds
 from router.scheduler import GroupScheduler
 from router.tasks import spawn
 
@@ -164,17 +165,22 @@ def _groups(roster: Roster) -> dict[str, list]:
 def build_app(router: Router) -> web.Application:
     roster = router.roster
     app = web.Application(
-        middlewares=[handlers.openai_errors, auth_middleware(roster)],
+        middlewares=[handlers.api_errors, auth_middleware(roster)],
         client_max_size=int(roster.listen.max_body_mb * 1024 * 1024),
     )
     app[handlers.ROUTER_KEY] = router
-    for path in handlers.OPENAI_ROUTES:
-        app.router.add_post(path, handlers.openai_endpoint)
+    app[endpoints.RESPONSE_IDS_KEY] = ResponseIds()
+    for route in routes.PROXIED:
+        app.router.add_post(route.path, endpoints.proxy_endpoint)
+    app.router.add_get("/v1/responses/{response_id}", endpoints.response_pinned)
+    app.router.add_post("/v1/responses/{response_id}/cancel", endpoints.response_pinned)
     app.router.add_get("/v1/models", handlers.list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", handlers.get_model)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/ready", handlers.ready)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/admin/status", handlers.admin_status)
     app.router.add_post(r"/admin/{action:swap|sleep|restart}", handlers.admin_action)
+    app.router.add_post(r"/admin/lora/{action:load|unload}", handlers.admin_lora)
     app.router.add_get("/ui", handlers.status_page)
     return app

@@ -1,6 +1,9 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors the router itself produces, in the shape of the route that failed.
 
-The `openai` SDK reads these fields into its exceptions, so a client sees our message.
+OpenAI's `{"error": {"message", "type", "param", "code"}}` everywhere, except on the Anthropic
+Messages routes (`/v1/messages*`), where it is Anthropic's
+`{"type": "error", "error": {"type", "message"}}`. The SDKs read these fields into their
+exception classes, so a client sees our message under the class it expects.
 """
 
 from __future__ import annotations
@@ -25,6 +28,27 @@ _TYPES = {
     504: "server_error",
 }
 
+# Anthropic's error types (https://docs.anthropic.com/en/api/errors), by HTTP status.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
 
 class APIError(Exception):
     """Raised anywhere in request handling; rendered once, by the error middleware."""
@@ -37,24 +61,30 @@ class APIError(Exception):
         self.param = param
         self.retry_after = retry_after
 
-    def response(self) -> web.Response:
-        return error_response(self.status, self.message, self.code, param=self.param, retry_after=self.retry_after)
+    def response(self, anthropic: bool = False) -> web.Response:
+        return error_response(self.status, self.message, self.code, param=self.param, retry_after=self.retry_after,
+                              anthropic=anthropic)
 
 
-def error_body(status: int, message: str, code: str, param: Optional[str] = None) -> dict:
+def error_body(status: int, message: str, code: str, param: Optional[str] = None, anthropic: bool = False) -> dict:
+    if anthropic:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, code: str, *, param: Optional[str] = None, retry_after: Optional[float] = None) -> web.Response:
+def error_response(status: int, message: str, code: str, *, param: Optional[str] = None, retry_after: Optional[float] = None,
+                   anthropic: bool = False) -> web.Response:
     headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
     return web.Response(
         status=status,
-        body=json.dumps(error_body(status, message, code, param)),
+        body=json.dumps(error_body(status, message, code, param, anthropic)),
         content_type="application/json",
         headers=headers,
     )
 
 
-def sse_error(message: str, code: str) -> bytes:
-    """An error inside an SSE stream that has already started: the openai SDK raises it as its APIError."""
-    return b"data: " + json.dumps(error_body(502, message, code)).encode() + b"\n\n"
+def sse_error(message: str, code: str, status: int = 502, anthropic: bool = False) -> bytes:
+    """An error inside an SSE stream that has already started, as the route's SDK parses one:
+    the openai SDK raises a `data: {"error": ...}` event, the anthropic SDK an `event: error`."""
+    body = json.dumps(error_body(status, message, code, anthropic=anthropic)).encode()
+    return (b"event: error\ndata: " if anthropic else b"data: ") + body + b"\n\n"

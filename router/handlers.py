@@ -1,4 +1,5 @@
-"""The router's request handlers: the OpenAI proxy, models, health, readiness, metrics, admin, /ui.
+"""The router's own request handlers: models, health, readiness, metrics, admin, /ui, and the
+error middleware. The proxied routes are in `router.endpoints` (table: `router.routes`).
 
 Nothing but the routes in `app.build_app` exists. The engines' dev endpoints (`/sleep`,
 `/wake_up`, `/collective_rpc`, ...) are never forwarded, whatever the path spelling: there
@@ -8,84 +9,39 @@ is no catch-all route, and the upstream path is the route's own constant, not th
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
-from typing import Any
 
 from aiohttp import web
 
-from router import ui
-from router.errors import APIError, error_response
-from router.metrics import UNKNOWN_MODEL
-from router.proxy import forward
+from router import lora, ui
+from router.errors import APIError, anthropic_path, error_response
 from router.status import engine_status, router_status
 
 log = logging.getLogger("hotswap")
 
-OPENAI_ROUTES = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/embeddings": "embeddings",
-}
 ROUTER_KEY = web.AppKey("router", "Router")
 
 
-async def openai_endpoint(request: web.Request) -> web.StreamResponse:
-    router = request.app[ROUTER_KEY]
-    path = request.match_info.route.resource.canonical  # type: ignore[union-attr]
-    endpoint = OPENAI_ROUTES[path]
-    started = time.monotonic()
-    label, group = UNKNOWN_MODEL, ""
-    status = 500
-    stream = "false"
-    queued_s = None
-    try:
-        body = await _json_body(request)
-        engine = router.lookup(body["model"])
-        label, group = engine.name, engine.spec.group or "default"
-        stream = "true" if body.get("stream") is True else "false"
-        scheduler = router.scheduler(engine)
-        await scheduler.acquire(engine)
-        queued_s = time.monotonic() - started
-        try:
-            response = await forward(request, router.proxy_session, engine, path, body, request["raw_body"])
-        finally:
-            scheduler.release(engine)
-        status = response.status
-        return response
-    except APIError as exc:
-        status = exc.status
-        raise
-    finally:
-        done = time.monotonic()
-        router.metrics.request_done(label, group, endpoint, stream, status, queued_s, request.get("first_byte_at", done) - started, done - started)
+def _model_cards(router) -> list[dict]:
+    def card(name: str, engine, parent, root) -> dict:
+        return {"id": name, "object": "model", "created": router.started, "owned_by": "hotswap", "root": root,
+                "parent": parent, "state": engine.state.value, "group": engine.spec.group or "default"}
 
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    request["raw_body"] = raw
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"The request body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object.", "invalid_request")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise APIError(400, "The request needs a 'model' (a string naming a model from GET /v1/models).", "missing_model", param="model")
-    return body
+    cards = [card(name, engine, None if name == engine.name else engine.name, engine.spec.model or engine.spec.url or engine.name)
+             for name, engine in router.by_name.items()]
+    return cards + [card(name, engine, engine.name, None) for name, engine in lora.adapters(router)]
 
 
 async def list_models(request: web.Request) -> web.Response:
-    router = request.app[ROUTER_KEY]
-    data = [
-        {"id": name, "object": "model", "created": router.started, "owned_by": "hotswap",
-         "root": engine.spec.model or engine.spec.url or engine.name, "parent": None if name == engine.name else engine.name,
-         "state": engine.state.value, "group": engine.spec.group or "default"}
-        for name, engine in router.by_name.items()
-    ]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": _model_cards(request.app[ROUTER_KEY])})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    model_id = request.match_info["model_id"]
+    for card in _model_cards(request.app[ROUTER_KEY]):
+        if card["id"] == model_id:
+            return web.json_response(card)
+    raise APIError(404, f"The model '{model_id}' does not exist.", "model_not_found", param="model")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -127,27 +83,34 @@ async def admin_action(request: web.Request) -> web.Response:
     return web.json_response({"model": engine.name, "action": action, "result": result, "engine": engine_status(router, engine)})
 
 
+async def admin_lora(request: web.Request) -> web.Response:
+    return await lora.admin_lora(request, request.app[ROUTER_KEY])
+
+
 async def status_page(request: web.Request) -> web.Response:
     return web.Response(text=ui.render(router_status(request.app[ROUTER_KEY])), content_type="text/html")
 
 
 @web.middleware
-async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+async def api_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error the router produces, in the shape of the route (Anthropic's on /v1/messages*)."""
+    anthropic = anthropic_path(request.path)
     try:
         return await handler(request)
     except APIError as exc:
-        return exc.response()
+        return exc.response(anthropic)
     except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(413, f"The request body is larger than listen.max_body_mb ({exc.text}).", "body_too_large")
+        return error_response(413, f"The request body is larger than listen.max_body_mb ({exc.text}).", "body_too_large", anthropic=anthropic)
     except web.HTTPNotFound:
-        return error_response(404, f"No route {request.method} {request.path}. hotswap serves /v1/chat/completions, "
-                                   "/v1/completions, /v1/embeddings, /v1/models, /health, /ready, /metrics, /admin/*.", "not_found")
+        return error_response(404, f"No route {request.method} {request.path}. See README's HTTP surface table for the routes "
+                                   "hotswap serves.", "not_found", anthropic=anthropic)
     except web.HTTPMethodNotAllowed as exc:
-        return error_response(405, f"{request.method} is not allowed on {request.path} (allowed: {', '.join(sorted(exc.allowed_methods))}).", "method_not_allowed")
+        return error_response(405, f"{request.method} is not allowed on {request.path} (allowed: {', '.join(sorted(exc.allowed_methods))}).",
+                              "method_not_allowed", anthropic=anthropic)
     except web.HTTPException as exc:
-        return error_response(exc.status, exc.reason, "http_error")
+        return error_response(exc.status, exc.reason, "http_error", anthropic=anthropic)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
-        return error_response(500, "Internal error in the router (logged).", "internal_error")
+        return error_response(500, "Internal error in the router (logged).", "internal_error", anthropic=anthropic)

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--sleep-preserve-parameter-names", nargs="+", default=[])
     v.add_argument("--api-key", default=None)
     v.add_argument("--disable-log-stats", action="store_true")
+    v.add_argument("--enable-lora", action="store_true")
+    v.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
     s = p.add_argument_group("simulator knobs")
     s.add_argument("--sim-boot-s", type=float, default=0.2, help="seconds before the port is bound")
     s.add_argument("--sim-fail-boot", action="store_true", help="fail the boot with a CUDA OOM and exit 1")
@@ -85,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     s.add_argument("--sim-crash-mid-stream", type=int, default=None, metavar="N")
     s.add_argument("--sim-metrics-lag-s", type=float, default=0.0)
+    s.add_argument("--sim-lora-lost-on-level2", action="store_true",
+                   help="after a Level-2 sleep, adapters answer like the base model (silently wrong)")
     s.add_argument("--sim-reset-prefix-false", type=int, default=0, metavar="N")
     return p
 
@@ -173,6 +177,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
     # Imported here so that argv errors answer before the heavier imports.
     from aiohttp import web
 
+    from .lora import Adapters, parse_module
     from .server import SimServer, UvicornAccessLogger
     from .state import EngineConfig, SimEngine, SpecConfig
 
@@ -221,13 +226,17 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
         "engine: draft=%s k=%d acceptance=%.3f token_rate=%.0f/s preserve=%s",
         engine.draft, engine.k, args.sim_acceptance, args.sim_token_rate, args.sleep_preserve_parameter_names,
     )
+    served = args.served_model_name or [args.model]
+    adapters = Adapters(dict(parse_module(m) for m in args.lora_modules) if args.enable_lora else {}, served[0])
     server = SimServer(
         engine,
         control,
         api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
         dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
         crash_mid_stream=args.sim_crash_mid_stream,
+        adapters=adapters,
     )
+    server.lose_lora_on_level2 = args.sim_lora_lost_on_level2
     if server.dev_mode:
         log.warning("SECURITY WARNING: Development endpoints are enabled! This should NOT be used in production!")
     runner = web.AppRunner(

@@ -22,7 +22,8 @@ from typing import NoReturn
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from . import lm
+from . import lm, lora
+from .lora import Adapters
 from .control import FAULT_KINDS, Control, Fault, InjectedFault, crash, hang_forever
 from .metrics import CONTENT_TYPE
 from .state import WAKE_TAGS, Generation, GenerationAborted, SimEngine
@@ -118,6 +119,7 @@ class SimServer:
         api_key: str | None,
         dev_mode: bool,
         crash_mid_stream: int | None,
+        adapters: Adapters | None = None,
     ) -> None:
         self.engine = engine
         self.control = control
@@ -125,6 +127,8 @@ class SimServer:
         self.dev_mode = dev_mode
         self.crash_mid_stream = crash_mid_stream
         self.names = engine.cfg.served_names
+        self.adapters = adapters or Adapters({}, self.names[0])
+        self.lose_lora_on_level2 = False
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self.errors_mw, self.auth_mw])
@@ -135,6 +139,13 @@ class SimServer:
         r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_post("/v1/embeddings", self.embeddings)
         r.add_get("/metrics", self.metrics)
+        # Route families beyond the three generation routes live in their own modules.
+        from . import routes_anthropic, routes_audio, routes_pooling, routes_responses
+
+        for family in (routes_responses, routes_anthropic, routes_pooling, routes_audio):
+            family.add_routes(app, self)
+        if lora.runtime_updates_allowed():
+            lora.add_routes(app, self.adapters, self.names, read_json, error_response)
         if self.dev_mode:
             r.add_post("/sleep", self.sleep)
             r.add_post("/wake_up", self.wake_up)
@@ -213,17 +224,19 @@ class SimServer:
             }
             for name in self.names
         ]
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": data + self.adapters.cards(now)})
 
     def _check_model(self, body: dict) -> str:
         model = body.get("model")
         if model is None:
             return self.names[0]
-        if model not in self.names:
+        if not isinstance(model, str):
+            raise bad_request("model: Input should be a valid string", "model")
+        if model not in self.names and model not in self.adapters.paths:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         return model
 
-    def _sampling(self, body: dict, prompt: str, prompt_tokens: int, *, chat: bool) -> Generation:
+    def _sampling(self, body: dict, prompt: str, prompt_tokens: int, *, chat: bool, model: str = "") -> Generation:
         max_tokens = body.get("max_tokens")
         if chat and body.get("max_completion_tokens") is not None:
             max_tokens = body["max_completion_tokens"]
@@ -260,6 +273,7 @@ class SimServer:
             salt = f"seed:{seed}:{temperature}"
         else:
             salt = uuid.uuid4().hex
+        salt = self.adapters.salt(model) + salt
         return Generation(prompt, prompt_tokens, max_tokens, bool(body.get("ignore_eos", False)), salt)
 
     @staticmethod
@@ -306,7 +320,7 @@ class SimServer:
         body = await read_json(request)
         model = self._check_model(body)
         prompt, ptoks = self._chat_prompt(body) if chat else self._completion_prompt(body)
-        gen = self._sampling(body, prompt, ptoks, chat=chat)
+        gen = self._sampling(body, prompt, ptoks, chat=chat, model=model)
         stream = bool(body.get("stream"))
         fault = None
         try:
@@ -464,6 +478,8 @@ class SimServer:
             raise bad_request(f"Invalid mode {mode!r}; must be abort, wait or keep", "mode")
         await self.control.enter("sleep", query=query_json(request))
         await self.engine.sleep(level, mode)
+        if level == 2 and self.lose_lora_on_level2:
+            self.adapters.lost = True
         return web.json_response({"status": "sleeping", "level": level})
 
     async def wake_up(self, request: web.Request) -> web.Response:

@@ -152,8 +152,8 @@ async def _is_zero(value) -> bool:
 async def test_error_shapes(start_router):
     router = await start_router(roster_dict(sim_model("a", default=True), listen={"max_body_mb": 1}))
     expectations = [
-        (dict(data=b"{not json"), 400, "invalid_json"),
-        (dict(json={"prompt": "x"}), 400, "missing_model"),
+        (dict(data=b"{not json", headers={"Content-Type": "application/json"}), 400, "invalid_json"),
+        (dict(data=b'{"model": "a"}', headers={"Content-Type": "text/plain"}), 400, "invalid_content_type"),
         (dict(json={"model": 7, "prompt": "x"}), 400, "missing_model"),
         (dict(json=["a"]), 400, "invalid_request"),
         (dict(json={"model": "nope", "prompt": "x"}), 404, "model_not_found"),

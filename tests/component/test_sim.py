@@ -846,7 +846,12 @@ _json = st.recursive(
     max_leaves=6,
 )
 _fields = ["model", "prompt", "messages", "max_tokens", "temperature", "n", "stream", "stream_options",
-           "ignore_eos", "seed", "input", "encoding_format", "max_completion_tokens"]  # fmt: skip
+           "ignore_eos", "seed", "input", "encoding_format", "max_completion_tokens",
+           "query", "documents", "queries", "text_1", "text_2", "texts", "tokens", "top_n", "embedding_types",
+           "max_output_tokens", "instructions", "system", "previous_response_id", "background", "store"]  # fmt: skip
+# The pooling, tokenizer and Responses routes share the OpenAI error shape; /v1/messages* has Anthropic's.
+_openai_paths = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/rerank", "/score",
+                 "/v2/embed", "/pooling", "/classify", "/tokenize", "/detokenize"]
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -858,7 +863,7 @@ _fields = ["model", "prompt", "messages", "max_tokens", "temperature", "n", "str
 @example(path="/v1/embeddings", body={"input": [1.5]})
 @example(path="/v1/embeddings", body={"input": [[]]})
 @given(
-    path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]),
+    path=st.sampled_from(_openai_paths + ["/v1/messages", "/v1/messages/count_tokens"]),
     body=st.dictionaries(st.sampled_from(_fields), _json, max_size=6) | _json,
 )
 def test_bad_requests_get_a_4xx_in_the_error_shape_never_a_500(shared_sim_engine, path, body):
@@ -870,6 +875,9 @@ def test_bad_requests_get_a_4xx_in_the_error_shape_never_a_500(shared_sim_engine
     finally:
         conn.close()
     assert resp.status < 500, (resp.status, raw[:300])
-    if resp.status >= 400:
+    if resp.status >= 400 and path.startswith("/v1/messages"):
+        answer = json.loads(raw)
+        assert answer["type"] == "error" and set(answer["error"]) == {"type", "message"}, answer
+    elif resp.status >= 400:
         err = json.loads(raw)["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["code"] == resp.status

@@ -1,0 +1,177 @@
+"""The proxied routes (see `router.routes`): pick the engine, take a lease, forward, release.
+
+Every route goes through the same queue, lease and gate as chat completions: a request for
+a parked model wakes it. The engine comes from `router.lookup` (roster names and aliases),
+from the LoRA adapters the engines serve, from the roster's default model when the request
+names none, or, for Responses follow-ups, retrieve and cancel, from the engine that created
+the response.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+from urllib.parse import quote
+
+from aiohttp import web
+
+from engines.engine import Engine
+from router import keepalive, multipart, routes
+from router.errors import APIError, sse_error
+from router.handlers import ROUTER_KEY
+from router.metrics import UNKNOWN_MODEL
+from router.proxy import forward, json_for
+from router.responses import ResponseIds, StreamSniffer, id_in_answer
+
+RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
+
+
+def default_model(router) -> str:
+    for m in router.roster.models:
+        if m.default:
+            return m.name
+    known = ", ".join(sorted(router.by_name))
+    raise APIError(400, "The request names no 'model' and the roster has no default model (`default: true`). "
+                        f"Name one of: {known}", "missing_model", param="model")
+
+
+def resolve(router, model: Any) -> Engine:
+    """The engine for a request's `model` (None: the roster's default)."""
+    if model is None:
+        model = default_model(router)
+    elif not isinstance(model, str) or not model:
+        raise APIError(400, "'model' must be a non-empty string naming a model from GET /v1/models.", "missing_model", param="model")
+    engine = router.by_name.get(model)
+    if engine is not None:
+        return engine
+    for candidate in router.engines.values():  # a LoRA adapter (or other served name) an engine reported
+        if model in candidate.served_names:
+            return candidate
+    return router.lookup(model)  # raises the 404 that lists the names
+
+
+async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
+    router = request.app[ROUTER_KEY]
+    route = routes.BY_PATH[request.match_info.route.resource.canonical]  # type: ignore[union-attr]
+    started = time.monotonic()
+    label, group, status, stream, queued_s = UNKNOWN_MODEL, "", 500, "false", None
+    try:
+        if route.multipart:
+            form = await multipart.read_form(request, request.app._client_max_size)
+            engine = resolve(router, form.value("model"))
+            stream = "true" if (form.value("stream") or "").lower() == "true" else "false"
+        else:
+            body = await _json_body(request)
+            engine = _engine_for(request, router, body, route)
+            stream = "true" if body.get("stream") is True else "false"
+        label, group = engine.name, engine.spec.group or "default"
+        scheduler = router.scheduler(engine)
+        prepared = None
+        interval = router.roster.queue.stream_keepalive_s
+        if interval and stream == "true":
+            prepared = await keepalive.acquire(request, scheduler, engine, interval, route.anthropic)
+        else:
+            await scheduler.acquire(engine)
+        queued_s = time.monotonic() - started
+        try:
+            if route.multipart:
+                model = form.value("model")
+                data = form.encode(model if model in engine.served_names else engine.served_name)
+                response = await forward(request, router.proxy_session, engine, route.path, data, content_type=None,
+                                         prepared=prepared)
+            else:
+                kw = _pinning(request, engine, body) if route.creates_response else {}
+                response = await forward(request, router.proxy_session, engine, route.path, json_for(engine, body, request["raw_body"]),
+                                         prepared=prepared, anthropic=route.anthropic, **kw)
+        except APIError as exc:
+            if prepared is None:
+                raise
+            await prepared.write(sse_error(exc.message, exc.code, status=exc.status, anthropic=route.anthropic))
+            await prepared.write_eof()
+            raise keepalive.AnsweredInStream(prepared, exc.status) from None
+        finally:
+            scheduler.release(engine)
+        status = response.status
+        return response
+    except keepalive.AnsweredInStream as exc:
+        status = exc.status
+        return exc.response
+    except APIError as exc:
+        status = exc.status
+        raise
+    finally:
+        done = time.monotonic()
+        router.metrics.request_done(label, group, route.endpoint, stream, status, queued_s, request.get("first_byte_at", done) - started, done - started)
+
+
+def _engine_for(request: web.Request, router, body: dict[str, Any], route: routes.Route) -> Engine:
+    model = body.get("model")
+    if model is None and route.creates_response:
+        # A follow-up without a model continues where its conversation lives.
+        previous = body.get("previous_response_id")
+        pinned = request.app[RESPONSE_IDS_KEY].engine_of(previous) if isinstance(previous, str) else None
+        if pinned is not None:
+            return router.engines[pinned]
+    return resolve(router, model)
+
+
+def _pinning(request: web.Request, engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
+    ids = request.app[RESPONSE_IDS_KEY]
+
+    def remember(response_id: str) -> None:
+        ids.remember(response_id, engine.name)
+
+    if body.get("stream") is True:
+        return {"sniffer": StreamSniffer(remember)}
+    return {"on_answer": lambda payload: (rid := id_in_answer(payload)) and remember(rid)}
+
+
+async def response_pinned(request: web.Request) -> web.StreamResponse:
+    """GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, on the engine that created it."""
+    router = request.app[ROUTER_KEY]
+    response_id = request.match_info["response_id"]
+    started, status, label, group = time.monotonic(), 500, UNKNOWN_MODEL, ""
+    cancel = request.path.endswith("/cancel")
+    try:
+        name = request.app[RESPONSE_IDS_KEY].engine_of(response_id)
+        if name is None:
+            raise APIError(404, f"Response with id '{response_id}' not found (the router pins the responses it saw "
+                                "created, for a bounded time).", "response_not_found", param="response_id")
+        engine = router.engines[name]
+        label, group = engine.name, engine.spec.group or "default"
+        path = f"/v1/responses/{quote(response_id, safe='')}" + ("/cancel" if cancel else "")
+        params = {k: v for k, v in request.query.items() if k in ("starting_after", "stream")}
+        scheduler = router.scheduler(engine)
+        await scheduler.acquire(engine)
+        try:
+            response = await forward(request, router.proxy_session, engine, path + ("?" + "&".join(
+                f"{k}={quote(v, safe='')}" for k, v in params.items()) if params else ""), None,
+                method="POST" if cancel else "GET", content_type=None)
+        finally:
+            scheduler.release(engine)
+        status = response.status
+        return response
+    except APIError as exc:
+        status = exc.status
+        raise
+    finally:
+        done = time.monotonic()
+        router.metrics.request_done(label, group, "responses", "false", status, None, request.get("first_byte_at", done) - started, done - started)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    # vLLM refuses anything but application/json; saying so here spares a wake for a request it would refuse.
+    if request.content_type != "application/json" and not request.content_type.endswith("+json"):
+        raise APIError(400, f"{request.path} takes a JSON body with Content-Type: application/json "
+                            f"(got {request.headers.get('Content-Type', 'none')!r}).", "invalid_content_type")
+    raw = await request.read()
+    request["raw_body"] = raw
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"The request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.", "invalid_request")
+    return body
+

@@ -1,0 +1,78 @@
+"""`queue.stream_keepalive_s`: while a streaming request waits for a swap, send SSE comment
+lines (`: waking chat-8b (reload_weights)`) so that proxies and UIs do not time out and a
+person can see why they wait. SSE clients ignore comment lines.
+
+Once the headers are out, the status is 200 whatever happens next: a failure after that
+(the swap failed, the queue deadline passed, the engine refused the request) travels as
+the stream's error event, in the route's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Optional
+
+from aiohttp import web
+
+from engines import wake
+from engines.engine import Engine, State
+from router.errors import APIError, sse_error
+from router.proxy import SSE_HEADERS
+
+
+class AnsweredInStream(Exception):
+    """The request failed after its stream's headers were sent; the error is in the stream."""
+
+    def __init__(self, response: web.StreamResponse, status: int):
+        super().__init__(status)
+        self.response = response
+        self.status = status
+
+
+def doing(engine: Engine) -> str:
+    """What the engine is doing, in a few words, for the comment line (never the client's input)."""
+    state = engine.state
+    if state is State.WAKING:
+        steps = wake.phases(engine.sleep_level or 1, engine.spec.draft_restore)
+        step = next((p for p in steps if p not in engine.last_phases), "gate")
+        return f"waking {engine.name} ({step})"
+    if state is State.VERIFYING:
+        return f"waking {engine.name} (gate)"
+    if state is State.BOOTING:
+        return f"starting {engine.name} (boot)"
+    if state is State.SLEEPING:
+        return f"waiting for {engine.name} (asleep, swap queued)"
+    return f"waiting for {engine.name} ({state.value})"
+
+
+async def acquire(request: web.Request, scheduler, engine: Engine, interval: float, anthropic: bool) -> Optional[web.StreamResponse]:
+    """Take a lease like `scheduler.acquire`, sending comment lines every `interval` seconds
+    while it waits. Returns the already-prepared stream response, or None when the lease came
+    before the first comment was due (nothing sent: the request proceeds as usual)."""
+    task = asyncio.ensure_future(scheduler.acquire(engine))
+    response: Optional[web.StreamResponse] = None
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=interval)
+            if done:
+                break
+            if response is None:
+                response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+                await response.prepare(request)
+            await response.write(f": {doing(engine)}\n\n".encode())
+    except BaseException:  # the client went away (or a write failed): give up the wait, or the lease it won
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is None:
+            scheduler.release(engine)
+        raise
+    if response is None:
+        task.result()  # raises the APIError as usual: the route's normal error answer
+        return None
+    try:
+        task.result()
+    except APIError as exc:
+        await response.write(sse_error(exc.message, exc.code, status=exc.status, anthropic=anthropic))
+        await response.write_eof()
+        raise AnsweredInStream(response, exc.status) from None
+    return response

@@ -1,0 +1,85 @@
+"""multipart/form-data uploads (the audio routes), read with aiohttp's multipart reader.
+
+The whole form must be read before the request can be routed, because `model` is a form
+field that may come after the file. So the reader counts every byte it takes and stops at
+`listen.max_body_mb` with a 413: it never holds more than the limit (plus one chunk).
+The form is then re-encoded for the engine, with `model` set to the name the engine serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import aiohttp
+from aiohttp import http_exceptions, web
+
+from router.errors import APIError
+
+CHUNK = 64 * 1024
+
+
+@dataclass
+class Part:
+    name: str
+    data: bytes
+    filename: Optional[str] = None
+    content_type: Optional[str] = None
+
+
+@dataclass
+class Form:
+    parts: list[Part] = field(default_factory=list)
+
+    def value(self, name: str) -> Optional[str]:
+        for part in self.parts:
+            if part.name == name and part.filename is None:
+                return part.data.decode("utf-8", "replace")
+        return None
+
+    def encode(self, model: str) -> aiohttp.FormData:
+        """The form for the engine: every part as received, `model` replaced (or added)."""
+        form = aiohttp.FormData(quote_fields=False)
+        for part in self.parts:
+            if part.name == "model" and part.filename is None:
+                continue
+            if part.filename is not None:
+                form.add_field(part.name, part.data, filename=part.filename,
+                               content_type=part.content_type or "application/octet-stream")
+            else:
+                form.add_field(part.name, part.data.decode("utf-8", "replace"))
+        form.add_field("model", model)
+        return form
+
+
+async def read_form(request: web.Request, limit: int) -> Form:
+    if not request.content_type.startswith("multipart/form-data"):
+        raise APIError(400, f"{request.path} takes multipart/form-data (a `file` and form fields such as `model`); "
+                            f"got Content-Type {request.content_type!r}.", "invalid_content_type")
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(limit)
+    form, total = Form(), 0
+    try:
+        reader = await request.multipart()
+        async for part in reader:
+            if not isinstance(part, aiohttp.BodyPartReader):
+                raise APIError(400, "Nested multipart parts are not accepted.", "invalid_multipart")
+            chunks = []
+            while chunk := await part.read_chunk(CHUNK):
+                total += len(chunk)
+                if total > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+            if part.name:
+                form.parts.append(Part(part.name, b"".join(chunks), part.filename,
+                                       part.headers.get("Content-Type") if part.filename is not None else None))
+    except APIError:
+        raise
+    except (ValueError, AssertionError, RuntimeError, aiohttp.ClientPayloadError, aiohttp.web.HTTPException,
+            http_exceptions.HttpProcessingError) as exc:
+        raise APIError(400, f"The multipart/form-data body cannot be parsed: {exc}", "invalid_multipart") from None
+    return form
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The upload is larger than listen.max_body_mb ({limit / 1024 / 1024:g} MB).", "body_too_large")
