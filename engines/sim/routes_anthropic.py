@@ -81,11 +81,11 @@ class AnthropicRoutes:
                 text = "".join([t async for t in tokens]).lstrip(" ")
         except GenerationAborted as e:
             return error(500, "InternalServerError", str(e))
+        # vLLM serializes this answer with exclude_none: no null fields at all
         return web.json_response({
             "id": mid, "type": "message", "role": "assistant", "content": [{"type": "text", "text": text}],
-            "model": model, "stop_reason": STOP_REASONS.get(gen.finish_reason or "stop", "end_turn"), "stop_sequence": None,
+            "model": model, "stop_reason": STOP_REASONS.get(gen.finish_reason or "stop", "end_turn"),
             "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens},
-            "kv_transfer_params": None, "ec_transfer_params": None,
         })
 
     async def _stream(self, request: web.Request, gen, mid: str, model: str) -> web.StreamResponse:

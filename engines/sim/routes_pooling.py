@@ -58,7 +58,8 @@ def _texts(value: Any, param: str) -> list[str]:
 
 
 def _usage(tokens: int) -> dict:
-    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None,
+            "completion_tokens_details": None}
 
 
 class PoolingRoutes:

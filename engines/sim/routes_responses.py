@@ -74,13 +74,14 @@ class ResponsesRoutes:
                   gen=None) -> dict[str, Any]:
         output = []
         if text is not None:
-            output = [{"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "completed",
+            output = [{"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "completed", "phase": None,
                        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": None}] if text else []}]
         usage = None
         if gen is not None and status in ("completed", "incomplete"):
             usage = {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens,
                      "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-                     "input_tokens_details": {"cached_tokens": 0, "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+                     "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0, "input_tokens_per_turn": [],
+                                             "cached_tokens_per_turn": []},
                      "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
                                                "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []}}
         return {
@@ -169,7 +170,8 @@ class ResponsesRoutes:
             async for t in _tokens(self.server, gen):
                 if not parts:
                     await send({"type": "response.output_item.added", "output_index": 0,
-                                "item": {"id": item_id, "type": "message", "role": "assistant", "content": [], "status": "in_progress"}})
+                                "item": {"id": item_id, "type": "message", "role": "assistant", "content": [], "status": "in_progress",
+                                         "phase": None}})
                     await send({"type": "response.content_part.added", "output_index": 0, "item_id": item_id, "content_index": 0,
                                 "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
                     t = t.lstrip(" ")
@@ -186,7 +188,8 @@ class ResponsesRoutes:
                     "logprobs": [], "item_id": item_id})
         await send({"type": "response.content_part.done", "item_id": item_id, "output_index": 0, "content_index": 0, "part": part})
         await send({"type": "response.output_item.done", "output_index": 0,
-                    "item": {"id": item_id, "type": "message", "role": "assistant", "content": [part], "status": "completed"}})
+                    "item": {"id": item_id, "type": "message", "role": "assistant", "content": [part], "status": "completed",
+                             "phase": None}})
         final = self._response(body, rid, model, created, _status(gen), text, gen)
         final["output"][0]["id"] = item_id
         if store:

@@ -221,6 +221,7 @@ class SimServer:
                 "root": self.engine.cfg.model,
                 "parent": None,
                 "max_model_len": self.engine.cfg.max_model_len,
+                "permission": [],
             }
             for name in self.names
         ]
