@@ -201,6 +201,9 @@ class Gate(Section):
     output_check: Annotated[str, AfterValidator(_output_check)] = Field(
         "exact", description="'exact', 'prefix:N' (first N characters) or 'off'."
     )
+    lora_canary: Optional[NonEmptyStr] = Field(
+        None, description="A LoRA adapter the engine serves: the canary also runs through it, and its output must "
+        "match its own cold-boot baseline after every wake (an adapter can come back wrong silently).")
     on_fail: Literal["restart", "refuse", "allow"] = Field(
         "restart", description="On a refused wake: cold restart and re-verify, fail the engine, or promote and alert."
     )

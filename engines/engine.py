@@ -101,6 +101,7 @@ class Engine:
         self.last_phases: dict[str, float] = {}
         self.last_verdict: Optional[gate.Verdict] = None
         self.baseline: Optional[gate.Canary] = None  # from the first cold boot; kept across restarts
+        self.lora_baseline: Optional[gate.Canary] = None  # gate.lora_canary's, recorded with `baseline`
         self.restarts: collections.Counter[str] = collections.Counter()
         self.needs_restart: Optional[str] = None
         self.midlife = gate.MidlifeWatch(spec.gate)
@@ -381,13 +382,23 @@ class Engine:
     async def _run_gate(self, timeout: float) -> gate.Verdict:
         if not self.spec.gate.enabled:
             return gate.skipped("gate.enabled is false: promoted without a canary")
+        deadline = time.monotonic() + timeout
         canary = await gate.run_canary(self.client, self.served_name, self.spec.gate, self.has_draft, timeout)
+        adapter = self.spec.gate.lora_canary
+        if adapter is not None and adapter not in self.served_names:
+            return gate.Verdict(False, "refused", f"gate.lora_canary '{adapter}' is not served by this engine "
+                                f"(it serves {sorted(self.served_names)}): start it with --enable-lora --lora-modules {adapter}=PATH")
+        # The adapter's canary checks output only: acceptance is the model's, measured above.
+        lora = await gate.run_canary(self.client, adapter, self.spec.gate, False, max(1.0, deadline - time.monotonic())) if adapter else None
         if self.baseline is None:
             verdict = gate.baseline_verdict(canary)
             if verdict.passed:
-                self.baseline = canary
+                self.baseline, self.lora_baseline = canary, lora
             return verdict
-        return gate.judge(self.baseline, canary, self.spec.gate)
+        verdict = gate.judge(self.baseline, canary, self.spec.gate)
+        if lora is not None and self.lora_baseline is not None:
+            verdict = gate.judge_adapter(verdict, adapter, self.lora_baseline, lora, self.spec.gate)
+        return verdict
 
     def _reset_acceptance_watch(self) -> None:
         self.midlife.reset()

@@ -183,6 +183,17 @@ def judge(baseline: Canary, observed: Canary, gate: Gate) -> Verdict:
     )
 
 
+def judge_adapter(verdict: Verdict, adapter: str, baseline: Canary, observed: Canary, gate: Gate) -> Verdict:
+    """Add the LoRA canary's output check (gate.lora_canary) to the model's verdict."""
+    match = _output_matches(baseline.text, observed.text, gate.output_check)
+    if observed.text.strip() and match is not False:
+        return verdict
+    problem = "no output" if not observed.text.strip() else _output_difference(baseline.text, observed.text, gate.output_check)
+    problem = f"LoRA adapter '{adapter}': {problem}"
+    reason = problem if verdict.passed else f"{verdict.reason}; {problem}"
+    return Verdict(False, "refused", reason, verdict.baseline_mal, verdict.observed_mal, False, verdict.seconds + observed.seconds)
+
+
 def acceptance_problems(baseline: float, observed: Optional[float], gate: Gate) -> list[str]:
     if observed is None:
         return ["no drafts were counted during the canary (speculative decoding stopped?)"]
