@@ -269,6 +269,10 @@ async def test_without_a_default_model_a_request_without_model_gets_a_400_listin
     assert "Name one of: a, b, bee" in body["error"]["message"]
     status, _, body = await http(r, "POST", "/tokenize", json={"prompt": "x"})
     assert status == 400 and "Name one of" in body["error"]["message"]
+    form = aiohttp.FormData()
+    form.add_field("file", wav(0.1), filename="a.wav", content_type="audio/wav")
+    status, _, body = await http(r, "POST", "/v1/audio/transcriptions", data=form)
+    assert status == 400 and body["error"]["code"] == "missing_model" and "Name one of: a, b, bee" in body["error"]["message"]
 
 
 async def test_requests_are_counted_per_route_family(router):
