@@ -58,7 +58,7 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
     label, group, status, stream, queued_s = UNKNOWN_MODEL, "", 500, "false", None
     try:
         if route.multipart:
-            form = await multipart.read_form(request, request.app._client_max_size)
+            form = await multipart.read_form(request, int(router.roster.listen.max_body_mb * 1024 * 1024))
             engine = resolve(router, form.value("model"))
             stream = "true" if (form.value("stream") or "").lower() == "true" else "false"
         else:
