@@ -49,7 +49,7 @@ def roster(adapter: Path) -> dict[str, Any]:
     data["models"] = [{
         "name": NAME, "model": "${HOTSWAP_TINY_MODELS}/target", "default": True, "sleep_level": 2,
         "args": ["--enable-lora", "--lora-modules", f"{ADAPTER}={adapter}", "--max-lora-rank", "8", "--max-loras", "1"],
-        "env": {"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
+        "env": {"VLLM_ENABLE_RESPONSES_API_STORE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"},
         "gate": {"max_tokens": 16, "lora_canary": ADAPTER},
     }]
     return data
@@ -119,3 +119,18 @@ def test_the_anthropic_sdk_streams_through_the_router(router: LiveRouter):
     events = list(router.client().responses.create(model=NAME, input=PROMPT, max_output_tokens=6, temperature=0, stream=True))
     assert events[-1].type == "response.completed" and events[-1].response.output_text
     poll(lambda: http("GET", f"{router.url}/v1/responses/{events[-1].response.id}")[0] == 200, 10, "streamed response retrievable")
+
+
+def test_runtime_adapter_loading_is_an_admin_action_on_real_vllm(router: LiveRouter, adapter: Path):
+    status, body = http("POST", router.url + "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapter)})
+    assert status == 404, body  # never forwarded from a client
+    status, body = http("POST", f"{router.url}/admin/lora/load?model={NAME}", {"lora_name": "again", "lora_path": str(adapter)},
+                        timeout=120)
+    assert status == 200 and body["adapters"] == sorted([ADAPTER, "again"]), body
+    same = router.client().completions.create(model="again", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    first = router.client().completions.create(model=ADAPTER, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    assert same == first  # the same weights under a second name
+    status, body = http("POST", f"{router.url}/admin/lora/unload?model={NAME}", {"lora_name": "again"}, timeout=120)
+    assert status == 200 and body["adapters"] == [ADAPTER], body
+    status, body = http("POST", router.url + "/v1/completions", {"model": "again", "prompt": PROMPT, "max_tokens": 4})
+    assert status == 404 and body["error"]["code"] == "model_not_found", body
