@@ -44,6 +44,7 @@ class VLLMClient:
         self.base_url = base_url.rstrip("/")
         self.session = session
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model_cards: dict[str, dict[str, Any]] = {}  # the last GET /v1/models, by id
 
     async def request(
         self,
@@ -90,7 +91,10 @@ class VLLMClient:
 
     async def served_models(self, timeout: float = 10) -> list[str]:
         answer = await self.request("GET", "/v1/models", timeout=timeout)
-        return [m["id"] for m in answer.get("data", [])]
+        cards = answer.get("data", []) if isinstance(answer, dict) else []
+        # Kept whole: a LoRA adapter's card says which base model it belongs to (`parent`) and where it lives (`root`).
+        self.model_cards = {m["id"]: m for m in cards if isinstance(m, dict) and "id" in m}
+        return list(self.model_cards)
 
     async def completion(self, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         return await self.request("POST", "/v1/completions", json=body, timeout=timeout)

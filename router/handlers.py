@@ -29,7 +29,8 @@ def _model_cards(router) -> list[dict]:
 
     cards = [card(name, engine, None if name == engine.name else engine.name, engine.spec.model or engine.spec.url or engine.name)
              for name, engine in router.by_name.items()]
-    return cards + [card(name, engine, engine.name, None) for name, engine in lora.adapters(router)]
+    # An adapter's parent is its engine's roster name: the name clients use (vLLM's card says the served name).
+    return cards + [card(name, engine, engine.name, root) for name, engine, root in lora.adapters(router)]
 
 
 async def list_models(request: web.Request) -> web.Response:

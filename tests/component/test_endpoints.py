@@ -248,6 +248,7 @@ async def test_models_list_adapters_with_parent_and_get_one(router):
     listed = {m.id: m for m in (await c.models.list()).data}
     assert set(listed) == {"chat", "other", "terse"}
     assert listed["terse"].parent == "chat" and listed["chat"].parent is None
+    assert listed["terse"].root == "/adapters/terse"  # the adapter's card, as the engine reported it
     assert (await c.models.retrieve("terse")).parent == "chat"
     with pytest.raises(openai.NotFoundError):
         await c.models.retrieve("nope")
