@@ -13,7 +13,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.support import ask, client, http, roster_dict, sim_model
+from tests.support import ask, client, eventually, http, roster_dict, sim_model
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,3 +113,21 @@ async def test_on_the_messages_route_the_error_event_is_anthropics(start_router)
             async with a.messages.stream(model="b", max_tokens=4, messages=[{"role": "user", "content": "hi"}]) as s:
                 [t async for t in s.text_stream]
     assert raised.value.body["type"] == "error" and raised.value.body["error"]["type"] == "overloaded_error", raised.value.body
+
+
+async def test_a_client_that_leaves_during_the_comments_leaves_no_waiter_or_lease_behind(start_router):
+    router = await start_router(roster())
+    await park_b(router)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        async with s.post(router.url + "/v1/chat/completions",
+                          json={"model": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}) as r:
+            assert (await r.content.readline()).startswith(b": ")  # waiting, headers sent
+            assert (await router.engine("b"))["queued"] == 1
+    # gone mid-wait: the wait is withdrawn, and the swap it started leaves nothing held
+
+    async def settled() -> bool:
+        engine = await router.engine("b")
+        return engine["queued"] == 0 and engine["in_flight"] == 0 and engine["state"] in ("awake", "sleeping")
+
+    await eventually(settled, 15, what="no waiter, no lease on b")
+    assert await ask(client(router), "b")
