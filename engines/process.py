@@ -88,6 +88,9 @@ class EngineProcess:
 
     def env(self) -> dict[str, str]:
         env = {**os.environ, **self.spec.env}
+        # Router-owned (the roster refuses it in `env`): the GPUs placement counted this engine on,
+        # whatever the router's own environment says. The engine numbers them 0..n-1.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in self.spec.devices)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # the sleep/wake/collective_rpc endpoints
         env["HOTSWAP_REAPER_PARENT"] = str(os.getpid())
         env.setdefault("PYTHONUNBUFFERED", "1")  # the log tail must be current when we quote it

@@ -152,3 +152,12 @@ async def test_engine_process_stop_kills_after_the_configured_grace(tmp_path: Pa
         if process.returncode is None:
             os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
+
+
+@pytest.mark.parametrize(("devices", "visible"), [([0], "0"), ([2, 3], "2,3"), ([3, 1], "3,1")])
+def test_the_router_sets_cuda_visible_devices_from_devices_over_its_own_environment(monkeypatch, tmp_path: Path, devices, visible):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")  # the router's own value must not leak into an engine
+    model = ModelSpec(name="a", model="/m/a", devices=devices, env={"HF_HOME": "/models/hf"})
+    env = EngineProcess(model, 9000, tmp_path, kill_grace_s=1).env()
+    assert env["CUDA_VISIBLE_DEVICES"] == visible
+    assert env["HF_HOME"] == "/models/hf"  # spec.env is still merged
