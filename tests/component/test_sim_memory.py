@@ -8,16 +8,16 @@ wake a 500 with the cumem allocator's out-of-memory error (the engine stays asle
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import aiohttp
 import pytest
+
+from tests.support import eventually
 
 from engines.sim.__main__ import parse_args
 from engines.sim.memory import (
@@ -90,15 +90,6 @@ def holdings(ledger, sizes=None) -> dict[int, dict[str, float]]:
     return {int(pid): h["gb"] for pid, h in read_ledger(ledger, sizes).get("holders", {}).items()}
 
 
-async def poll(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached before the deadline")
-
-
 def failed_boot(sim) -> str:
     assert sim.wait_exit() == 1, sim.stdout()
     assert "Uvicorn running" not in sim.stdout()
@@ -160,7 +151,7 @@ async def test_a_sigkilled_holder_frees_its_memory_without_any_cleanup(start, le
     assert start(0.2, wait=False).wait_exit() == 1  # 8 GB free: does not fit
     os.kill(a.pid, signal.SIGKILL)
     # Not reaped on purpose: a zombie holds no GPU memory either.
-    await poll(lambda: holdings(ledger) == {})
+    await eventually(lambda: holdings(ledger) == {}, timeout=5, what="the killed engine's memory purged")
     b = start(0.9)
     assert holdings(ledger) == {b.pid: {"0": 72.0}}
 
