@@ -350,6 +350,13 @@ class _Loader:
                     "unpin one or move it to another group"))
             else:
                 pinned_in[p.group] = p
+        for p in placed:
+            first = pinned_in.get(p.group) if p.group is not None and not p.pin else None
+            if first is not None:
+                self.report(p.blame(("group",)), (
+                    f"'{p.name}' shares group '{p.group}' with '{first.name}' ({format_field(first.path)}), which is pinned: "
+                    "a group keeps one model awake at a time and a pinned model is always awake, so it could never wake; "
+                    "move it to another group or unpin that one"))
         # A model that is not pinned must fit beside every pinned model on each of its devices.
         for p in placed:
             if p.pin or p.share is None:

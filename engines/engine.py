@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable, Optional
 import aiohttp
 
 from config.schema import ModelSpec, Swap
-from engines import gate, reaper, wake
+from engines import gate, hardware, reaper, wake
 from engines.client import EngineError, EngineRefused, VLLMClient
 from engines.process import EngineProcess, free_port
 
@@ -49,7 +49,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.AWAKE: frozenset({State.DRAINING, State.FAILED, State.COLD}),
     State.DRAINING: frozenset({State.SLEEPING, State.FAILED, State.COLD}),  # to COLD: a restart after its drain
     State.SLEEPING: frozenset({State.WAKING, State.FAILED, State.COLD}),
-    State.WAKING: frozenset({State.VERIFYING, State.FAILED, State.COLD}),
+    State.WAKING: frozenset({State.VERIFYING, State.DRAINING, State.FAILED, State.COLD}),  # to DRAINING: a demotion
     State.VERIFYING: frozenset({State.AWAKE, State.FAILED, State.COLD}),  # to COLD: a refused gate's restart
     State.FAILED: frozenset({State.COLD}),  # and only so: a restart goes through stop()
 }
@@ -143,6 +143,21 @@ class Engine:
         level = self.spec.sleep_level
         return (1, 2) if level == "auto" else (level,)
 
+    @property
+    def holds_process(self) -> bool:
+        """Its process may still hold GPU memory (a FAILED engine's, until it is stopped; an attached one's always)."""
+        if not self.spec.managed:
+            return True
+        return self.process is not None and self.process.returncode is None
+
+    def gpu_memory_gb(self) -> dict[int, float]:
+        """What its processes hold on each of its devices, measured through NVML ({} when NVML is unavailable)."""
+        if self.process is None or self.process.pid is None:
+            return {}
+        pids = self.process.group_pids()
+        measured = {d: hardware.process_gpu_memory_gb(pids, d) for d in self.spec.devices}
+        return {d: gb for d, gb in measured.items() if gb is not None}
+
     def last_log_lines(self, n: int = 20) -> list[str]:
         return self.process.last_lines(n) if self.process else []
 
@@ -177,7 +192,7 @@ class Engine:
         if new not in TRANSITIONS[old]:
             raise self._refuse_transition(old, new)
         self.state, self.since, self.failure = new, time.monotonic(), failure
-        if new is State.AWAKE:
+        if new in (State.AWAKE, State.COLD):  # nothing of it is parked any more
             self.sleep_level = None
         self.observer.state_changed(self, old, new)
 
@@ -363,6 +378,20 @@ class Engine:
             self.last_phases = {**wake_phases, "restart": time.monotonic() - started}
         else:
             raise self.fail(f"gate refused promotion: {verdict.reason}")
+
+    async def demote(self) -> None:
+        """Level 1 -> Level 2 without serving, to give host RAM back: vLLM can only drop the host copy
+        of the weights by waking them into the GPU and sleeping at Level 2."""
+        if self.state is not State.SLEEPING or self.sleep_level != 1:
+            raise self._refuse_transition(self.state, State.WAKING)
+        self.last_phases = {}
+        self._enter(State.WAKING)
+        for step in wake.steps(1, self.spec.draft_restore):
+            await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
+        self._enter(State.DRAINING)
+        await self._step("sleep", lambda t: self.client.sleep(2, "wait", timeout=t))
+        self.sleep_level = 2
+        self._enter(State.SLEEPING)
 
     # -- the promotion gate ------------------------------------------------------------------
 

@@ -100,6 +100,23 @@ class EngineProcess:
     def pid(self) -> Optional[int]:
         return self.proc.pid if self.proc else None
 
+    def group_pids(self) -> set[int]:
+        """The engine's process and everything it spawned (vLLM's EngineCore holds the GPU memory):
+        the processes of its session, which the engine leads (it is started with start_new_session)."""
+        if self.proc is None:
+            return set()
+        pids = {self.proc.pid}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # gone meanwhile, or not ours to read
+            if int(fields[3]) == self.proc.pid:  # the session id, after state, ppid and pgrp
+                pids.add(int(entry.name))
+        return pids
+
     @property
     def returncode(self) -> Optional[int]:
         return self.proc.returncode if self.proc else None

@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Optional
 
 from aiohttp import web
 
@@ -29,6 +29,7 @@ OPENAI_ROUTES = {
     "/v1/embeddings": "embeddings",
 }
 ROUTER_KEY = web.AppKey("router", "Router")
+MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
 
 
 async def openai_endpoint(request: web.Request) -> web.StreamResponse:
@@ -43,10 +44,10 @@ async def openai_endpoint(request: web.Request) -> web.StreamResponse:
     try:
         body = await _json_body(request)
         engine = router.lookup(body["model"])
-        label, group = engine.name, engine.spec.group or "default"
+        label, group = engine.name, engine.spec.group or ""
         stream = "true" if body.get("stream") is True else "false"
         scheduler = router.scheduler(engine)
-        await scheduler.acquire(engine)
+        await scheduler.acquire(engine, max_wait_s=_max_wait(request))
         queued_s = time.monotonic() - started
         try:
             response = await forward(request, router.proxy_session, engine, path, body, request["raw_body"])
@@ -77,12 +78,29 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def _max_wait(request: web.Request) -> Optional[float]:
+    """The client's X-Hotswap-Max-Wait: answer 503 at once rather than wait longer than this for a wake."""
+    text = request.headers.get(MAX_WAIT_HEADER)
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise APIError(400, f"{MAX_WAIT_HEADER} must be a number of seconds >= 0 (found {text[:40]!r})", "invalid_header")
+    return seconds
+
+
 async def list_models(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
+    scheduler = router.placement
+    now = scheduler.clock()
     data = [
         {"id": name, "object": "model", "created": router.started, "owned_by": "hotswap",
          "root": engine.spec.model or engine.spec.url or engine.name, "parent": None if name == engine.name else engine.name,
-         "state": engine.state.value, "group": engine.spec.group or "default"}
+         "state": engine.state.value, "group": engine.spec.group,
+         "wake_estimate_s": round(scheduler.predicted_wait(engine, now), 2)}
         for name, engine in router.by_name.items()
     ]
     return web.json_response({"object": "list", "data": data})

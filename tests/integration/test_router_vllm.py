@@ -111,7 +111,7 @@ def ask(live: LiveRouter, model: str, max_tokens: int = 16, timeout: float = 120
 def awake(live: LiveRouter, model: str) -> str:
     """Make `model` the awake one (a request does it); returns its answer to PROMPT."""
     text = ask(live, model)
-    assert live.group()["active"] == model
+    assert live.awake() == [model]
     return text
 
 
@@ -168,7 +168,7 @@ def discard(live: LiveRouter, name: str) -> None:
 
 
 def phases(live: LiveRouter) -> tuple[dict[str, float], dict[str, Any]]:
-    swap = live.group()["last_swap"]
+    swap = live.last_swap()
     assert swap["result"] == "ok", swap
     return swap["phases"], swap
 

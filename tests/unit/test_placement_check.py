@@ -215,6 +215,9 @@ def test_two_pinned_models_in_one_group_are_refused_at_the_second_ones_group():
           - {name: code, model: /m/code, group: gpu0, args: [--gpu-memory-utilization, 0.3]}
           - {name: embed, model: /m/embed, pin: true, group: gpu0, args: [--gpu-memory-utilization, 0.1]}
         """) == [
+        "roster.yaml:4:41: models[1].group: 'code' shares group 'gpu0' with 'chat' (models[0]), which is pinned: "
+        "a group keeps one model awake at a time and a pinned model is always awake, so it could never wake; "
+        "move it to another group or unpin that one",
         "roster.yaml:5:54: models[2].group: 'embed' and 'chat' (models[0]) are both pinned in group 'gpu0'; "
         "a group keeps one model awake at a time and a pinned model is always awake: unpin one or move it to another group",
     ]
