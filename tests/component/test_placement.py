@@ -174,3 +174,25 @@ def test_no_request_sequence_makes_the_router_overcommit_a_gpu(oracle_router, wa
             assert held["used_gb"] <= 80 + 0.01, (device, held)
 
     asyncio.run(run())
+
+
+async def test_the_predicted_wait_is_shown_and_a_client_may_refuse_to_wait_longer_than_it_likes(start_router):
+    router = await start_router(roster_dict(
+        model("a", 0.6, default=True), model("b", 0.6, "--sim-step-delay", "reload_weights=1")))
+    c = client(router)
+    assert await ask(c, "b") and await ask(c, "a")  # b's Level-2 wake is measured: about 1 s
+    async with aiohttp.ClientSession() as s:
+        async with s.get(router.url + "/v1/models") as r:
+            listed = {m["id"]: m["wake_estimate_s"] for m in (await r.json())["data"]}
+        assert listed["a"] == 0 and listed["b"] >= 1.0, listed
+        body = {"model": "b", "prompt": "x", "max_tokens": 4}
+        async with s.post(router.url + "/v1/completions", json=body, headers={"X-Hotswap-Max-Wait": "0.2"}) as r:
+            assert r.status == 503 and float(r.headers["Retry-After"]) >= 1
+            error = (await r.json())["error"]
+            assert error["code"] == "model_not_ready" and "exceeds X-Hotswap-Max-Wait: 0.2" in error["message"], error
+        async with s.post(router.url + "/v1/completions", json=body, headers={"X-Hotswap-Max-Wait": "soon"}) as r:
+            assert r.status == 400 and "X-Hotswap-Max-Wait must be a number of seconds" in (await r.json())["error"]["message"]
+        async with s.post(router.url + "/v1/completions", json=body, headers={"X-Hotswap-Max-Wait": "30"}) as r:
+            assert r.status == 200, "a limit above the prediction waits as usual"
+    assert (await router.engine("b"))["state"] == "awake"
+    assert (await router.engine("a"))["wake_estimate_s"] > 0
