@@ -87,7 +87,7 @@ def router(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
         values = live.metrics()
         REPORT["router_boot"] = {
             name: {
-                "boot_s": round(live.metric(values, "hotswap_engine_boot_duration_seconds_sum", model=name, group="default"), 1),
+                "boot_s": round(live.metric(values, "hotswap_engine_boot_duration_seconds_sum", model=name, group=""), 1),
                 "baseline": e["last_verdict"]["reason"],
                 "baseline_gate_s": round(e["last_verdict"]["seconds"], 3),
             }
@@ -143,9 +143,9 @@ def logged(live: LiveRouter, name: str, mark: int, done: str | Callable[[list[st
 
 def counters(live: LiveRouter, model: str) -> dict[str, float]:
     v = live.metrics()
-    out = {r: live.metric(v, "hotswap_gate_verdicts_total", model=model, group="default", result=r)
+    out = {r: live.metric(v, "hotswap_gate_verdicts_total", model=model, group="", result=r)
            for r in ("baseline", "passed", "refused", "allowed")}
-    out.update({f"restart_{r}": live.metric(v, "hotswap_engine_restarts_total", model=model, group="default", reason=r)
+    out.update({f"restart_{r}": live.metric(v, "hotswap_engine_restarts_total", model=model, group="", reason=r)
                 for r in ("gate", "failed", "midlife")})
     return out
 
