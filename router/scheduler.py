@@ -37,7 +37,9 @@ log = logging.getLogger("hotswap")
 
 # States an engine is only in while an action drives it.
 MID_TRANSITION = frozenset({State.BOOTING, State.DRAINING, State.WAKING, State.VERIFYING})
-RESERVING = frozenset({"wake", "demote"})  # actions that need the engine's full share while they run
+# Actions that need the engine's full share while they run (a restart passes through COLD:
+# its memory must not be handed to another engine in that moment).
+RESERVING = frozenset({"wake", "demote", "restart"})
 REUSE_HORIZON_S = 60.0  # "needed again soon" means within this long
 
 
@@ -208,7 +210,9 @@ class Scheduler(actions.Actions):
     def _start(self, decision: Decision) -> None:
         name = decision.engine.name
         self.busy[name] = asyncio.get_running_loop().create_future()
-        predicted = self.costs.wake_s(name, decision.engine.sleep_level) if decision.action == "wake" else 0.0
+        engine = decision.engine
+        level = engine.sleep_level if engine.state is State.SLEEPING else None
+        predicted = self.costs.wake_s(name, level) if decision.action == "wake" else 0.0
         self.doing[name] = (decision.action, self.clock(), predicted)
         if decision.action == "park" and decision.level is not None:
             self.parking_level[name] = decision.level

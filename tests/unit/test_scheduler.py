@@ -307,3 +307,23 @@ async def test_a_defect_in_an_admin_action_answers_the_caller_at_once(clock):
         await s._exclusively(a, "sleep", broken)
     assert raised.value.status == 500
     assert a.state is State.FAILED, "nothing is left draining with nobody driving it"
+
+
+async def test_a_measured_residual_replaces_the_configured_one(clock):
+    a = FakeEngine("a", share=0.5, sleep_residual_gb=1)
+    s = scheduler(a, clock=clock, gpus={0: 80.0})
+    assert s.ledger().use[0] == pytest.approx(1 / 80)
+    s.residuals["a"] = {0: 8.0}  # what NVML saw its processes hold after the sleep
+    assert s.ledger().use[0] == pytest.approx(0.1)
+
+
+async def test_an_engine_restarting_keeps_its_memory_while_it_passes_through_cold(clock):
+    a, b = awake("a", clock, share=0.6), FakeEngine("b", share=0.6)
+    s = scheduler(a, b, clock=clock)
+    a.needs_restart = "collapsed"
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("restart", "a")]
+    s.busy["a"], s.doing["a"] = asyncio.get_running_loop().create_future(), ("restart", clock.now, 0.0)
+    a.state = State.COLD  # between its stop and its boot
+    wait_for(s, b, clock.now)
+    assert s.decide(clock.now) == Plan(), "b must not take a's memory in that moment"
