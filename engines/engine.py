@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import logging
 import time
 from pathlib import Path
@@ -21,56 +20,16 @@ from typing import Any, Awaitable, Callable, Optional
 import aiohttp
 
 from config.schema import ModelSpec, Swap
-from engines import gate, hardware, reaper, wake
+from engines import gate, reaper, wake
 from engines.client import EngineError, EngineRefused, VLLMClient
 from engines.process import EngineProcess, free_port
+from engines.states import TRANSITIONS, EngineFailed, Observer, State
+
+__all__ = ["Engine", "EngineFailed", "Observer", "State", "TRANSITIONS"]
 
 HEALTH_POLL_S = 0.25  # how often a booting engine is asked; not a limit
 HEALTH_CALL_S = 5.0  # one /health call; the boot as a whole is bounded by swap.boot_timeout_s
 log = logging.getLogger("hotswap")
-
-
-class State(str, enum.Enum):
-    COLD = "cold"
-    BOOTING = "booting"
-    AWAKE = "awake"
-    DRAINING = "draining"
-    SLEEPING = "sleeping"
-    WAKING = "waking"
-    VERIFYING = "verifying"
-    FAILED = "failed"
-
-
-# Every transition an engine may make. COLD and FAILED are reachable from everywhere: stop() ends
-# any state, and anything can fail.
-TRANSITIONS: dict[State, frozenset[State]] = {
-    State.COLD: frozenset({State.BOOTING, State.FAILED}),
-    State.BOOTING: frozenset({State.AWAKE, State.FAILED, State.COLD}),
-    State.AWAKE: frozenset({State.DRAINING, State.FAILED, State.COLD}),
-    State.DRAINING: frozenset({State.SLEEPING, State.FAILED, State.COLD}),  # to COLD: a restart after its drain
-    State.SLEEPING: frozenset({State.WAKING, State.FAILED, State.COLD}),
-    State.WAKING: frozenset({State.VERIFYING, State.DRAINING, State.FAILED, State.COLD}),  # to DRAINING: a demotion
-    State.VERIFYING: frozenset({State.AWAKE, State.FAILED, State.COLD}),  # to COLD: a refused gate's restart
-    State.FAILED: frozenset({State.COLD}),  # and only so: a restart goes through stop()
-}
-
-
-class EngineFailed(Exception):
-    """A lifecycle step failed; the engine is FAILED. The message names engine, step and cause."""
-
-
-class Observer:
-    """Receives what an engine does (the router's metrics and logs implement this)."""
-
-    def state_changed(self, engine: "Engine", old: State, new: State) -> None: ...
-
-    def step_done(self, engine: "Engine", phase: str, seconds: float, ok: bool) -> None: ...
-
-    def verdict(self, engine: "Engine", verdict: gate.Verdict) -> None: ...
-
-    def restarted(self, engine: "Engine", reason: str) -> None: ...
-
-    def midlife_collapse(self, engine: "Engine", observed_mal: float, reason: str) -> None: ...
 
 
 class Engine:
@@ -149,14 +108,6 @@ class Engine:
         if not self.spec.managed:
             return True
         return self.process is not None and self.process.returncode is None
-
-    def gpu_memory_gb(self) -> dict[int, float]:
-        """What its processes hold on each of its devices, measured through NVML ({} when NVML is unavailable)."""
-        if self.process is None or self.process.pid is None:
-            return {}
-        pids = self.process.group_pids()
-        measured = {d: hardware.process_gpu_memory_gb(pids, d) for d in self.spec.devices}
-        return {d: gb for d, gb in measured.items() if gb is not None}
 
     def last_log_lines(self, n: int = 20) -> list[str]:
         return self.process.last_lines(n) if self.process else []

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, Optional
 
+from engines import hardware
 from engines.engine import Engine, EngineFailed, State
 from router.errors import APIError
 
@@ -179,7 +180,12 @@ class Actions:
         self._grant(engine)
 
     def _measure_residual(self: "Scheduler", engine: Engine) -> None:
-        measured = engine.gpu_memory_gb()
+        """What a parked engine's processes still hold on each device, through NVML (when it sees the GPUs)."""
+        if engine.process is None or engine.process.pid is None:
+            return
+        pids = engine.process.group_pids()
+        measured = {d: hardware.process_gpu_memory_gb(pids, d) for d in engine.spec.devices}
+        measured = {d: gb for d, gb in measured.items() if gb is not None}
         if measured:
             self.residuals[engine.name] = measured
 

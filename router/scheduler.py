@@ -19,14 +19,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Optional
+from typing import Callable, Optional
 
 from config.schema import Queue, Swap
 from engines.engine import Engine, EngineFailed, State
-from router import actions, placement
+from router import actions, costs, placement
 from router.backoff import Backoff
 from router.errors import APIError
 from router.estimates import Demand, WakeCosts
@@ -40,7 +39,6 @@ MID_TRANSITION = frozenset({State.BOOTING, State.DRAINING, State.WAKING, State.V
 # Actions that need the engine's full share while they run (a restart passes through COLD:
 # its memory must not be handed to another engine in that moment).
 RESERVING = frozenset({"wake", "demote", "restart"})
-REUSE_HORIZON_S = 60.0  # "needed again soon" means within this long
 
 
 @dataclass
@@ -66,7 +64,7 @@ class Plan:
     wait_s: Optional[float] = None  # nothing to start: look again after this long (None: when poked)
 
 
-class Scheduler(actions.Actions):
+class Scheduler(costs.Costs, actions.Actions):
     def __init__(self, engines: list[Engine], swap: Swap, limits: Queue, capacity: Capacity,
                  weights: Optional[dict[str, Optional[float]]] = None, observer: Optional[actions.Events] = None,
                  clock: Callable[[], float] = time.monotonic, victim_cost: Optional[placement.CostFn] = None):
@@ -338,67 +336,6 @@ class Scheduler(actions.Actions):
                 ledger.reserve(sleeper)
             out.append(Decision("demote" if passes else "stop", sleeper, f"host RAM for {engine.name} at level 1"))
         return out
-
-    def _choose_level(self, engine: Engine, now: float, waking: Collection[str] = ()) -> tuple[int, list[Engine]]:
-        """The level to park `engine` at, and the Level-1 sleepers to demote to make RAM for it.
-        `waking`: engines about to wake, whose host copy of the weights is about to go."""
-        if engine.spec.sleep_level != "auto":
-            return engine.spec.sleep_level, []
-        weights = self.weights.get(engine.name)
-        if weights is None:
-            return 2, []
-        used = self.level1_gb(exclude=waking)
-        budget = self.capacity.ram_budget_gb
-        if used + weights <= budget:
-            return 1, []
-        mine = self._level1_value(engine, now)
-        sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1
-                           and e.name not in self.busy and e.name not in waking and not e.spec.pin),
-                          key=lambda e: self._level1_value(e, now))
-        chosen: list[Engine] = []
-        for sleeper in sleepers:
-            if self._level1_value(sleeper, now) >= mine:
-                break
-            chosen.append(sleeper)
-            used -= self.weights.get(sleeper.name) or 0.0
-            if used + weights <= budget:
-                return 1, chosen
-        return 2, []
-
-    def level1_gb(self, exclude: Collection[str] = ()) -> float:
-        """Host RAM held (or about to be) by Level-1 sleepers' weights."""
-        total = 0.0
-        for engine in self.engines:
-            if engine.name in exclude:
-                continue
-            action = self.doing.get(engine.name)
-            parking_l1 = action is not None and action[0] == "park" and self.parking_level.get(engine.name) == 1
-            demoting = action is not None and action[0] in ("demote", "stop")
-            if parking_l1 or (engine.state is State.SLEEPING and engine.sleep_level == 1 and not demoting):
-                total += self.weights.get(engine.name) or 0.0
-        return total
-
-    def _level1_value(self, engine: Engine, now: float) -> float:
-        """Expected seconds of waiting that keeping `engine` at Level 1 (rather than 2) saves."""
-        saved = self.costs.wake_s(engine.name, 2) - self.costs.wake_s(engine.name, 1)
-        return self._reuse(engine, now) * max(saved, 0.0)
-
-    def _reuse(self, engine: Engine, now: float) -> float:
-        """How likely `engine` is to be asked for within REUSE_HORIZON_S."""
-        return 1.0 - math.exp(-self.demand.rate(engine.name, now) * REUSE_HORIZON_S)
-
-    def expected_cost(self, engine: Engine, action: str, now: float) -> float:
-        """Seconds of waiting that moving `engine` out of the way is expected to cost later:
-        its predicted wake (or, stopped, the boot beyond its wake) times the chance it is needed
-        again soon. Ties go to the least recently used."""
-        if action == "stop":
-            level = engine.sleep_level
-            extra = self.costs.boot_s(engine.name) - self.costs.wake_s(engine.name, level)
-        else:
-            level, _ = self._choose_level(engine, now) if action == "park" else (2, [])
-            extra = self.costs.wake_s(engine.name, level)
-        recency = 1e-9 / (1.0 + max(0.0, now - self.demand.last(engine.name)))  # a tie-break only
-        return self._reuse(engine, now) * max(extra, 0.0) + recency
 
     def _grant(self, engine: Engine) -> None:
         queue = self.waiting[engine.name]
