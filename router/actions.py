@@ -83,8 +83,7 @@ class Actions:
             if ledger.fits(engine) and not rival:
                 continue
             if other.state is State.AWAKE and not other.spec.pin:
-                level, _ = self._choose_level(other, self.clock())
-                await self._park(other, f"room to boot {engine.name}", level)
+                await self._park(other, f"room to boot {engine.name}", self._level_alone(other))
         ledger = self.ledger()
         if not ledger.fits(engine):
             short = ", ".join(f"GPU {d}: {v:.3g} short" for d, v in ledger.shortfall(engine).items())
@@ -219,8 +218,7 @@ class Actions:
         async def action() -> str:
             if engine.state is not State.AWAKE:
                 return f"not awake ({engine.state.value})"
-            level, _ = self._choose_level(engine, self.clock())
-            await self._park(engine, "on request", level)
+            await self._park(engine, "on request", self._level_alone(engine))
             return self._outcome(engine)
         return await self._exclusively(engine, "sleep", action)
 

@@ -20,6 +20,12 @@ REUSE_HORIZON_S = 60.0  # "needed again soon" means within this long
 
 
 class Costs:
+    def _level_alone(self: "Scheduler", engine: Engine) -> int:
+        """The level for a park outside the loop's planning (boot, admin): Level 1 only if it fits
+        in host RAM as it is, without demoting anyone."""
+        level, demote = self._choose_level(engine, self.clock())
+        return 2 if demote else level
+
     def _choose_level(self: "Scheduler", engine: Engine, now: float, waking: Collection[str] = ()) -> tuple[int, list[Engine]]:
         """The level to park `engine` at, and the Level-1 sleepers to demote to make RAM for it.
         `waking`: engines about to wake, whose host copy of the weights is about to go."""

@@ -206,6 +206,7 @@ async def test_a_less_valuable_level1_sleeper_is_demoted_to_make_ram_for_a_popul
     s.costs.observe_wake("hot", 2, 5.0)
     for _ in range(10):
         s.demand.arrived("hot", clock.now - 1)
+    assert s._level_alone(hot) == 2, "a park outside the loop's planning (admin, boot) demotes nobody: Level 2"
     wait_for(s, target, clock.now)
     plan = s.decide(clock.now)
     assert actions(plan) == [("park", "hot"), ("stop", "cold")], "no GPU room for cold to pass through: it is stopped"
