@@ -56,7 +56,7 @@ def start_targets(procs: h.Processes, args: argparse.Namespace, tmp: Path) -> li
         f"    args: [{', '.join(json.dumps(a) for a in SIM_FLAGS)}]\n")
     router, router_log = h.start_router(procs, tmp, "router", router_port, roster, env={"BENCH_KEY": args.key}, src=args.router_src)
     status = json.loads(h.wait_until_ok(f"http://127.0.0.1:{router_port}/admin/status", router, router_log))
-    reaper = status["groups"]["default"]["engines"][0]["pid"]
+    reaper = status["engines"][0]["pid"]
     procs.extra_groups.append(reaper)  # engines.reaper leads the engine's process group
     kids = h.children(reaper)
     if len(kids) != 1:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import logging
 import time
 from pathlib import Path
@@ -24,53 +23,13 @@ from config.schema import ModelSpec, Swap
 from engines import gate, reaper, wake
 from engines.client import EngineError, EngineRefused, VLLMClient
 from engines.process import EngineProcess, free_port
+from engines.states import TRANSITIONS, EngineFailed, Observer, State
+
+__all__ = ["Engine", "EngineFailed", "Observer", "State", "TRANSITIONS"]
 
 HEALTH_POLL_S = 0.25  # how often a booting engine is asked; not a limit
 HEALTH_CALL_S = 5.0  # one /health call; the boot as a whole is bounded by swap.boot_timeout_s
 log = logging.getLogger("hotswap")
-
-
-class State(str, enum.Enum):
-    COLD = "cold"
-    BOOTING = "booting"
-    AWAKE = "awake"
-    DRAINING = "draining"
-    SLEEPING = "sleeping"
-    WAKING = "waking"
-    VERIFYING = "verifying"
-    FAILED = "failed"
-
-
-# Every transition an engine may make. COLD and FAILED are reachable from everywhere: stop() ends
-# any state, and anything can fail.
-TRANSITIONS: dict[State, frozenset[State]] = {
-    State.COLD: frozenset({State.BOOTING, State.FAILED}),
-    State.BOOTING: frozenset({State.AWAKE, State.FAILED, State.COLD}),
-    State.AWAKE: frozenset({State.DRAINING, State.FAILED, State.COLD}),
-    State.DRAINING: frozenset({State.SLEEPING, State.FAILED, State.COLD}),  # to COLD: a restart after its drain
-    State.SLEEPING: frozenset({State.WAKING, State.FAILED, State.COLD}),
-    State.WAKING: frozenset({State.VERIFYING, State.FAILED, State.COLD}),
-    State.VERIFYING: frozenset({State.AWAKE, State.FAILED, State.COLD}),  # to COLD: a refused gate's restart
-    State.FAILED: frozenset({State.COLD}),  # and only so: a restart goes through stop()
-}
-
-
-class EngineFailed(Exception):
-    """A lifecycle step failed; the engine is FAILED. The message names engine, step and cause."""
-
-
-class Observer:
-    """Receives what an engine does (the router's metrics and logs implement this)."""
-
-    def state_changed(self, engine: "Engine", old: State, new: State) -> None: ...
-
-    def step_done(self, engine: "Engine", phase: str, seconds: float, ok: bool) -> None: ...
-
-    def verdict(self, engine: "Engine", verdict: gate.Verdict) -> None: ...
-
-    def restarted(self, engine: "Engine", reason: str) -> None: ...
-
-    def midlife_collapse(self, engine: "Engine", observed_mal: float, reason: str) -> None: ...
 
 
 class Engine:
@@ -144,6 +103,13 @@ class Engine:
         level = self.spec.sleep_level
         return (1, 2) if level == "auto" else (level,)
 
+    @property
+    def holds_process(self) -> bool:
+        """Its process may still hold GPU memory (a FAILED engine's, until it is stopped; an attached one's always)."""
+        if not self.spec.managed:
+            return True
+        return self.process is not None and self.process.returncode is None
+
     def last_log_lines(self, n: int = 20) -> list[str]:
         return self.process.last_lines(n) if self.process else []
 
@@ -178,7 +144,7 @@ class Engine:
         if new not in TRANSITIONS[old]:
             raise self._refuse_transition(old, new)
         self.state, self.since, self.failure = new, time.monotonic(), failure
-        if new is State.AWAKE:
+        if new in (State.AWAKE, State.COLD):  # nothing of it is parked any more
             self.sleep_level = None
         self.observer.state_changed(self, old, new)
 
@@ -364,6 +330,20 @@ class Engine:
             self.last_phases = {**wake_phases, "restart": time.monotonic() - started}
         else:
             raise self.fail(f"gate refused promotion: {verdict.reason}")
+
+    async def demote(self) -> None:
+        """Level 1 -> Level 2 without serving, to give host RAM back: vLLM can only drop the host copy
+        of the weights by waking them into the GPU and sleeping at Level 2."""
+        if self.state is not State.SLEEPING or self.sleep_level != 1:
+            raise self._refuse_transition(self.state, State.WAKING)
+        self.last_phases = {}
+        self._enter(State.WAKING)
+        for step in wake.steps(1, self.spec.draft_restore):
+            await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
+        self._enter(State.DRAINING)
+        await self._step("sleep", lambda t: self.client.sleep(2, "wait", timeout=t))
+        self.sleep_level = 2
+        self._enter(State.SLEEPING)
 
     # -- the promotion gate ------------------------------------------------------------------
 

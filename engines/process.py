@@ -88,6 +88,9 @@ class EngineProcess:
 
     def env(self) -> dict[str, str]:
         env = {**os.environ, **self.spec.env}
+        # Router-owned (the roster refuses it in `env`): the GPUs placement counted this engine on,
+        # whatever the router's own environment says. The engine numbers them 0..n-1.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in self.spec.devices)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # the sleep/wake/collective_rpc endpoints
         env["HOTSWAP_REAPER_PARENT"] = str(os.getpid())
         env.setdefault("PYTHONUNBUFFERED", "1")  # the log tail must be current when we quote it
@@ -96,6 +99,23 @@ class EngineProcess:
     @property
     def pid(self) -> Optional[int]:
         return self.proc.pid if self.proc else None
+
+    def group_pids(self) -> set[int]:
+        """The engine's process and everything it spawned (vLLM's EngineCore holds the GPU memory):
+        the processes of its session, which the engine leads (it is started with start_new_session)."""
+        if self.proc is None:
+            return set()
+        pids = {self.proc.pid}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # gone meanwhile, or not ours to read
+            if int(fields[3]) == self.proc.pid:  # the session id, after state, ppid and pgrp
+                pids.add(int(entry.name))
+        return pids
 
     @property
     def returncode(self) -> Optional[int]:

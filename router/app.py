@@ -1,4 +1,4 @@
-"""The roster made live (the composition root): engines, one scheduler per group, the name ->
+"""The roster made live (the composition root): engines, the scheduler that places them, the name ->
 engine table, the observer that turns what engines do into metrics and logs, and the aiohttp
 app that serves it all (routes in `router.handlers`, keys in `router.auth`).
 """
@@ -16,7 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from config.schema import Roster
-from engines import watch
+from engines import hardware, watch, weights
 from engines.client import EngineError
 from engines.engine import Engine, Observer, State
 from engines.gate import Verdict
@@ -24,15 +24,16 @@ from router import endpoints, handlers, routes
 from router.auth import auth_middleware
 from router.errors import APIError
 from router.metrics import Metrics
+from router.placement import Capacity
 from router.responses import ResponseIds
-from router.scheduler import GroupScheduler
+from router.scheduler import Scheduler
 from router.tasks import spawn
 
 log = logging.getLogger("hotswap")
 
 
 class Router(Observer):
-    """The roster made live: engines, one scheduler per group, and the name -> engine table."""
+    """The roster made live: engines, their scheduler, and the name -> engine table."""
 
     def __init__(self, roster: Roster, log_dir: Path, session: aiohttp.ClientSession, proxy_session: aiohttp.ClientSession):
         self.roster = roster
@@ -42,16 +43,15 @@ class Router(Observer):
         self.started = int(time.time())
         self.engines: dict[str, Engine] = {m.name: Engine(m, roster.swap, session, log_dir, self) for m in roster.models}
         self.by_name: dict[str, Engine] = {n: self.engines[m.name] for m in roster.models for n in m.names}
-        self.groups: dict[str, GroupScheduler] = {
-            group: GroupScheduler(group, [self.engines[m.name] for m in models], roster.swap, roster.queue, self.metrics.swap_done)
-            for group, models in _groups(roster).items()
-        }
+        self.capacity = capacity(roster)
+        self.placement = Scheduler(list(self.engines.values()), roster.swap, roster.queue, self.capacity,
+                                   weights=level1_weights(roster), observer=self.metrics)
         self.metrics.attach(self)
         self.verdicts: dict[str, collections.deque[Verdict]] = {name: collections.deque(maxlen=10) for name in self.engines}
         self._tasks: list[asyncio.Task[None]] = []
 
-    def scheduler(self, engine: Engine) -> GroupScheduler:
-        return self.groups[engine.spec.group or "default"]
+    def scheduler(self, engine: Engine) -> Scheduler:
+        return self.placement
 
     def lookup(self, model: str) -> Engine:
         engine = self.by_name.get(model)
@@ -67,15 +67,13 @@ class Router(Observer):
         return any(e.serviceable for e in self.engines.values())
 
     def start(self) -> None:
-        log.info("hotswap: %d engines in %d groups; engine logs in %s", len(self.engines), len(self.groups),
-                 next(iter(self.engines.values())).log_dir)
-        for scheduler in self.groups.values():
-            scheduler.start()
+        log.info("hotswap: %d engines; engine logs in %s", len(self.engines), next(iter(self.engines.values())).log_dir)
+        self.placement.start()
         self._tasks = [spawn(self._watch_acceptance(), "acceptance-watch"), spawn(self._report_boot(), "boot-report")]
 
     async def _report_boot(self) -> None:
-        """Once every group has booted, say plainly what came up and what did not, and why."""
-        await asyncio.gather(*(s.boot_done.wait() for s in self.groups.values()))
+        """Once every engine has booted, say plainly what came up and what did not, and why."""
+        await self.placement.boot_done.wait()
         failed = [e for e in self.engines.values() if e.state is State.FAILED]
         if not failed:
             log.info("hotswap: boot finished: all %d engines booted and recorded their baseline", len(self.engines))
@@ -120,8 +118,7 @@ class Router(Observer):
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests; give those in flight or already queued until `timeout` to finish."""
-        for scheduler in self.groups.values():
-            scheduler.close()
+        self.placement.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(e.in_flight or self.scheduler(e).queued(e) for e in self.engines.values()):
             await asyncio.sleep(0.05)
@@ -129,7 +126,7 @@ class Router(Observer):
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*(s.stop() for s in self.groups.values()))
+        await self.placement.stop()
         await asyncio.gather(*(e.stop() for e in self.engines.values()), return_exceptions=True)
 
     # -- Observer: engines report here --------------------------------------------------------
@@ -155,10 +152,29 @@ class Router(Observer):
         self.metrics.midlife_collapse(engine, observed_mal, reason)
 
 
-def _groups(roster: Roster) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for m in roster.models:  # until placement by memory lands, every model without a group shares one
-        out.setdefault(m.group or "default", []).append(m)
+def capacity(roster: Roster) -> Capacity:
+    """GPU sizes (the roster's, else NVML's, else unknown) and the host-RAM budget for Level-1 sleepers."""
+    gpus = {g.index: g.memory_gb for g in roster.gpus} if roster.gpus else hardware.discover_gpus()
+    if gpus is None:
+        log.info("GPU sizes unknown (no gpus: in the roster and NVML sees none): placement counts shares only, "
+                 "not the residual of sleeping engines")
+    budget = roster.host.ram_budget_gb
+    if budget is None:
+        budget = hardware.host_memory_total_gb() / 2
+    return Capacity(gpus, budget)
+
+
+def level1_weights(roster: Roster) -> dict[str, Optional[float]]:
+    """Host RAM each `sleep_level: auto` engine's weights take at Level 1 (None: unknown, so Level 2)."""
+    out: dict[str, Optional[float]] = {}
+    for spec in roster.models:
+        out[spec.name], why = weights.weights_gb(spec)
+        if spec.sleep_level != "auto":
+            continue
+        if out[spec.name] is None:
+            log.warning("%s: weight size unknown, so it sleeps at level 2: %s", spec.name, why)
+        else:
+            log.info("%s: weights %.1f GB (%s)", spec.name, out[spec.name], why)
     return out
 
 

@@ -19,7 +19,7 @@ from aiohttp import web
 from engines.engine import Engine
 from router import keepalive, multipart, routes
 from router.errors import APIError, sse_error
-from router.handlers import ROUTER_KEY
+from router.handlers import ROUTER_KEY, max_wait
 from router.metrics import UNKNOWN_MODEL
 from router.proxy import forward, json_for
 from router.responses import ResponseIds, StreamSniffer, id_in_answer
@@ -65,14 +65,15 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
             body = await _json_body(request)
             engine = _engine_for(request, router, body, route)
             stream = "true" if body.get("stream") is True else "false"
-        label, group = engine.name, engine.spec.group or "default"
+        label, group = engine.name, engine.spec.group or ""
         scheduler = router.scheduler(engine)
         prepared = None
         interval = router.roster.queue.stream_keepalive_s
+        limit = max_wait(request)
         if interval and stream == "true":
-            prepared = await keepalive.acquire(request, scheduler, engine, interval, route.anthropic)
+            prepared = await keepalive.acquire(request, scheduler, engine, interval, route.anthropic, max_wait_s=limit)
         else:
-            await scheduler.acquire(engine)
+            await scheduler.acquire(engine, max_wait_s=limit)
         queued_s = time.monotonic() - started
         try:
             if route.multipart:
@@ -139,11 +140,11 @@ async def response_pinned(request: web.Request) -> web.StreamResponse:
             raise APIError(404, f"Response with id '{response_id}' not found (the router pins the responses it saw "
                                 "created, for a bounded time).", "response_not_found", param="response_id")
         engine = router.engines[name]
-        label, group = engine.name, engine.spec.group or "default"
+        label, group = engine.name, engine.spec.group or ""
         path = f"/v1/responses/{quote(response_id, safe='')}" + ("/cancel" if cancel else "")
         params = {k: v for k, v in request.query.items() if k in ("starting_after", "stream")}
         scheduler = router.scheduler(engine)
-        await scheduler.acquire(engine)
+        await scheduler.acquire(engine, max_wait_s=max_wait(request))
         try:
             response = await forward(request, router.proxy_session, engine, path + ("?" + "&".join(
                 f"{k}={quote(v, safe='')}" for k, v in params.items()) if params else ""), None,

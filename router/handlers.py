@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Optional
 
 from aiohttp import web
 
@@ -20,17 +21,36 @@ from router.status import engine_status, router_status
 log = logging.getLogger("hotswap")
 
 ROUTER_KEY = web.AppKey("router", "Router")
+MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
 
 
 def _model_cards(router) -> list[dict]:
+    scheduler = router.placement
+    now = scheduler.clock()
+
     def card(name: str, engine, parent, root) -> dict:
         return {"id": name, "object": "model", "created": router.started, "owned_by": "hotswap", "root": root,
-                "parent": parent, "state": engine.state.value, "group": engine.spec.group or "default"}
+                "parent": parent, "state": engine.state.value, "group": engine.spec.group,
+                "wake_estimate_s": round(scheduler.predicted_wait(engine, now), 2)}
 
     cards = [card(name, engine, None if name == engine.name else engine.name, engine.spec.model or engine.spec.url or engine.name)
              for name, engine in router.by_name.items()]
     # An adapter's parent is its engine's roster name: the name clients use (vLLM's card says the served name).
     return cards + [card(name, engine, engine.name, root) for name, engine, root in lora.adapters(router)]
+
+
+def max_wait(request: web.Request) -> Optional[float]:
+    """The client's X-Hotswap-Max-Wait: answer 503 at once rather than wait longer than this for a wake."""
+    text = request.headers.get(MAX_WAIT_HEADER)
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise APIError(400, f"{MAX_WAIT_HEADER} must be a number of seconds >= 0 (found {text[:40]!r})", "invalid_header")
+    return seconds
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -45,11 +45,12 @@ def doing(engine: Engine) -> str:
     return f"waiting for {engine.name} ({state.value})"
 
 
-async def acquire(request: web.Request, scheduler, engine: Engine, interval: float, anthropic: bool) -> Optional[web.StreamResponse]:
+async def acquire(request: web.Request, scheduler, engine: Engine, interval: float, anthropic: bool,
+                  max_wait_s: Optional[float] = None) -> Optional[web.StreamResponse]:
     """Take a lease like `scheduler.acquire`, sending comment lines every `interval` seconds
     while it waits. Returns the already-prepared stream response, or None when the lease came
     before the first comment was due (nothing sent: the request proceeds as usual)."""
-    task = asyncio.ensure_future(scheduler.acquire(engine))
+    task = asyncio.ensure_future(scheduler.acquire(engine, max_wait_s=max_wait_s))
     response: Optional[web.StreamResponse] = None
     try:
         while True:

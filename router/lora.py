@@ -51,7 +51,7 @@ async def admin_lora(request: web.Request, router) -> web.Response:
     if action == "load" and name in router.by_name:
         raise APIError(400, f"'{name}' is a roster name; an adapter needs its own name.", "invalid_request")
     scheduler = router.scheduler(engine)
-    await scheduler.acquire(engine)  # like any request: a parked engine is woken first
+    await scheduler.acquire(engine, admin=True)  # an operator's action: a parked engine is woken first, no demand counted
     try:
         async with asyncio.timeout(ADMIN_TIMEOUT_S):
             await engine.client.request("POST", f"/v1/{action}_lora_adapter", json=body, timeout=ADMIN_TIMEOUT_S, expect_json=False)

@@ -15,18 +15,25 @@ from prometheus_client.registry import Collector
 
 from engines.engine import Engine, Observer, State
 from engines.gate import Verdict
+from router import placement
+from router.actions import Events, SwapRecord
 
 if TYPE_CHECKING:
     from router.app import Router
-    from router.scheduler import SwapRecord
 
 UNKNOWN_MODEL = "_unknown"  # requests naming no roster model share one label value
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SWAP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 BOOT_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200)
+RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2, 4)
+EVICTION_REASONS = ("room", "idle", "admin", "boot", "demote", "stop")
 
 
-class Metrics(Observer):
+def group_of(engine: Engine) -> str:
+    return engine.spec.group or ""  # no group: the label is empty (Prometheus treats it as absent)
+
+
+class Metrics(Observer, Events):
     def __init__(self) -> None:
         disable_created_metrics()  # the *_created twin of every series doubles the count for nothing
         self.registry = CollectorRegistry()
@@ -55,6 +62,10 @@ class Metrics(Observer):
         self.restarts = Counter("hotswap_engine_restarts", "Engine cold restarts by reason (failed, gate, midlife, admin).",
                                 [*m, "reason"], registry=r)
         self.collapses = Counter("hotswap_midlife_collapses", "Acceptance collapses detected while serving.", m, registry=r)
+        self.evictions = Counter("hotswap_evictions", "Engines moved out of the way, by reason (room, idle, admin, boot, "
+                                 "demote: level 1 -> 2 for host RAM, stop: asleep -> cold).", [*m, "reason"], registry=r)
+        self.wake_ratio = Histogram("hotswap_wake_actual_over_predicted", "A wake's actual seconds over the seconds "
+                                    "predicted for it (1.0: the estimate was right).", m, buckets=RATIO_BUCKETS, registry=r)
         # labels() takes a lock and validates on every call; the request path reuses the children.
         self._per_request: dict[tuple[str, str, str], tuple] = {}
         self._per_status: dict[tuple[str, str, int], Any] = {}
@@ -79,8 +90,10 @@ class Metrics(Observer):
     def attach(self, router: "Router") -> None:
         self.registry.register(_LiveState(router))
         for engine in router.engines.values():  # series exist from the start: increase() sees the first event
-            labels = (engine.name, engine.spec.group or "default")
+            labels = (engine.name, group_of(engine))
             self.collapses.labels(*labels)
+            for reason in EVICTION_REASONS:
+                self.evictions.labels(*labels, reason)
             self.boot_failures.labels(*labels)
             for phase in engine.phases:
                 self.phase_failures.labels(*labels, phase)
@@ -95,7 +108,7 @@ class Metrics(Observer):
     # -- Observer ----------------------------------------------------------------------------
 
     def step_done(self, engine: Engine, phase: str, seconds: float, ok: bool) -> None:
-        labels = (engine.name, engine.spec.group or "default")
+        labels = (engine.name, group_of(engine))
         if phase == "boot":
             (self.boot_seconds.labels(*labels).observe(seconds) if ok else self.boot_failures.labels(*labels).inc())
             return
@@ -104,17 +117,24 @@ class Metrics(Observer):
             self.phase_failures.labels(*labels, phase).inc()
 
     def verdict(self, engine: Engine, verdict: Verdict) -> None:
-        self.verdicts.labels(engine.name, engine.spec.group or "default", verdict.result).inc()
+        self.verdicts.labels(engine.name, group_of(engine), verdict.result).inc()
 
     def restarted(self, engine: Engine, reason: str) -> None:
-        self.restarts.labels(engine.name, engine.spec.group or "default", reason).inc()
+        self.restarts.labels(engine.name, group_of(engine), reason).inc()
 
     def midlife_collapse(self, engine: Engine, observed_mal: float, reason: str) -> None:
-        self.collapses.labels(engine.name, engine.spec.group or "default").inc()
+        self.collapses.labels(engine.name, group_of(engine)).inc()
 
-    def swap_done(self, record: "SwapRecord") -> None:
-        self.swaps.labels(record.group, record.from_model or "", record.to_model, record.result).inc()
+    # -- Events (the scheduler) ------------------------------------------------------------------
+
+    def swap_done(self, record: SwapRecord) -> None:
+        self.swaps.labels(record.group, "+".join(record.from_models), record.to_model, record.result).inc()
         self.swap_seconds.labels(record.group, record.to_model, record.result).observe(record.seconds)
+        if record.result == "ok" and record.predicted_s > 0:
+            self.wake_ratio.labels(record.to_model, record.group).observe(record.seconds / record.predicted_s)
+
+    def evicted(self, engine: Engine, reason: str) -> None:
+        self.evictions.labels(engine.name, group_of(engine), reason).inc()
 
 
 class _LiveState(Collector):
@@ -131,8 +151,13 @@ class _LiveState(Collector):
         queued = GaugeMetricFamily("hotswap_queued_requests", "Requests waiting for their model to be awake, per model.", labels=m)
         baseline = GaugeMetricFamily("hotswap_acceptance_baseline", "Mean acceptance length of the cold-boot canary.", labels=m)
         observed = GaugeMetricFamily("hotswap_acceptance_observed", "Last observed mean acceptance length (gate or mid-life watch).", labels=m)
+        estimate = GaugeMetricFamily("hotswap_wake_estimate_seconds", "Predicted seconds until the model could serve "
+                                     "(0 when awake): its measured wake or boot, plus a park when it does not fit yet.", labels=m)
+        scheduler = self.router.placement
+        now = scheduler.clock()
         for engine in self.router.engines.values():
-            labels = [engine.name, engine.spec.group or "default"]
+            labels = [engine.name, group_of(engine)]
+            estimate.add_metric(labels, scheduler.predicted_wait(engine, now))
             for s in State:
                 state.add_metric([*labels, s.value], 1.0 if engine.state is s else 0.0)
             level.add_metric(labels, float(engine.sleep_level or 0) if engine.state is State.SLEEPING else 0.0)
@@ -142,4 +167,19 @@ class _LiveState(Collector):
                 baseline.add_metric(labels, engine.baseline.mal)
             if engine.observed_mal is not None:
                 observed.add_metric(labels, engine.observed_mal)
-        return [state, level, in_flight, queued, baseline, observed]
+        return [state, level, in_flight, queued, baseline, observed, estimate, *self._placement()]
+
+    def _placement(self) -> list[GaugeMetricFamily]:
+        scheduler = self.router.placement
+        planned = GaugeMetricFamily("hotswap_gpu_memory_planned_ratio", "Share of each GPU held by awake engines "
+                                    "(and those waking, booting or draining), as placement counts it.", labels=["device"])
+        residual = GaugeMetricFamily("hotswap_gpu_memory_residual_ratio", "Share of each GPU held by sleeping engines' "
+                                     "residuals (CUDA context, allocator pools).", labels=["device"])
+        for view in placement.devices_view(scheduler.ledger()):
+            planned.add_metric([str(view.index)], view.planned)
+            residual.add_metric([str(view.index)], view.residual)
+        ram = GaugeMetricFamily("hotswap_host_ram_level1_bytes", "Host RAM held by Level-1 sleepers' weights.",
+                                value=scheduler.level1_gb() * 1e9)
+        budget = GaugeMetricFamily("hotswap_host_ram_budget_bytes", "Host RAM Level-1 sleepers may hold (host.ram_budget_gb).",
+                                   value=scheduler.capacity.ram_budget_gb * 1e9)
+        return [planned, residual, ram, budget]

@@ -6,45 +6,63 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from engines.engine import Engine
-from router.scheduler import SwapRecord
+from router import placement
+from router.actions import SwapRecord
 
 if TYPE_CHECKING:
     from router.app import Router
 
 
 def router_status(router: "Router") -> dict[str, Any]:
+    scheduler = router.placement
     return {
         "ready": router.ready,
-        "groups": {
-            name: {
-                "active": s.active.name if s.active else None,
-                "booted": s.booted,
-                "last_swap": _swap_dict(s.last_swap),
-                "swaps": [_swap_dict(r) for r in reversed(s.history)],
-                "engines": [engine_status(router, e) for e in s.engines],
-            }
-            for name, s in router.groups.items()
-        },
+        "booted": scheduler.booted,
+        "placement": placement_status(router),
+        "engines": [engine_status(router, e) for e in router.engines.values()],
+        "last_swap": _swap_dict(scheduler.last_swap),
+        "swaps": [_swap_dict(r) for r in reversed(scheduler.history)],
     }
+
+
+def placement_status(router: "Router") -> dict[str, Any]:
+    scheduler = router.placement
+    devices = []
+    for view in placement.devices_view(scheduler.ledger()):
+        devices.append({"index": view.index, "memory_gb": view.memory_gb, "planned": round(view.planned, 4),
+                        "residual": round(view.residual, 4), "free": round(max(0.0, 1.0 - view.planned - view.residual), 4),
+                        "engines": view.engines})
+    return {"devices": devices, "host": {"ram_budget_gb": round(scheduler.capacity.ram_budget_gb, 2),
+                                         "level1_gb": round(scheduler.level1_gb(), 2)}}
 
 
 def engine_status(router: "Router", e: Engine) -> dict[str, Any]:
     now = time.monotonic()
+    scheduler = router.scheduler(e)
+    doing = scheduler.doing.get(e.name)
     return {
         "name": e.name,
         "aliases": e.spec.aliases,
         "state": e.state.value,
         "for_s": round(now - e.since, 3),
+        "action": doing[0] if doing else None,
+        "group": e.spec.group,
+        "devices": e.spec.devices,
+        "gpu_share": e.spec.gpu_share,
+        "pin": e.spec.pin,
         "sleep_level": e.sleep_level,
+        "sleep_level_policy": e.spec.sleep_level,
+        "weights_gb": scheduler.weights.get(e.name),
+        "wake_estimate_s": round(scheduler.predicted_wait(e, scheduler.clock()), 2),
         "in_flight": e.in_flight,
-        "queued": router.scheduler(e).queued(e),
+        "queued": scheduler.queued(e),
         "port": e.port,
         "pid": e.process.pid if e.process else None,
         "boot_deadline_in_s": round(e.boot_deadline - now, 1) if e.boot_deadline else None,
         "last_phases": {k: round(v, 4) for k, v in e.last_phases.items()},
         "last_verdict": e.last_verdict.as_dict() if e.last_verdict else None,
         "verdicts": [v.as_dict() for v in reversed(router.verdicts[e.name])],
-        "failures": router.scheduler(e).backoff.failures[e.name],
+        "failures": scheduler.backoff.failures[e.name],
         "restarts": sum(e.restarts.values()),
         "restarts_by_reason": dict(e.restarts),
         "baseline_mal": e.baseline.mal if e.baseline else None,
@@ -62,5 +80,6 @@ def engine_status(router: "Router", e: Engine) -> dict[str, Any]:
 def _swap_dict(record: Optional[SwapRecord]) -> Optional[dict[str, Any]]:
     if record is None:
         return None
-    return {"from": record.from_model, "to": record.to_model, "result": record.result, "seconds": round(record.seconds, 4),
-            "phases": {k: round(v, 4) for k, v in record.phases.items()}, "error": record.error, "at": record.at}
+    return {"to": record.to_model, "from": record.from_models, "result": record.result, "seconds": round(record.seconds, 4),
+            "predicted_s": round(record.predicted_s, 3), "phases": {k: round(v, 4) for k, v in record.phases.items()},
+            "error": record.error, "at": record.at}

@@ -20,29 +20,39 @@ def fetch(url: str, admin_key: Optional[str], timeout: float = 10) -> dict[str, 
 
 
 def render(status: dict[str, Any]) -> str:
-    lines = [f"ready: {'yes' if status['ready'] else 'no'}"]
-    for name, group in status["groups"].items():
-        lines.append(f"\ngroup {name}: active {group['active'] or '-'}{'' if group['booted'] else ' (booting)'}")
-        rows = [("MODEL", "STATE", "FOR", "LEVEL", "IN-FLIGHT", "QUEUED", "MAL base/obs", "RESTARTS", "LAST VERDICT")]
-        for e in group["engines"]:
-            verdict = e["last_verdict"] or {}
-            mal = "-" if e["baseline_mal"] is None else f"{e['baseline_mal']:.2f}/{e['observed_mal'] or 0:.2f}"
-            rows.append((e["name"], e["state"], f"{e['for_s']:.0f}s", str(e["sleep_level"] or "-"), str(e["in_flight"]),
-                         str(e["queued"]), mal, str(e["restarts"]), verdict.get("result", "-")))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        swap = group["last_swap"]
-        if swap:
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in swap["phases"].items())
-            lines.append(f"  last swap: {swap['from'] or '-'} -> {swap['to']} {swap['result']} in {swap['seconds']:.2f} s ({phases})")
-        for e in group["engines"]:
-            if e["failure"]:
-                lines.append(f"  {e['name']} failed: {e['failure']}")
-            collapse = e.get("last_collapse")
-            if collapse:
-                at = time.strftime("%H:%M:%S", time.localtime(collapse["at"]))
-                lines.append(f"  {e['name']} last acceptance collapse at {at}: MAL {collapse['observed_mal']:.2f} "
-                             f"({collapse['reason']})")
+    lines = [f"ready: {'yes' if status['ready'] else 'no'}{'' if status['booted'] else ' (booting)'}"]
+    place = status["placement"]
+    for d in place["devices"]:
+        size = f" of {d['memory_gb']:g} GB" if d["memory_gb"] else ""
+        held = ", ".join(f"{name} {what}" for name, what in d["engines"].items()) or "-"
+        lines.append(f"GPU {d['index']}{size}: awake {d['planned']:.2f}, residual {d['residual']:.2f}, free {d['free']:.2f}  ({held})")
+    host = place["host"]
+    lines.append(f"host RAM for level-1 sleepers: {host['level1_gb']:.1f} of {host['ram_budget_gb']:.1f} GB")
+    rows = [("MODEL", "STATE", "FOR", "LEVEL", "GPUS", "SHARE", "WAKE~", "IN-FLIGHT", "QUEUED", "MAL base/obs", "RESTARTS",
+             "LAST VERDICT")]
+    for e in status["engines"]:
+        verdict = e["last_verdict"] or {}
+        mal = "-" if e["baseline_mal"] is None else f"{e['baseline_mal']:.2f}/{e['observed_mal'] or 0:.2f}"
+        state = e["state"] + (f" ({e['action']})" if e["action"] else "")
+        rows.append((e["name"] + (" [pin]" if e["pin"] else ""), state, f"{e['for_s']:.0f}s", str(e["sleep_level"] or "-"),
+                     ",".join(map(str, e["devices"])), f"{e['gpu_share']:g}", f"{e['wake_estimate_s']:.1f}s",
+                     str(e["in_flight"]), str(e["queued"]), mal, str(e["restarts"]), verdict.get("result", "-")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    swap = status["last_swap"]
+    if swap:
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in swap["phases"].items())
+        moved = f" (parked {', '.join(swap['from'])})" if swap["from"] else ""
+        lines.append(f"  last wake: {swap['to']} {swap['result']} in {swap['seconds']:.2f} s, predicted "
+                     f"{swap['predicted_s']:.2f} s{moved} ({phases})")
+    for e in status["engines"]:
+        if e["failure"]:
+            lines.append(f"  {e['name']} failed: {e['failure']}")
+        collapse = e.get("last_collapse")
+        if collapse:
+            at = time.strftime("%H:%M:%S", time.localtime(collapse["at"]))
+            lines.append(f"  {e['name']} last acceptance collapse at {at}: MAL {collapse['observed_mal']:.2f} "
+                         f"({collapse['reason']})")
     return "\n".join(lines)
 
 

@@ -24,19 +24,41 @@ def render(status: dict[str, Any]) -> str:
              f"<title>hotswap</title><style>{STYLE}</style></head><body>",
              f"<h1>hotswap <span class='muted'>— {'ready' if status['ready'] else 'not ready'}, "
              f"{time.strftime('%H:%M:%S')}</span></h1>"]
-    for name, group in status["groups"].items():
-        parts.append(f"<h2 id='group-{escape(name)}'>group {escape(name)} — awake: {escape(group['active'] or 'none')}"
-                     f"{'' if group['booted'] else ' (booting)'}</h2>")
-        parts.append(_engines(group["engines"]))
-        parts.append(_swaps(group["swaps"]))
-        for engine in group["engines"]:
-            parts.append(_engine_details(engine))
+    parts.append(_placement(status["placement"], status["booted"]))
+    parts.append(_engines(status["engines"]))
+    parts.append(_swaps(status["swaps"]))
+    for engine in status["engines"]:
+        parts.append(_engine_details(engine))
     parts.append("</body></html>")
     return "".join(parts)
 
 
+def _placement(place: dict[str, Any], booted: bool) -> str:
+    """One bar per GPU: each engine's slice (awake shares solid, sleepers' residuals pale), then what is free."""
+    rows = [f"<h2>placement{'' if booted else ' (booting)'}</h2><table class='placement'>"
+            "<tr><th>GPU</th><th>awake</th><th>residual</th><th>free</th><th>engines</th></tr>"]
+    for d in place["devices"]:
+        bar = "".join(
+            f"<span title='{escape(name)}: {escape(what)}' style='display:inline-block;height:1em;width:{_pct(what)}%;"
+            f"background:{'#1a7f37' if not what.startswith('asleep') else '#8c959f'};border-right:1px solid #fff'></span>"
+            for name, what in d["engines"].items())
+        size = f" ({d['memory_gb']:g} GB)" if d["memory_gb"] else ""
+        held = ", ".join(f"{escape(name)} {escape(what)}" for name, what in d["engines"].items()) or "—"
+        rows.append(f"<tr id='gpu-{d['index']}'><td>{d['index']}{size}</td><td>{d['planned']:.2f}</td><td>{d['residual']:.2f}</td>"
+                    f"<td>{d['free']:.2f}</td><td><div style='width:20em;background:#eaeef2'>{bar}</div>{held}</td></tr>")
+    host = place["host"]
+    rows.append(f"</table><p class='muted'>host RAM for level-1 sleepers: {host['level1_gb']:.1f} of "
+                f"{host['ram_budget_gb']:.1f} GB</p>")
+    return "".join(rows)
+
+
+def _pct(what: str) -> float:
+    return round(100 * float(what.rsplit(" ", 1)[1]), 2)
+
+
 def _engines(engines: list[dict[str, Any]]) -> str:
-    rows = ["<table class='engines'><tr><th>model</th><th>state</th><th>for</th><th>sleep level</th><th>in flight</th>"
+    rows = ["<table class='engines'><tr><th>model</th><th>state</th><th>for</th><th>sleep level</th><th>GPUs × share</th>"
+            "<th>wake estimate</th><th>in flight</th>"
             "<th>queued</th><th>acceptance baseline / observed</th><th>restarts</th><th>last gate verdict</th></tr>"]
     for e in engines:
         colour = STATE_COLOURS.get(e["state"], "#57606a")
@@ -47,7 +69,9 @@ def _engines(engines: list[dict[str, Any]]) -> str:
         rows.append(
             f"<tr id='engine-{escape(e['name'])}'><td>{escape(e['name'])}{aliases}</td>"
             f"<td><span class='state' style='background:{colour}'>{escape(e['state'])}</span>{booting}</td>"
-            f"<td>{e['for_s']:.0f} s</td><td>{e['sleep_level'] or '—'}</td><td>{e['in_flight']}</td><td>{e['queued']}</td>"
+            f"<td>{e['for_s']:.0f} s</td><td>{e['sleep_level'] or '—'}</td>"
+            f"<td>{escape(','.join(map(str, e['devices'])))} × {e['gpu_share']:g}{' (pinned)' if e['pin'] else ''}</td>"
+            f"<td>{e['wake_estimate_s']:.1f} s</td><td>{e['in_flight']}</td><td>{e['queued']}</td>"
             f"<td>{_mal(e['baseline_mal'])} / {_mal(e['observed_mal'])}</td><td>{escape(restarts)}</td>"
             f"<td class='{'bad' if verdict.get('result') in ('refused', 'allowed') else 'ok'}'>{escape(verdict.get('result', '—'))}"
             f"<br><span class='muted'>{escape(verdict.get('reason', ''))}</span></td></tr>")
@@ -57,10 +81,10 @@ def _engines(engines: list[dict[str, Any]]) -> str:
 def _swaps(swaps: list[dict[str, Any]]) -> str:
     if not swaps:
         return "<p class='muted swaps'>no swaps yet</p>"
-    rows = ["<h3>last swaps</h3><table class='swaps'><tr><th>at</th><th>from → to</th><th>result</th><th>seconds</th><th>phases</th></tr>"]
+    rows = ["<h3>last swaps</h3><table class='swaps'><tr><th>at</th><th>parked → woken</th><th>result</th><th>seconds</th><th>phases</th></tr>"]
     for s in swaps:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items())
-        rows.append(f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(s['at']))}</td><td>{escape(s['from'] or '—')} → {escape(s['to'])}</td>"
+        rows.append(f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(s['at']))}</td><td>{escape(', '.join(s['from']) or '—')} → {escape(s['to'])}</td>"
                     f"<td class='{'ok' if s['result'] == 'ok' else 'bad'}'>{escape(s['result'])}</td><td>{s['seconds']:.2f}</td>"
                     f"<td>{escape(phases)}{'<br><span class=bad>' + escape(s['error']) + '</span>' if s['error'] else ''}</td></tr>")
     return "".join(rows) + "</table>"

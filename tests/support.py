@@ -19,6 +19,9 @@ SIM_LAUNCHER = ["python", "-m", "engines.sim", "serve"]
 FAST_SIM = ["--sim-boot-s", "0", "--sim-token-rate", "5000"]
 
 
+SIM_GPU_GB = 80  # the simulator's memory oracle's default device size
+
+
 def sim_model(name: str, *, spec: bool = False, args: tuple[str, ...] = (), **extra: Any) -> dict[str, Any]:
     model: dict[str, Any] = {"name": name, "model": f"sim/{name}", "launcher": SIM_LAUNCHER, "args": [*FAST_SIM, *args]}
     if spec:
@@ -100,6 +103,7 @@ class RouterProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.env = dict(env or {})
         self.roster_path = tmp_path / "roster.yaml"
         self.roster_path.write_text(yaml.safe_dump(roster))
         self.log_path = tmp_path / "router.log"
@@ -125,10 +129,10 @@ class RouterProcess:
 
         async def booted() -> bool:
             status = await self.status()
-            return all(g["booted"] for g in status["groups"].values())
+            return status["booted"]
 
         await eventually(ready, timeout, interval=0.05, what=f"router ready at {self.url}")
-        await eventually(booted, timeout, interval=0.05, what="every group booted")
+        await eventually(booted, timeout, interval=0.05, what="every engine booted")
 
     async def status(self) -> dict[str, Any]:
         self.check_alive()
@@ -137,7 +141,7 @@ class RouterProcess:
 
     async def engine(self, name: str) -> dict[str, Any]:
         status = await self.status()
-        return next(e for g in status["groups"].values() for e in g["engines"] if e["name"] == name)
+        return next(e for e in status["engines"] if e["name"] == name)
 
     def stop(self, timeout: float = 30) -> int:
         import signal
@@ -161,7 +165,11 @@ def roster_dict(*models: dict[str, Any], **sections: Any) -> dict[str, Any]:
     # A short canary keeps scenarios with slow simulated engines quick; 16 tokens still give the
     # simulator's acceptance accumulator enough drafts to land within 0.1 of its configured value.
     defaults = {"gate": {"max_tokens": 16}, **sections.pop("defaults", {})}
-    return {"swap": swap, "defaults": defaults, "models": list(models), **sections}
+    # Sized like the simulator's memory oracle (80 GB per device), so the router counts the
+    # residual each sleeper holds there; a test may pass its own gpus, or gpus=None for none.
+    devices = sorted({d for m in models for d in m.get("devices", defaults.get("devices", [0]))})
+    gpus = sections.pop("gpus", [{"index": d, "memory_gb": SIM_GPU_GB} for d in devices])
+    return {"swap": swap, "defaults": defaults, "models": list(models), **({"gpus": gpus} if gpus else {}), **sections}
 
 
 # -- clients of a running router (the real openai SDK; closed by the component conftest) ------------

@@ -17,6 +17,7 @@ import sys
 import time
 
 from .control import FAULT_KINDS, STEPS, Control, Fault, InjectedFault
+from .memory import DEFAULT_RESIDUAL_GB, DEFAULT_SHARE, EngineMemory, Ledger, OutOfMemory, parse_devices
 
 log = logging.getLogger("vllm.sim")
 uvicorn_log = logging.getLogger("uvicorn")
@@ -90,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sim-lora-lost-on-level2", action="store_true",
                    help="after a Level-2 sleep, adapters answer like the base model (silently wrong)")
     s.add_argument("--sim-reset-prefix-false", type=int, default=0, metavar="N")
+    s.add_argument("--sim-sleep-residual-gb", type=float, default=DEFAULT_RESIDUAL_GB,
+                   help="GB a sleeping engine still holds per device; with --gpu-memory-utilization, modelled "
+                   "only when HOTSWAP_SIM_GPU_LEDGER names a ledger (engines/sim/memory.py)")
+    return p
+
+
+def build_share_parser() -> argparse.ArgumentParser:
+    """`--gpu-memory-utilization`, taken from the flags the main parser leaves: without the
+    memory oracle the simulator does not model it, and says so with the other ignored flags."""
+    p = argparse.ArgumentParser(prog="python -m engines.sim serve", allow_abbrev=False, add_help=False)
+    p.add_argument("--gpu-memory-utilization", default=str(DEFAULT_SHARE))
     return p
 
 
@@ -103,6 +115,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if argv and not argv[0].startswith("-"):
         positional, argv = argv[0], argv[1:]
     args, unknown = parser.parse_known_args(argv)
+    share, rest = build_share_parser().parse_known_args(unknown)
     args.model = positional or args.model
     if not args.model:
         parser.error("the model is required: serve MODEL or --model MODEL")
@@ -117,11 +130,34 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--sim-token-rate must be positive")
     if args.sim_crash_mid_stream is not None and args.sim_crash_mid_stream < 1:
         parser.error("--sim-crash-mid-stream must be >= 1")
+    if args.sim_sleep_residual_gb < 0:
+        parser.error("--sim-sleep-residual-gb must be >= 0")
+    try:
+        args.gpu_memory = gpu_memory(args, share.gpu_memory_utilization)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.gpu_memory is not None:
+        unknown = rest  # modelled, so no longer ignored
     # `--sleep-preserve-parameter-names a,b` and `... a b` both select several globs.
     args.sleep_preserve_parameter_names = [
         pat for item in args.sleep_preserve_parameter_names for pat in item.split(",") if pat
     ]
     return args, unknown
+
+
+def gpu_memory(args: argparse.Namespace, share_text: str) -> EngineMemory | None:
+    """This engine's claim on the memory oracle; None (nothing read) when HOTSWAP_SIM_GPU_LEDGER is unset."""
+    ledger = Ledger.from_env()
+    if ledger is None:
+        return None
+    try:
+        share = float(share_text)
+    except ValueError:
+        share = float("nan")
+    if not 0 < share <= 1:  # vLLM's own bounds
+        raise ValueError(f"--gpu-memory-utilization must be a number in (0, 1], got {share_text!r}")
+    devices = parse_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return EngineMemory(ledger, devices, share, args.sim_sleep_residual_gb, args.model)
 
 
 def setup_logging() -> None:
@@ -138,17 +174,33 @@ def setup_logging() -> None:
     uvicorn_log.propagate = False
 
 
-def print_boot_failure() -> None:
+LOAD_MODEL_OOM = (
+    '  File "vllm/v1/worker/gpu_model_runner.py", line 2512, in load_model\n'
+    "    self.model = model_loader.load_model(vllm_config=self.vllm_config, model_config=self.model_config)\n"
+    "RuntimeError: simulated boot failure: CUDA out of memory. Tried to allocate 2.00 GiB. "
+    "GPU 0 has a total capacity of 79.11 GiB of which 1.12 GiB is free.\n"
+)
+
+
+def memory_check_failure(e: OutOfMemory) -> str:
+    """The worker's startup memory check failing, as vLLM's traceback ends."""
+    return (
+        '  File "vllm/v1/worker/gpu_worker.py", line 255, in init_device\n'
+        "    self.requested_memory = request_memory(init_snapshot, self.cache_config)\n"
+        '  File "vllm/v1/worker/utils.py", line 383, in request_memory\n'
+        "    raise ValueError(\n"
+        f"ValueError: {e.boot_message()}\n"
+    )
+
+
+def print_boot_failure(root_cause: str = LOAD_MODEL_OOM) -> None:
     ts = time.strftime("%m-%d %H:%M:%S")
     print(
         f"ERROR {ts} [core.py:708] EngineCore failed to start.\n"
         "Traceback (most recent call last):\n"
         '  File "vllm/v1/engine/core.py", line 699, in run_engine_core\n'
         "    engine_core = EngineCoreProc(*args, **kwargs)\n"
-        '  File "vllm/v1/worker/gpu_model_runner.py", line 2512, in load_model\n'
-        "    self.model = model_loader.load_model(vllm_config=self.vllm_config, model_config=self.model_config)\n"
-        "RuntimeError: simulated boot failure: CUDA out of memory. Tried to allocate 2.00 GiB. "
-        "GPU 0 has a total capacity of 79.11 GiB of which 1.12 GiB is free.\n"
+        f"{root_cause}"
         "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
         file=sys.stderr,
         flush=True,
@@ -188,6 +240,17 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
 
     delays = {step: float(v) for step, v in args.sim_step_delay}
     control = Control(delays, [Fault(step, kind) for step, kind in args.sim_fault])
+
+    # vLLM's worker checks free GPU memory as it initialises the device, before it loads
+    # the model; the engine then holds its share (a process that exits holds nothing).
+    memory: EngineMemory | None = args.gpu_memory
+    if memory is not None:
+        try:
+            memory.boot()
+        except OutOfMemory as e:
+            print_boot_failure(memory_check_failure(e))
+            return 1
+        log.info("sim: GPU memory held: %s GB on devices %s", memory.held_gb(), memory.devices)
 
     # vLLM loads the model before it binds the port: /health is refused while booting.
     try:
@@ -235,6 +298,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
         dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
         crash_mid_stream=args.sim_crash_mid_stream,
         adapters=adapters,
+        memory=memory,
     )
     server.lose_lora_on_level2 = args.sim_lora_lost_on_level2
     if server.dev_mode:
@@ -254,6 +318,8 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
         print(f"ERROR:    [Errno {e.errno}] error while attempting to bind on address ({args.host!r}, {args.port}): {e.strerror}", file=sys.stderr, flush=True)
         await runner.cleanup()
         return 1
+    if memory is not None:
+        memory.awake()
     uvicorn_log.info("Started server process [%d]", os.getpid())
     uvicorn_log.info("Waiting for application startup.")
     uvicorn_log.info("Application startup complete.")

@@ -25,6 +25,7 @@ from aiohttp.abc import AbstractAccessLogger
 from . import lm, lora
 from .lora import Adapters
 from .control import FAULT_KINDS, Control, Fault, InjectedFault, crash, hang_forever
+from .memory import EngineMemory, OutOfMemory
 from .metrics import CONTENT_TYPE
 from .state import WAKE_TAGS, Generation, GenerationAborted, SimEngine
 
@@ -120,8 +121,10 @@ class SimServer:
         dev_mode: bool,
         crash_mid_stream: int | None,
         adapters: Adapters | None = None,
+        memory: EngineMemory | None = None,
     ) -> None:
         self.engine = engine
+        self.memory = memory  # the GPU memory oracle (memory.py); None: not modelled
         self.control = control
         self.api_key = api_key
         self.dev_mode = dev_mode
@@ -481,6 +484,9 @@ class SimServer:
         await self.engine.sleep(level, mode)
         if level == 2 and self.lose_lora_on_level2:
             self.adapters.lost = True
+        # Levels 1 and 2 unmap weights and KV cache; level 0 only pauses scheduling.
+        if self.memory is not None and level > 0:
+            self.memory.sleep()
         return web.json_response({"status": "sleeping", "level": level})
 
     async def wake_up(self, request: web.Request) -> web.Response:
@@ -490,6 +496,15 @@ class SimServer:
             raise bad_request(f"Unknown wake_up tags {bad}; valid tags: {list(WAKE_TAGS)}", "tags")
         step = "wake" if not tags or set(tags) == set(WAKE_TAGS) else f"wake_{tags[0]}"
         await self.control.enter(step, query=query_json(request), tags=list(tags))
+        if self.memory is not None and self.engine.is_sleeping:
+            # The first tag woken maps the whole share back; later ones find it mapped.
+            try:
+                self.memory.wake()
+            except OutOfMemory as e:
+                msg = e.wake_message(len(self.memory.devices))
+                log.error("Invocation of wake_up method failed (GPU %d: %s GiB free, %s GiB asked): %s",
+                          e.device, round(e.free / 2**30, 2), round(e.requested / 2**30, 2), msg)
+                return error_response(500, msg, "InternalServerError")
         result = self.engine.wake(list(tags))
         log.info("wake_up(tags=%s): %s", tags or "all", result["status"])
         return web.json_response(result)
@@ -536,7 +551,8 @@ class SimServer:
     # ---- sim control ---------------------------------------------------------------
 
     async def sim_state(self, request: web.Request) -> web.Response:
-        return web.json_response(self.engine.state_json())
+        gpu = self.memory.state_json() if self.memory is not None else None
+        return web.json_response({**self.engine.state_json(), "gpu_memory": gpu})
 
     async def sim_log(self, request: web.Request) -> web.Response:
         return web.json_response(list(self.control.calls))

@@ -62,7 +62,7 @@ async def test_the_admin_key_guards_admin_and_ui_and_is_separate_from_client_key
             assert r.status == 401 and r.headers["WWW-Authenticate"] == 'Basic realm="hotswap"'
         basic = base64.b64encode(b"operator:admin-key").decode()
         async with s.get(router.url + "/ui", headers={"Authorization": f"Basic {basic}"}) as r:
-            assert r.status == 200 and "group default" in await r.text()
+            assert r.status == 200 and "<h2>placement</h2>" in await r.text()
     # the admin key is no client key
     status, _, _ = await http(router, "POST", "/v1/completions", json={"model": "a", "prompt": "x"},
                               headers={"Authorization": "Bearer admin-key"})
@@ -76,12 +76,14 @@ async def test_hotswap_status_prints_a_readable_table(start_router):
                                   capture_output=True, text=True, timeout=30)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert lines[0] == "ready: yes" and "group default: active b" in lines
+    assert lines[0] == "ready: yes"
+    assert "GPU 0 of 80 GB: awake 0.90, residual 0.01, free 0.09  (a asleep 0.0125, b awake 0.9)" in lines, lines
     header = next(l for l in lines if l.strip().startswith("MODEL"))
-    assert header.split() == ["MODEL", "STATE", "FOR", "LEVEL", "IN-FLIGHT", "QUEUED", "MAL", "base/obs", "RESTARTS", "LAST", "VERDICT"]
+    assert header.split() == ["MODEL", "STATE", "FOR", "LEVEL", "GPUS", "SHARE", "WAKE~", "IN-FLIGHT", "QUEUED", "MAL", "base/obs",
+                              "RESTARTS", "LAST", "VERDICT"]
     row_b = next(l.split() for l in lines if l.strip().startswith("b "))
-    assert row_b[1] == "awake" and row_b[-1] == "passed" and row_b[-2] == "1"
-    assert any(l.strip().startswith("last swap: a -> b ok") for l in lines)
+    assert row_b[1] == "awake" and row_b[4:7] == ["0", "0.9", "0.0s"] and row_b[-1] == "passed" and row_b[-2] == "1"
+    assert any(l.strip().startswith("last wake: b ok in") and "(parked a)" in l for l in lines), lines
 
 
 def chromium(*args: str, profile: Path) -> str:

@@ -36,13 +36,13 @@ async def test_a_wake_that_loses_the_draft_is_refused_then_remediated_by_a_resta
     assert b["last_verdict"]["result"] == "passed"  # the restart's canary, judged against the original baseline
     assert 2.4 < b["baseline_mal"] < 2.8 and abs(b["observed_mal"] - b["baseline_mal"]) < 0.2
     values = await router_metrics(router)
-    assert metric(values, "hotswap_gate_verdicts_total", model="b", group="default", result="refused") == 1
-    assert metric(values, "hotswap_engine_restarts_total", model="b", group="default", reason="gate") == 1
+    assert metric(values, "hotswap_gate_verdicts_total", model="b", group="", result="refused") == 1
+    assert metric(values, "hotswap_engine_restarts_total", model="b", group="", reason="gate") == 1
     floor = 1 + 0.5 * (b["baseline_mal"] - 1)
     log = router.log()
     assert f"gate b: refused (mean acceptance length 1.00 is below {floor:.2f}" in log
     assert "the draft model looks lost (vLLM #52479)" in log
-    phases = (await router.status())["groups"]["default"]["last_swap"]["phases"]
+    phases = (await router.status())["last_swap"]["phases"]
     assert {"wake_weights", "reload_weights", "gate", "restart"} <= set(phases)
 
 
@@ -55,7 +55,7 @@ async def test_reload_and_preserve_keep_the_draft_and_pass_without_a_restart(sta
     b = await router.engine("b")
     assert b["restarts"] == 0 and b["last_verdict"]["result"] == "passed"
     assert abs(b["last_verdict"]["observed_mal"] - b["baseline_mal"]) < 0.2
-    assert metric(await router_metrics(router), "hotswap_gate_verdicts_total", model="b", group="default", result="passed") == 2
+    assert metric(await router_metrics(router), "hotswap_gate_verdicts_total", model="b", group="", result="passed") == 2
 
 
 async def test_refuse_fails_the_engine_and_its_waiters_get_a_503_with_the_verdict(start_router):
@@ -75,7 +75,7 @@ async def test_allow_promotes_the_collapsed_engine_but_says_so_everywhere(start_
     b = await router.engine("b")
     assert b["state"] == "awake" and b["restarts"] == 0
     assert b["last_verdict"]["result"] == "allowed" and b["last_verdict"]["observed_mal"] == 1.0
-    assert metric(await router_metrics(router), "hotswap_gate_verdicts_total", model="b", group="default", result="allowed") == 1
+    assert metric(await router_metrics(router), "hotswap_gate_verdicts_total", model="b", group="", result="allowed") == 1
     assert "PROMOTED DESPITE A REFUSED GATE" in router.log()
 
 
@@ -89,7 +89,7 @@ async def test_a_midlife_collapse_is_flagged_and_restarted_at_the_next_idle_mome
 
     async def collapse_seen() -> bool:
         await ask(c, "a", max_tokens=32)  # served traffic moves the counters the watch reads
-        return metric(await router_metrics(router), "hotswap_midlife_collapses_total", model="a", group="default") == 1
+        return metric(await router_metrics(router), "hotswap_midlife_collapses_total", model="a", group="") == 1
 
     await eventually(collapse_seen, timeout=20, interval=0.05, what="mid-life collapse flagged")
     await eventually(lambda: _restarted(router, "a", "midlife"), timeout=20, what="restart at idle")

@@ -51,7 +51,7 @@ async def stream_once(session: aiohttp.ClientSession, url: str, model: str) -> s
 async def test_a_thousand_concurrent_streams_across_the_roster_lose_nothing(start_router):
     fast = ("--sim-token-rate", "400")  # ~0.1 s per stream: all of them overlap
     roster = roster_dict(sim_model("a", group="g1", default=True, args=fast), sim_model("b", group="g1", args=fast),
-                         sim_model("c", group="g2", default=True, args=fast),
+                         sim_model("c", group="g2", devices=[1], default=True, args=fast),
                          queue={"max_waiting": 2 * STREAMS, "max_wait_s": 120}, swap={"max_hold_s": 2, "min_active_s": 0.5})
     raise_open_file_limit()  # the load generator holds 1000 sockets too
     router = await start_router(roster)
@@ -65,14 +65,14 @@ async def test_a_thousand_concurrent_streams_across_the_roster_lose_nothing(star
     elapsed = time.monotonic() - started
     failures = {r: results.count(r) for r in set(results) if r != "ok"}
     assert not failures, failures
-    assert sum(e["in_flight"] + e["queued"] for g in (await router.status())["groups"].values() for e in g["engines"]) == 0
+    assert sum(e["in_flight"] + e["queued"] for e in (await router.status())["engines"]) == 0
     report(scenario="1000 concurrent streams, 3 models in 2 groups", sent=STREAMS, answered=results.count("ok"),
            lost=STREAMS - results.count("ok"), seconds=round(elapsed, 1), router_rss_mib_before=round(rss_before, 1),
            router_rss_mib_after=round(peak, 1))
 
 
 async def test_a_fifty_model_roster_boots_and_routes_every_model(start_router):
-    models = [sim_model(f"m{i:02d}", group=f"g{i // 5}", default=i % 5 == 0, args=("--sim-token-rate", "2000"))
+    models = [sim_model(f"m{i:02d}", devices=[i // 5], default=i % 5 == 0, args=("--sim-token-rate", "2000"))
               for i in range(50)]
     started = time.monotonic()
     router = await start_router(roster_dict(*models, swap={"boot_timeout_s": 120}), timeout_s=240)
@@ -88,6 +88,6 @@ async def test_a_fifty_model_roster_boots_and_routes_every_model(start_router):
         results = await asyncio.gather(*(ask(m["name"]) for m in models))
     assert results == ["ok"] * 50, results
     status = await router.status()
-    assert len(status["groups"]) == 10 and all(g["last_swap"] is None or g["last_swap"]["result"] == "ok" for g in status["groups"].values())
-    report(scenario="50-model roster (10 groups of 5)", sent=50, answered=results.count("ok"), lost=50 - results.count("ok"),
+    assert len(status["placement"]["devices"]) == 10 and all(s["result"] == "ok" for s in status["swaps"])
+    report(scenario="50-model roster (10 GPUs, 5 models each)", sent=50, answered=results.count("ok"), lost=50 - results.count("ok"),
            boot_seconds=round(booted_s, 1), router_rss_mib_idle=round(rss_idle, 1), router_rss_mib_after=round(rss_mib(router.proc.pid), 1))

@@ -404,7 +404,7 @@ def drive(router: RouterProcess) -> None:
         assert ask("b")  # refused at wake (draft lost), restarted cold, re-verified, answered
         assert ask("c")  # woken with the draft reloaded
         status = json.loads(fetch(router.url + "/admin/status"))
-        a_port = next(e["port"] for g in status["groups"].values() for e in g["engines"] if e["name"] == "a")
+        a_port = next(e["port"] for e in status["engines"] if e["name"] == "a")
         fetch(f"http://127.0.0.1:{a_port}/sim/faults", "POST", {"step": "wake_weights", "kind": "http500", "times": 1})
         with pytest.raises(openai.InternalServerError):
             ask("a")  # the wake fails: a goes FAILED, its waiter gets a 503
@@ -455,7 +455,7 @@ def test_the_scenario_produced_the_series_the_operators_watch(live):
               for f in text_string_to_metric_families(live.exported.text) for s in f.samples}
 
     def value(name: str, **labels: str) -> float:
-        return values.get((name, tuple(sorted({"group": "default", **labels}.items()))), 0.0)
+        return values.get((name, tuple(sorted({"group": "", **labels}.items()))), 0.0)
 
     assert value("hotswap_gate_verdicts_total", model="b", result="refused") == 2  # b was woken twice
     assert value("hotswap_engine_restarts_total", model="b", reason="gate") == 2
@@ -528,7 +528,7 @@ DOC_ROW = re.compile(r"^\| `(hotswap_[a-z0-9_]+)` \| (counter|gauge|histogram) \
 def test_the_docs_list_exactly_the_metrics_the_router_exports(live):
     documented = {}
     for name, kind, labels in DOC_ROW.findall(DOC.read_text()):
-        documented[name] = (kind, {label.strip(" `") for label in labels.split(",") if label.strip(" `")})
+        documented[name] = (kind, {label.strip(" `") for label in labels.split(",") if label.strip(" `") not in ("", "(none)")})
     real = {}
     for family, (kind, labels) in live.exported.families.items():
         real[family + "_total" if kind == "counter" else family] = (kind, labels)

@@ -31,8 +31,8 @@ async def test_alternating_requests_swap_in_order_and_all_succeed(start_router):
     for model in ["a", "b", "a", "bee", "a"]:
         assert await ask(c, model)
     status = await router.status()
-    group = status["groups"]["default"]
-    assert group["active"] == "a" and group["last_swap"]["from"] == "b" and group["last_swap"]["result"] == "ok"
+    assert [e["name"] for e in status["engines"] if e["state"] == "awake"] == ["a"]
+    assert status["last_swap"]["from"] == ["b"] and status["last_swap"]["result"] == "ok"
     # b booted, slept, then was woken twice with the five steps, and slept once in between
     wake = engines.wake.phases(2, "reload")
     assert [s for s in await sim_log(router, "b") if s != "generate"] == ["sleep", *wake, "sleep", *wake, "sleep"]
@@ -256,19 +256,19 @@ async def test_an_engine_crash_mid_stream_is_an_error_not_a_hang_and_the_model_r
     assert (await router.engine("a"))["restarts"] == 1
 
 
-async def test_two_groups_swap_in_parallel(start_router):
+async def test_swaps_on_two_gpus_run_in_parallel(start_router):
     slow = ("--sim-step-delay", "wake_weights=1")
     roster = roster_dict(
-        sim_model("a1", group="g1", default=True), sim_model("b1", group="g1", args=slow),
-        sim_model("a2", group="g2", default=True), sim_model("b2", group="g2", args=slow),
+        sim_model("a1", devices=[0], default=True), sim_model("b1", devices=[0], args=slow),
+        sim_model("a2", devices=[1], default=True), sim_model("b2", devices=[1], args=slow),
     )
     router = await start_router(roster)
     c = client(router)
     started = time.monotonic()
     await asyncio.gather(ask(c, "b1"), ask(c, "b2"))
     elapsed = time.monotonic() - started
-    status = await router.status()
-    s1, s2 = status["groups"]["g1"]["last_swap"], status["groups"]["g2"]["last_swap"]
+    swaps = {s["to"]: s for s in (await router.status())["swaps"]}
+    s1, s2 = swaps["b1"], swaps["b2"]
     assert (s1["to"], s2["to"]) == ("b1", "b2")
     assert s1["phases"]["wake_weights"] >= 1 and s2["phases"]["wake_weights"] >= 1
     # overlapping swaps: each started before the other finished
@@ -292,7 +292,7 @@ async def test_an_engine_idle_for_idle_sleep_s_is_parked_and_woken_by_the_next_r
     assert (await router.engine("a"))["sleep_level"] == 2
     assert await ask(client(router), "a")
     assert (await router.engine("a"))["state"] == "awake"
-    assert "group default: parking a (idle for" in router.log()
+    assert "parking a at level 2 (idle for" in router.log()
 
 
 async def test_sigterm_lets_an_in_flight_stream_finish_then_stops_every_engine(start_router, tmp_path):

@@ -31,11 +31,11 @@ class LiveRouter:
     # -- lifecycle -------------------------------------------------------------------------
 
     def wait_booted(self, timeout: float) -> dict[str, Any]:
-        """Until /ready answers 200 and every group has booted (each engine's baseline taken)."""
+        """Until /ready answers 200 and every engine has booted (each one's baseline taken)."""
 
         def booted() -> Optional[dict[str, Any]]:
             status = self.status()
-            return status if all(g["booted"] for g in status["groups"].values()) else None
+            return status if status["booted"] else None
 
         try:
             status = poll(booted, timeout, "every group booted", interval=0.5)
@@ -96,13 +96,16 @@ class LiveRouter:
 
     @staticmethod
     def engines(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        return {e["name"]: e for g in status["groups"].values() for e in g["engines"]}
+        return {e["name"]: e for e in status["engines"]}
 
     def engine(self, name: str) -> dict[str, Any]:
         return self.engines(self.status())[name]
 
-    def group(self, name: str = "default") -> dict[str, Any]:
-        return self.status()["groups"][name]
+    def awake(self) -> list[str]:
+        return [e["name"] for e in self.status()["engines"] if e["state"] == "awake"]
+
+    def last_swap(self) -> Optional[dict[str, Any]]:
+        return self.status()["last_swap"]
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         code, text = http("GET", self.url + "/metrics", timeout=30)

@@ -87,7 +87,7 @@ def router(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
         values = live.metrics()
         REPORT["router_boot"] = {
             name: {
-                "boot_s": round(live.metric(values, "hotswap_engine_boot_duration_seconds_sum", model=name, group="default"), 1),
+                "boot_s": round(live.metric(values, "hotswap_engine_boot_duration_seconds_sum", model=name, group=""), 1),
                 "baseline": e["last_verdict"]["reason"],
                 "baseline_gate_s": round(e["last_verdict"]["seconds"], 3),
             }
@@ -111,7 +111,7 @@ def ask(live: LiveRouter, model: str, max_tokens: int = 16, timeout: float = 120
 def awake(live: LiveRouter, model: str) -> str:
     """Make `model` the awake one (a request does it); returns its answer to PROMPT."""
     text = ask(live, model)
-    assert live.group()["active"] == model
+    assert live.awake() == [model]
     return text
 
 
@@ -143,9 +143,9 @@ def logged(live: LiveRouter, name: str, mark: int, done: str | Callable[[list[st
 
 def counters(live: LiveRouter, model: str) -> dict[str, float]:
     v = live.metrics()
-    out = {r: live.metric(v, "hotswap_gate_verdicts_total", model=model, group="default", result=r)
+    out = {r: live.metric(v, "hotswap_gate_verdicts_total", model=model, group="", result=r)
            for r in ("baseline", "passed", "refused", "allowed")}
-    out.update({f"restart_{r}": live.metric(v, "hotswap_engine_restarts_total", model=model, group="default", reason=r)
+    out.update({f"restart_{r}": live.metric(v, "hotswap_engine_restarts_total", model=model, group="", reason=r)
                 for r in ("gate", "failed", "midlife")})
     return out
 
@@ -168,7 +168,7 @@ def discard(live: LiveRouter, name: str) -> None:
 
 
 def phases(live: LiveRouter) -> tuple[dict[str, float], dict[str, Any]]:
-    swap = live.group()["last_swap"]
+    swap = live.last_swap()
     assert swap["result"] == "ok", swap
     return swap["phases"], swap
 

@@ -24,7 +24,8 @@ def fake_router():
 
     class Status(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            body = json.dumps({"ready": True, "groups": {}}).encode()
+            body = json.dumps({"ready": True, "booted": True, "engines": [], "last_swap": None, "swaps": [],
+                               "placement": {"devices": [], "host": {"ram_budget_gb": 8, "level1_gb": 0}}}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))

@@ -152,3 +152,38 @@ async def test_engine_process_stop_kills_after_the_configured_grace(tmp_path: Pa
         if process.returncode is None:
             os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
+
+
+@pytest.mark.parametrize(("devices", "visible"), [([0], "0"), ([2, 3], "2,3"), ([3, 1], "3,1")])
+def test_the_router_sets_cuda_visible_devices_from_devices_over_its_own_environment(monkeypatch, tmp_path: Path, devices, visible):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")  # the router's own value must not leak into an engine
+    model = ModelSpec(name="a", model="/m/a", devices=devices, env={"HF_HOME": "/models/hf"})
+    env = EngineProcess(model, 9000, tmp_path, kill_grace_s=1).env()
+    assert env["CUDA_VISIBLE_DEVICES"] == visible
+    assert env["HF_HOME"] == "/models/hf"  # spec.env is still merged
+
+
+SPAWNER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print("ready %d %d" % (os.getpid(), child.pid), flush=True)
+    time.sleep(60)
+""")
+
+
+async def test_group_pids_are_the_engine_and_everything_it_spawned_for_measuring_its_gpu_memory(tmp_path: Path):
+    # vLLM's EngineCore, which holds the GPU memory, is a child of the API server process.
+    model = ModelSpec(name="spawner", command=["python", "-c", SPAWNER], port=9)
+    process = EngineProcess(model, 9, tmp_path, kill_grace_s=0.5)
+    await process.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not any(line.startswith("ready ") for line in process.last_lines()):
+            assert time.monotonic() < deadline and process.returncode is None, process.last_lines()
+            await asyncio.sleep(0.02)
+        engine, child = map(int, next(l for l in process.last_lines() if l.startswith("ready ")).split()[1:])
+        pids = process.group_pids()
+        assert {process.pid, engine, child} <= pids, (process.pid, engine, child, pids)
+        assert os.getpid() not in pids, "nothing outside the engine's session"
+    finally:
+        await process.stop()

@@ -1,19 +1,19 @@
-"""The group scheduler's policy, driven through `decide` with fake engines and a fake clock: no
+"""The scheduler's policy, driven through `decide` with fake engines and a fake clock: no
 processes, no sleeps. Each test is a scenario the real loop meets."""
 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 
-from config.schema import Queue, Swap
+from config.schema import ModelSpec, Queue, Swap
 from engines.engine import EngineFailed, State
-from router.errors import APIError
 from router.backoff import MAX_BACKOFF_S
-from router.scheduler import Decision, GroupScheduler, Waiter
+from router.errors import APIError
+from router.placement import Capacity
+from router.scheduler import Decision, Plan, Scheduler, Waiter
 
 
 class Clock:
@@ -27,15 +27,18 @@ class Clock:
 class FakeEngine:
     """What the scheduler reads of an engine, and the lease bookkeeping it drives."""
 
-    def __init__(self, name: str, state: State = State.SLEEPING, *, since: float = 0.0, default: bool = False):
+    def __init__(self, name: str, state: State = State.SLEEPING, *, share: float = 0.9, since: float = 0.0,
+                 level: Optional[int] = 2, **spec: Any):
         self.name = name
+        self.spec = ModelSpec(name=name, model=f"/m/{name}", args=["--gpu-memory-utilization", str(share)], **spec)
         self.state = state
         self.since = since
         self.last_used = since
+        self.sleep_level = level if state is State.SLEEPING else None
         self.in_flight = 0
         self.needs_restart: Optional[str] = None
         self.failure: Optional[str] = None
-        self.spec = SimpleNamespace(default=default, sleep_level=2)
+        self.holds_process = False
         self.stopped = 0
 
     def try_lease(self) -> bool:
@@ -55,17 +58,20 @@ class FakeEngine:
         self.stopped += 1
 
 
-def group(*engines: FakeEngine, clock: Clock, active: Optional[FakeEngine] = None, **swap) -> GroupScheduler:
+def scheduler(*engines: FakeEngine, clock: Clock, gpus: Optional[dict[int, float]] = None, ram_gb: float = 100,
+              weights: Optional[dict[str, float]] = None, **swap) -> Scheduler:
     settings = {"min_active_s": 5, "max_hold_s": 30, **swap}
-    scheduler = GroupScheduler("g", list(engines), Swap(**settings), Queue(), clock=clock)
-    scheduler.active = active
-    return scheduler
+    return Scheduler(list(engines), Swap(**settings), Queue(), Capacity(gpus, ram_gb), weights=weights, clock=clock)
 
 
-def wait_for(scheduler: GroupScheduler, engine: FakeEngine, since: float) -> Waiter:
+def wait_for(s: Scheduler, engine: FakeEngine, since: float) -> Waiter:
     waiter = Waiter(engine, since)
-    scheduler.waiting[engine.name].append(waiter)
+    s.waiting[engine.name].append(waiter)
     return waiter
+
+
+def actions(plan: Plan) -> list[tuple[str, str]]:
+    return [(d.action, d.engine.name) for d in plan.decisions]
 
 
 @pytest.fixture
@@ -73,159 +79,252 @@ def clock() -> Clock:
     return Clock()
 
 
-async def test_a_waiter_for_the_awake_model_is_granted_at_once(clock):
-    a = FakeEngine("a", State.AWAKE, since=clock.now - 100)
-    scheduler = group(a, FakeEngine("b"), clock=clock, active=a)
-    waiter = wait_for(scheduler, a, clock.now)
-    assert scheduler.decide(clock.now) == Decision()
+def awake(name: str, clock: Clock, **kw: Any) -> FakeEngine:
+    return FakeEngine(name, State.AWAKE, since=clock.now - 100, **kw)
+
+
+async def test_a_waiter_for_an_awake_model_is_granted_at_once(clock):
+    a = awake("a", clock)
+    s = scheduler(a, FakeEngine("b"), clock=clock)
+    waiter = wait_for(s, a, clock.now)
+    assert s.decide(clock.now) == Plan()
     assert waiter.future.done() and a.in_flight == 1
 
 
-async def test_a_waiter_for_a_sleeping_model_swaps_when_the_awake_one_is_idle(clock):
-    a, b = FakeEngine("a", State.AWAKE, since=clock.now - 100), FakeEngine("b")
-    scheduler = group(a, b, clock=clock, active=a)
-    wait_for(scheduler, b, clock.now)
-    assert scheduler.decide(clock.now) == Decision("swap", b)
+async def test_two_small_models_are_awake_together_and_a_third_waits_for_room(clock):
+    a, b, big = awake("a", clock, share=0.4), FakeEngine("b", share=0.4), FakeEngine("big", share=0.6)
+    s = scheduler(a, b, big, clock=clock)
+    wait_for(s, b, clock.now)
+    assert actions(s.decide(clock.now)) == [("wake", "b")], "b fits beside a: nothing is parked"
+    b.state, b.since = State.AWAKE, clock.now
+    s.busy.clear(), s.doing.clear()
+    a.in_flight = b.in_flight = 1  # both serving
+    wait_for(s, big, clock.now)
+    assert s.decide(clock.now) == Plan(wait_s=pytest.approx(30)), "both are busy: the waiter waits max_hold_s"
+    clock.now += 30
+    plan = s.decide(clock.now)
+    assert sorted(actions(plan)) == [("park", "a")] or sorted(actions(plan)) == [("park", "b")], \
+        "after max_hold_s one busy engine is parked: exactly the room 0.6 needs"
 
 
-async def test_a_busy_engine_keeps_the_gpu_until_the_oldest_waiter_has_waited_max_hold_s(clock):
-    a, b = FakeEngine("a", State.AWAKE, since=clock.now - 100), FakeEngine("b")
-    a.in_flight = 3
-    scheduler = group(a, b, clock=clock, active=a, max_hold_s=30)
-    wait_for(scheduler, b, since=clock.now)
-    assert scheduler.decide(clock.now) == Decision(wait_s=30)
-    clock.now += 29.5
-    assert scheduler.decide(clock.now) == Decision(wait_s=pytest.approx(0.5))
-    clock.now += 0.5
-    assert scheduler.decide(clock.now) == Decision("swap", b)
+async def test_a_big_model_evicts_exactly_what_it_must_and_keeps_the_popular_one(clock):
+    a, b, c = (awake(n, clock, share=0.3) for n in "abc")
+    big = FakeEngine("big", share=0.6)
+    s = scheduler(a, b, c, big, clock=clock)
+    for _ in range(20):
+        s.demand.arrived("c", clock.now - 5)  # c is asked for all the time
+    s.demand.arrived("a", clock.now - 200)
+    s.demand.arrived("b", clock.now - 10)
+    wait_for(s, big, clock.now)
+    plan = s.decide(clock.now)
+    assert sorted(actions(plan)) == [("park", "a"), ("park", "b")], "two of three must go: the two least likely to be needed"
+    assert s.making_room["big"][0] == ["a", "b"] or sorted(s.making_room["big"][0]) == ["a", "b"]
 
 
-async def test_the_model_whose_oldest_waiter_waited_longest_goes_first(clock):
-    a, b, c = FakeEngine("a", State.AWAKE, since=clock.now - 100), FakeEngine("b"), FakeEngine("c")
-    scheduler = group(a, b, c, clock=clock, active=a)
-    wait_for(scheduler, b, since=clock.now - 1)
-    wait_for(scheduler, c, since=clock.now - 2)
-    assert scheduler.decide(clock.now) == Decision("swap", c)
+async def test_a_busy_engine_is_not_parked_while_an_idle_choice_exists(clock):
+    busy, idle = awake("busy", clock, share=0.5), awake("idle", clock, share=0.5)
+    busy.in_flight = 3
+    target = FakeEngine("t", share=0.5)
+    s = scheduler(busy, idle, target, clock=clock)
+    wait_for(s, target, clock.now - 60)  # even past max_hold_s
+    assert actions(s.decide(clock.now)) == [("park", "idle")]
+
+
+async def test_a_pinned_engine_is_never_parked_and_a_model_that_cannot_fit_beside_it_is_refused(clock):
+    pinned = awake("pinned", clock, share=0.5, pin=True)
+    big = FakeEngine("big", share=0.6)
+    s = scheduler(pinned, big, clock=clock)
+    waiter = wait_for(s, big, clock.now - 100)
+    assert s.decide(clock.now) == Plan()
+    error = waiter.future.exception()
+    assert isinstance(error, APIError) and error.status == 503
+    assert "cannot be placed: it needs 0.6 of GPU 0, and pinned models hold 0.5 of it (pinned 0.5)" in error.message
+
+
+async def test_models_in_one_group_are_never_awake_together_even_when_memory_fits(clock):
+    a, b = awake("a", clock, share=0.2, group="g"), FakeEngine("b", share=0.2, group="g")
+    c = FakeEngine("c", share=0.2)
+    s = scheduler(a, b, c, clock=clock)
+    wait_for(s, b, clock.now - 1)
+    wait_for(s, c, clock.now)
+    assert actions(s.decide(clock.now)) == [("park", "a"), ("wake", "c")], "b waits for its rival; c has no group and fits"
+
+
+async def test_sleepers_residuals_count_and_a_sleeper_is_stopped_when_they_leave_no_room(clock):
+    gpus = {0: 80.0}  # a residual of 8 GB is 0.1 of the device
+    sleepers = [FakeEngine(f"s{i}", share=0.2, sleep_residual_gb=8) for i in range(3)]
+    a = awake("a", clock, share=0.3)
+    target = FakeEngine("t", share=0.4, sleep_residual_gb=8)
+    s = scheduler(a, *sleepers, target, clock=clock, gpus=gpus)
+    wait_for(s, target, clock.now)
+    assert s.ledger().use[0] == pytest.approx(0.3 + 0.3 + 0.1), "awake 0.3, and 0.1 for each of four sleepers"
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("wake", "t")], "awake 0.3 + the other sleepers' 0.3 + its own 0.4 fits in 1.0"
+    big = FakeEngine("big", share=0.5, sleep_residual_gb=8)
+    s = scheduler(a, *sleepers, big, clock=clock, gpus=gpus)
+    a.in_flight = 1  # busy: parking it needs max_hold_s; stopping a sleeper is cheaper and possible now
+    wait_for(s, big, clock.now)
+    kinds = actions(s.decide(clock.now))
+    assert len(kinds) == 1 and kinds[0][0] == "stop", kinds
 
 
 async def test_a_freshly_woken_engine_stays_min_active_s_even_when_idle(clock):
     a, b = FakeEngine("a", State.AWAKE, since=clock.now - 2), FakeEngine("b")
-    scheduler = group(a, b, clock=clock, active=a, min_active_s=5)
-    wait_for(scheduler, b, clock.now)
-    assert scheduler.decide(clock.now) == Decision(wait_s=pytest.approx(3))
+    s = scheduler(a, b, clock=clock, min_active_s=5)
+    wait_for(s, b, clock.now)
+    assert s.decide(clock.now) == Plan(wait_s=pytest.approx(3))
     clock.now += 3
-    assert scheduler.decide(clock.now) == Decision("swap", b)
+    assert actions(s.decide(clock.now)) == [("park", "a")]
+
+
+async def test_the_model_whose_oldest_waiter_waited_longest_goes_first(clock):
+    a, b, c = awake("a", clock), FakeEngine("b"), FakeEngine("c")
+    s = scheduler(a, b, c, clock=clock)
+    wait_for(s, b, since=clock.now - 1)
+    wait_for(s, c, since=clock.now - 2)
+    s.decide(clock.now)
+    assert list(s.making_room) == ["c"]
+
+
+async def test_the_sleep_level_follows_the_host_ram_budget(clock):
+    a, b = awake("a", clock, share=0.5), awake("b", clock, share=0.5)
+    s = scheduler(a, b, clock=clock, ram_gb=20, weights={"a": 16, "b": 16})
+    assert s._choose_level(a, clock.now) == (1, []), "16 GB fits in the 20 GB budget"
+    a.state, a.sleep_level = State.SLEEPING, 1
+    assert s._choose_level(b, clock.now) == (2, []), "a already holds 16 GB; b's 16 would exceed 20 and a is as valuable"
+    assert s.level1_gb() == 16
+    s.weights["b"] = None
+    assert s._choose_level(b, clock.now) == (2, []), "unknown weights: level 2"
+
+
+async def test_a_less_valuable_level1_sleeper_is_demoted_to_make_ram_for_a_popular_model(clock):
+    cold = FakeEngine("cold", share=0.5, level=1)
+    hot = awake("hot", clock, share=0.5)
+    target = FakeEngine("t", share=0.6)
+    s = scheduler(cold, hot, target, clock=clock, ram_gb=20, weights={"cold": 16, "hot": 16, "t": 16})
+    s.costs.observe_wake("hot", 1, 0.5)
+    s.costs.observe_wake("hot", 2, 5.0)
+    for _ in range(10):
+        s.demand.arrived("hot", clock.now - 1)
+    assert s._level_alone(hot) == 2, "a park outside the loop's planning (admin, boot) demotes nobody: Level 2"
+    wait_for(s, target, clock.now)
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("park", "hot"), ("stop", "cold")], "no GPU room for cold to pass through: it is stopped"
+    assert plan.decisions[0].level == 1
 
 
 async def test_idle_sleep_s_parks_an_idle_engine_even_when_nobody_waits(clock):
-    a = FakeEngine("a", State.AWAKE, since=clock.now - 100)
+    a = awake("a", clock)
     a.last_used = clock.now - 10
-    scheduler = group(a, clock=clock, active=a, idle_sleep_s=60)
-    assert scheduler.decide(clock.now) == Decision(wait_s=pytest.approx(50))
+    s = scheduler(a, clock=clock, idle_sleep_s=60)
+    assert s.decide(clock.now) == Plan(wait_s=pytest.approx(50))
     a.in_flight = 1
-    assert scheduler.decide(clock.now) == Decision(), "a busy engine is never parked for idleness"
+    assert s.decide(clock.now) == Plan(), "a busy engine is never parked for idleness"
     a.in_flight = 0
     clock.now += 50
-    decision = scheduler.decide(clock.now)
-    assert (decision.action, decision.engine) == ("park", a)
+    assert actions(s.decide(clock.now)) == [("park", "a")]
 
 
-async def test_nothing_to_do_waits_until_poked(clock):
-    a = FakeEngine("a", State.AWAKE, since=clock.now - 100)
-    assert group(a, clock=clock, active=a).decide(clock.now) == Decision(wait_s=None)
-
-
-async def test_an_awake_engine_that_died_is_handled_as_a_failure_and_its_waiters_get_503(clock):
-    a, b = FakeEngine("a", State.AWAKE, since=clock.now - 100), FakeEngine("b")
-    scheduler = group(a, b, clock=clock, active=a)
+async def test_an_awake_engine_that_died_is_handled_as_a_failure_once_and_its_waiters_get_503(clock):
+    a = awake("a", clock)
+    s = scheduler(a, FakeEngine("b"), clock=clock)
     a.state, a.failure = State.FAILED, "engine a: process died unexpectedly in state awake"
-    waiter = wait_for(scheduler, a, clock.now)
-    decision = scheduler.decide(clock.now)
-    assert decision == Decision("failed", a, a.failure)
-    await scheduler._act(decision)
-    assert scheduler.active is None and a.stopped == 1 and scheduler.backoff.failures["a"] == 1
+    waiter = wait_for(s, a, clock.now)
+    plan = s.decide(clock.now)
+    assert plan.decisions == (Decision("failed", a, a.failure),)
+    await s._act(plan.decisions[0])
+    assert a.stopped == 1 and s.backoff.failures["a"] == 1
     with pytest.raises(APIError) as raised:
         waiter.future.result()
     assert raised.value.status == 503 and "process died unexpectedly" in raised.value.message
+    assert s.decide(clock.now) == Plan(), "the same failure is not counted again"
+    assert s.backoff.failures["a"] == 1
 
 
 async def test_a_mid_life_collapse_restarts_at_once_even_under_load(clock):
-    a = FakeEngine("a", State.AWAKE, since=clock.now - 100)
-    a.in_flight = 4  # steady load: waiting for an idle moment would never end
+    a = awake("a", clock)
+    a.in_flight = 4
     a.needs_restart = "mean acceptance length 1.00 is below 1.80"
-    scheduler = group(a, clock=clock, active=a)
-    waiter = wait_for(scheduler, a, clock.now)
-    assert scheduler.decide(clock.now) == Decision("restart", a, a.needs_restart)
-    assert not waiter.future.done(), "new requests queue behind the restart, they are not leased to the collapsed engine"
+    s = scheduler(a, clock=clock)
+    waiter = wait_for(s, a, clock.now)
+    assert actions(s.decide(clock.now)) == [("restart", "a")]
+    assert not waiter.future.done(), "new requests queue behind the restart"
 
 
 async def test_repeated_failures_back_off_and_the_first_retry_is_immediate(clock):
     b = FakeEngine("b", State.FAILED)
-    scheduler = group(b, clock=clock)
+    s = scheduler(b, clock=clock)
     expected = [0, 1, 2, 4, 8, 16, 32, MAX_BACKOFF_S, MAX_BACKOFF_S]
     for n, delay in enumerate(expected, 1):
-        scheduler._count_failure(b, "boom")
-        assert scheduler.backoff.failures["b"] == n
-        assert scheduler.backoff.retry_at["b"] - clock.now == delay
-    assert scheduler.backoff.waiting(b, clock.now)
+        s.handled.discard("b")
+        s._count_failure(b, "boom")
+        assert s.backoff.failures["b"] == n and s.backoff.retry_at["b"] - clock.now == delay
     with pytest.raises(APIError, match="restarting in 60 s after 9 failures") as raised:
-        await scheduler.acquire(b)
+        await s.acquire(b)
     assert raised.value.status == 503 and raised.value.retry_after == MAX_BACKOFF_S
     clock.now += MAX_BACKOFF_S
-    assert not scheduler.backoff.waiting(b, clock.now)
+    assert not s.backoff.waiting(b, clock.now)
 
 
-async def test_waiters_of_a_model_that_is_backing_off_are_failed_not_swapped_to(clock):
-    a, b = FakeEngine("a", State.AWAKE, since=clock.now - 100), FakeEngine("b", State.FAILED)
-    scheduler = group(a, b, clock=clock, active=a)
-    scheduler._count_failure(b, "boom")
-    scheduler._count_failure(b, "boom")  # the second failure backs off 1 s
-    waiter = wait_for(scheduler, b, clock.now)
-    assert scheduler.decide(clock.now) == Decision()
-    assert isinstance(waiter.future.exception(), APIError)
-    clock.now += 1
-    wait_for(scheduler, b, clock.now)
-    assert scheduler.decide(clock.now) == Decision("swap", b), "after the backoff, the next request retries"
-
-
-async def test_a_failure_of_the_active_engine_is_counted_once(clock):
-    a = FakeEngine("a", State.AWAKE, since=clock.now - 100)
-    scheduler = group(a, clock=clock, active=a)
-    a.fail("restart failed: boot failed")
-    await scheduler._handle_failure(a, a.failure)
-    assert scheduler.active is None
-    assert scheduler.decide(clock.now) == Decision(), "the loop must not count the same failure again"
-    assert scheduler.backoff.failures["a"] == 1 and scheduler.backoff.retry_at["a"] == clock.now
+async def test_a_client_whose_limit_is_below_the_predicted_wait_is_answered_at_once(clock):
+    a, b = awake("a", clock), FakeEngine("b")
+    s = scheduler(a, b, clock=clock)
+    s.costs.observe_boot("b", 12.0)
+    with pytest.raises(APIError, match=r"predicted wait of 1\d\.\d s exceeds X-Hotswap-Max-Wait: 5") as raised:
+        await s.acquire(b, max_wait_s=5)
+    assert raised.value.status == 503 and raised.value.retry_after >= 12
+    assert s.queued(b) == 0
 
 
 async def test_a_defect_inside_an_action_fails_that_engine_and_the_loop_goes_on(clock, caplog):
-    a, b = FakeEngine("a", State.AWAKE, since=clock.now - 100), FakeEngine("b")
-    scheduler = group(a, b, clock=clock, active=a)
-    waiter = wait_for(scheduler, b, clock.now)
+    a, b = awake("a", clock, share=0.4), FakeEngine("b", share=0.4)
+    s = scheduler(a, b, clock=clock)
+    waiter = wait_for(s, b, clock.now)
 
-    async def broken_swap(target, restart=None):
+    async def broken_wake(target):
         target.state = State.VERIFYING  # left mid-transition, as a real defect would
         raise ValueError("could not convert string to float: 'garbage'")
 
-    scheduler._swap_to = broken_swap
-    await scheduler._act(scheduler.decide(clock.now))
-    assert b.state is State.FAILED and "internal error during swap: ValueError" in b.failure
+    s._wake = broken_wake
+    decision = s.decide(clock.now).decisions[0]
+    s._start(decision)
+    await asyncio.gather(*s._actions)
+    assert b.state is State.FAILED and "internal error during wake: ValueError" in b.failure
     assert isinstance(waiter.future.exception(), APIError) and waiter.future.exception().status == 503
+    assert a.state is State.AWAKE, "the other engine is untouched"
     assert [r.levelname for r in caplog.records if r.exc_info] == ["ERROR"], "the traceback is logged once"
+    assert not s.busy, "the engine is free for the next action"
 
 
 async def test_a_defect_in_an_admin_action_answers_the_caller_at_once(clock):
-    a = FakeEngine("a", State.AWAKE, since=clock.now - 100)
-    scheduler = group(a, clock=clock, active=a)
+    a = awake("a", clock)
+    s = scheduler(a, clock=clock)
 
     async def broken() -> str:
         a.state = State.DRAINING
         raise KeyError("boom")
 
-    call = asyncio.ensure_future(scheduler._command(a, "sleep", broken))
-    await asyncio.sleep(0)  # the command is queued; run it as the loop would
-    await scheduler._run_command(scheduler._commands.popleft())
     with pytest.raises(APIError, match="admin sleep a failed on an internal error: KeyError") as raised:
-        await call
+        await s._exclusively(a, "sleep", broken)
     assert raised.value.status == 500
-    assert a.state is State.FAILED and scheduler.active is None, "nothing is left draining with nobody driving it"
+    assert a.state is State.FAILED, "nothing is left draining with nobody driving it"
+
+
+async def test_a_measured_residual_replaces_the_configured_one(clock):
+    a = FakeEngine("a", share=0.5, sleep_residual_gb=1)
+    s = scheduler(a, clock=clock, gpus={0: 80.0})
+    assert s.ledger().use[0] == pytest.approx(1 / 80)
+    s.residuals["a"] = {0: 8.0}  # what NVML saw its processes hold after the sleep
+    assert s.ledger().use[0] == pytest.approx(0.1)
+
+
+async def test_an_engine_restarting_keeps_its_memory_while_it_passes_through_cold(clock):
+    a, b = awake("a", clock, share=0.6), FakeEngine("b", share=0.6)
+    s = scheduler(a, b, clock=clock)
+    a.needs_restart = "collapsed"
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("restart", "a")]
+    s.busy["a"], s.doing["a"] = asyncio.get_running_loop().create_future(), ("restart", clock.now, 0.0)
+    a.state = State.COLD  # between its stop and its boot
+    wait_for(s, b, clock.now)
+    assert s.decide(clock.now) == Plan(), "b must not take a's memory in that moment"

@@ -1,0 +1,302 @@
+"""What the scheduler does, as opposed to what it decides: boot, wake, park, stop, demote,
+restart, and the bookkeeping of failures. Each action runs as its own task, owns its engine
+until it ends, and contains whatever goes wrong to that engine.
+
+`Actions` is the action half of `router.scheduler.Scheduler`; the policy half is there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Awaitable, Callable, Optional
+
+from engines import hardware
+from engines.engine import Engine, EngineFailed, State
+from router.errors import APIError
+
+if TYPE_CHECKING:
+    from router.scheduler import Decision, Scheduler
+
+log = logging.getLogger("hotswap")
+
+
+@dataclass
+class SwapRecord:
+    """One wake (or boot) that a request or an operator asked for, with what was moved for it."""
+
+    to_model: str
+    from_models: list[str]  # parked (or stopped) to make room
+    result: str  # "ok" | "failed"
+    seconds: float  # from the first move for it to promotion
+    phases: dict[str, float]
+    predicted_s: float
+    group: str = ""
+    at: float = field(default_factory=time.time)
+    error: Optional[str] = None
+
+
+class Events:
+    """What the scheduler reports (the router's metrics implement this)."""
+
+    def swap_done(self, record: SwapRecord) -> None: ...
+
+    def evicted(self, engine: Engine, reason: str) -> None: ...
+
+
+class Actions:
+    # -- boot --------------------------------------------------------------------------------
+
+    async def boot_all(self: "Scheduler") -> None:
+        """Boot one engine at a time, each seeing the memory the others left: pinned ones first,
+        default ones last, so those are the ones left awake. An engine that would not fit beside
+        those already awake makes room the way a request would: the latest booted is parked."""
+        order = sorted(self.engines, key=lambda e: (not e.spec.pin, e.spec.default))
+        booted: list[Engine] = []
+        for i, engine in enumerate(order, 1):
+            log.info("booting %s (%d/%d)", engine.name, i, len(order))
+            try:
+                await self._room_at_boot(engine, booted)
+                started = time.monotonic()
+                await engine.boot()
+                self.costs.observe_boot(engine.name, time.monotonic() - started)
+            except EngineFailed as exc:
+                await self._handle_failure(engine, str(exc))
+                continue
+            except Exception as exc:  # a defect: this engine fails, the others still boot
+                log.exception("internal error while booting %s", engine.name)
+                await self._defect("boot", exc, engine)
+                continue
+            booted.append(engine)
+            log.info("%s booted in %.1f s", engine.name, time.monotonic() - started)
+        self.booted = True
+        self.boot_done.set()
+        self.poke()
+
+    async def _room_at_boot(self: "Scheduler", engine: Engine, booted: list[Engine]) -> None:
+        # Park the latest booted first, default ones last: they are the ones meant to stay awake.
+        for other in sorted(reversed(booted), key=lambda e: e.spec.default):
+            ledger = self.ledger()
+            rival = engine.spec.group is not None and other.spec.group == engine.spec.group
+            if ledger.fits(engine) and not rival:
+                continue
+            if other.state is State.AWAKE and not other.spec.pin:
+                await self._park(other, f"room to boot {engine.name}", self._level_alone(other))
+        ledger = self.ledger()
+        if not ledger.fits(engine):
+            short = ", ".join(f"GPU {d}: {v:.3g} short" for d, v in ledger.shortfall(engine).items())
+            raise engine.fail(f"boot failed: does not fit beside the pinned and sleeping engines ({short})")
+
+    # -- one action ----------------------------------------------------------------------------
+
+    async def _act(self: "Scheduler", decision: "Decision") -> None:
+        engine = decision.engine
+        try:
+            if decision.action == "wake":
+                await self._wake(engine)
+            elif decision.action == "park":
+                await self._park(engine, decision.why, decision.level or 2)
+            elif decision.action == "stop":
+                await self._stop(engine, decision.why)
+            elif decision.action == "demote":
+                await self._demote(engine, decision.why)
+            elif decision.action == "restart":
+                log.warning("restarting %s now (mid-life acceptance collapse: %s); its requests wait", engine.name, decision.why)
+                await self._restart_in_place(engine, "midlife")
+            else:
+                await self._handle_failure(engine, decision.why)
+        except EngineFailed as exc:
+            await self._handle_failure(engine, str(exc))
+        except Exception as exc:  # a defect: contained to the engine the action concerned
+            log.exception("internal error during %s %s", decision.action, engine.name)
+            await self._defect(decision.action, exc, engine)
+        finally:
+            self._done(engine)
+
+    def _done(self: "Scheduler", engine: Engine) -> None:
+        self.doing.pop(engine.name, None)
+        self.parking_level.pop(engine.name, None)
+        future = self.busy.pop(engine.name, None)
+        if future is not None and not future.done():
+            future.set_result(None)
+        self.poke()
+
+    async def _wake(self: "Scheduler", target: Engine) -> None:
+        moved, since = self.making_room.pop(target.name, ([], time.monotonic()))
+        started = min(since, time.monotonic())
+        level = target.sleep_level if target.state is State.SLEEPING else None
+        predicted = self.costs.wake_s(target.name, level)
+        restart = self.pending_restart.pop(target.name, None)
+        self.handled.discard(target.name)
+        log.info("waking %s from %s (%d waiting; predicted %.1f s)", target.name,
+                 f"level {level}" if level else target.state.value, self.queued(target), predicted)
+        woke = time.monotonic()
+        phases = {p: s for name in moved for p, s in self._engine(name).last_phases.items()}
+        try:
+            if restart is not None:
+                await target.restart(restart)
+            elif target.state is State.SLEEPING:
+                await target.wake()
+            elif target.state is State.COLD:
+                await target.boot()
+            else:
+                await target.restart("failed")
+        except EngineFailed as exc:
+            self._record(target, moved, "failed", started, {**phases, **target.last_phases}, predicted, str(exc))
+            await self._handle_failure(target, str(exc))
+            return
+        (self.costs.observe_wake(target.name, level, time.monotonic() - woke) if level and restart is None
+         else self.costs.observe_boot(target.name, time.monotonic() - woke))
+        self.backoff.succeeded(target.name)
+        self._grant(target)
+        self._record(target, moved, "ok", started, {**phases, **target.last_phases}, predicted)
+
+    async def _park(self: "Scheduler", engine: Engine, why: str, level: int) -> None:
+        log.info("parking %s at level %d (%s)", engine.name, level, why)
+        self.events.evicted(engine, _reason(why))
+        started = time.monotonic()
+        await engine.sleep(level)
+        self.costs.observe_sleep(engine.name, time.monotonic() - started)
+        self._measure_residual(engine)
+
+    async def _stop(self: "Scheduler", engine: Engine, why: str) -> None:
+        log.info("stopping %s (asleep at level %s): %s; it boots cold when next needed", engine.name, engine.sleep_level, why)
+        self.events.evicted(engine, "stop")
+        await engine.stop()
+
+    async def _demote(self: "Scheduler", engine: Engine, why: str) -> None:
+        log.info("demoting %s from level 1 to level 2 (%s)", engine.name, why)
+        self.events.evicted(engine, "demote")
+        await engine.demote()
+
+    async def _restart_in_place(self: "Scheduler", engine: Engine, reason: str) -> None:
+        self.handled.discard(engine.name)
+        started = time.monotonic()
+        await engine.restart(reason)
+        self.costs.observe_boot(engine.name, time.monotonic() - started)
+        self._grant(engine)
+
+    def _measure_residual(self: "Scheduler", engine: Engine) -> None:
+        """What a parked engine's processes still hold on each device, through NVML (when it sees the GPUs)."""
+        if engine.process is None or engine.process.pid is None:
+            return
+        pids = engine.process.group_pids()
+        measured = {d: hardware.process_gpu_memory_gb(pids, d) for d in engine.spec.devices}
+        measured = {d: gb for d, gb in measured.items() if gb is not None}
+        if measured:
+            self.residuals[engine.name] = measured
+
+    def _record(self: "Scheduler", target: Engine, moved: list[str], result: str, started: float,
+                phases: dict[str, float], predicted: float, error: Optional[str] = None) -> None:
+        record = SwapRecord(target.name, moved, result, time.monotonic() - started, phases, predicted,
+                            target.spec.group or "", error=error)
+        self.history.append(record)
+        steps = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+        made_room = f" (made room: parked {', '.join(moved)})" if moved else ""
+        if result == "ok":
+            log.info("%s awake after %.2f s%s, predicted %.2f s: %s", target.name, record.seconds, made_room, predicted, steps)
+        else:  # the engine has logged its failure in full; one line here ties it to the swap
+            log.error("waking %s failed after %.2f s: %s", target.name, record.seconds, (error or "").splitlines()[0])
+        self.events.swap_done(record)
+
+    def _engine(self: "Scheduler", name: str) -> Engine:
+        return next(e for e in self.engines if e.name == name)
+
+    # -- admin actions ------------------------------------------------------------------------
+
+    async def swap_in(self: "Scheduler", engine: Engine) -> str:
+        """Wake `engine` the way a request would (making room), without leasing it to anyone."""
+        if engine.state is State.AWAKE and engine.name not in self.busy:
+            return "already awake"
+        await self.acquire(engine, admin=True)
+        self.release(engine)
+        return self._outcome(engine)
+
+    async def sleep(self: "Scheduler", engine: Engine) -> str:
+        async def action() -> str:
+            if engine.state is not State.AWAKE:
+                return f"not awake ({engine.state.value})"
+            await self._park(engine, "on request", self._level_alone(engine))
+            return self._outcome(engine)
+        return await self._exclusively(engine, "sleep", action)
+
+    async def restart(self: "Scheduler", engine: Engine) -> str:
+        if engine.state is not State.AWAKE:  # a cold boot needs room like any wake
+            self.pending_restart[engine.name] = "admin"
+            return await self.swap_in(engine)
+
+        async def action() -> str:
+            await self._restart_in_place(engine, "admin")  # drains first, like a sleep
+            return self._outcome(engine)
+        return await self._exclusively(engine, "restart", action)
+
+    async def _exclusively(self: "Scheduler", engine: Engine, name: str, action: Callable[[], Awaitable[str]]) -> str:
+        """Run an admin action once no other action holds `engine`, holding it meanwhile."""
+        while engine.name in self.busy:
+            await asyncio.shield(self.busy[engine.name])
+        self.busy[engine.name] = asyncio.get_running_loop().create_future()
+        self.doing[engine.name] = (name, self.clock(), 0.0)
+        try:
+            return await action()
+        except EngineFailed as exc:
+            await self._handle_failure(engine, str(exc))
+            return self._outcome(engine)
+        except APIError:
+            raise
+        except Exception as exc:  # a defect: the admin caller hears of it now, not at its own timeout
+            log.exception("internal error in admin %s %s", name, engine.name)
+            await self._defect(f"admin {name}", exc, engine)
+            raise APIError(500, f"admin {name} {engine.name} failed on an internal error: {exc!r} "
+                           "(traceback in the router log)", "internal_error") from None
+        finally:
+            self._done(engine)
+
+    @staticmethod
+    def _outcome(engine: Engine) -> str:
+        if engine.state is State.FAILED:
+            raise APIError(503, f"model '{engine.name}' failed: {engine.failure}", "engine_failed")
+        return engine.state.value
+
+    # -- failures ------------------------------------------------------------------------------
+
+    async def _handle_failure(self: "Scheduler", engine: Engine, reason: str) -> None:
+        self._count_failure(engine, reason)
+        await engine.stop_after_failure()  # a broken engine must not keep holding the GPU
+
+    def _count_failure(self: "Scheduler", engine: Engine, reason: str) -> None:
+        """One failure, counted once: its waiters hear why at once, and it backs off."""
+        if engine.name in self.handled:
+            return
+        self.handled.add(engine.name)
+        self.making_room.pop(engine.name, None)
+        delay = self.backoff.failed(engine.name)
+        self._fail_waiters(engine, APIError(503, f"model '{engine.name}' is unavailable: {reason}", "engine_failed",
+                                            retry_after=max(1.0, delay)))
+
+    async def _defect(self: "Scheduler", what: str, exc: Exception, engine: Engine) -> None:
+        """After an unexpected exception (its traceback already logged): `engine`, and any engine
+        left mid-transition with no action driving it, end FAILED, and their waiters get a 503."""
+        from router.scheduler import MID_TRANSITION
+
+        cause = f"internal error during {what}: {exc!r} (traceback in the router log)"
+        for e in self.engines:
+            orphaned = e.state in MID_TRANSITION and e.name not in self.busy
+            if e.state is not State.FAILED and (e is engine or orphaned):
+                e.fail(cause)
+            if e.state is State.FAILED and (e is engine or orphaned) and e.name not in self.handled:
+                self._count_failure(e, e.failure or cause)
+                try:
+                    await e.stop_after_failure()
+                except Exception:
+                    log.exception("could not stop %s after an internal error", e.name)
+
+
+def _reason(why: str) -> str:
+    """The `reason` label of an eviction, from the decision's words."""
+    for prefix, reason in (("room to boot", "boot"), ("room", "room"), ("idle", "idle"), ("on request", "admin"),
+                           ("host RAM", "demote")):
+        if why.startswith(prefix):
+            return reason
+    return "other"

@@ -1,0 +1,88 @@
+"""What moving an engine out of the way costs, and the level it would sleep at.
+
+The cost half of `router.scheduler.Scheduler`: an engine's expected cost is the waiting its
+absence is likely to cause (predicted wake seconds × likelihood of reuse, from
+`router.estimates`); `sleep_level: auto` picks Level 1 while the host-RAM budget holds the
+weights, and makes RAM for a more valuable engine by demoting a Level-1 sleeper.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Collection
+
+from engines.engine import Engine, State
+
+if TYPE_CHECKING:
+    from router.scheduler import Scheduler
+
+REUSE_HORIZON_S = 60.0  # "needed again soon" means within this long
+
+
+class Costs:
+    def _level_alone(self: "Scheduler", engine: Engine) -> int:
+        """The level for a park outside the loop's planning (boot, admin): Level 1 only if it fits
+        in host RAM as it is, without demoting anyone."""
+        level, demote = self._choose_level(engine, self.clock())
+        return 2 if demote else level
+
+    def _choose_level(self: "Scheduler", engine: Engine, now: float, waking: Collection[str] = ()) -> tuple[int, list[Engine]]:
+        """The level to park `engine` at, and the Level-1 sleepers to demote to make RAM for it.
+        `waking`: engines about to wake, whose host copy of the weights is about to go."""
+        if engine.spec.sleep_level != "auto":
+            return engine.spec.sleep_level, []
+        weights = self.weights.get(engine.name)
+        if weights is None:
+            return 2, []
+        used = self.level1_gb(exclude=waking)
+        budget = self.capacity.ram_budget_gb
+        if used + weights <= budget:
+            return 1, []
+        mine = self._level1_value(engine, now)
+        sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1
+                           and e.name not in self.busy and e.name not in waking and not e.spec.pin),
+                          key=lambda e: self._level1_value(e, now))
+        chosen: list[Engine] = []
+        for sleeper in sleepers:
+            if self._level1_value(sleeper, now) >= mine:
+                break
+            chosen.append(sleeper)
+            used -= self.weights.get(sleeper.name) or 0.0
+            if used + weights <= budget:
+                return 1, chosen
+        return 2, []
+
+    def level1_gb(self: "Scheduler", exclude: Collection[str] = ()) -> float:
+        """Host RAM held (or about to be) by Level-1 sleepers' weights."""
+        total = 0.0
+        for engine in self.engines:
+            if engine.name in exclude:
+                continue
+            action = self.doing.get(engine.name)
+            parking_l1 = action is not None and action[0] == "park" and self.parking_level.get(engine.name) == 1
+            demoting = action is not None and action[0] in ("demote", "stop")
+            if parking_l1 or (engine.state is State.SLEEPING and engine.sleep_level == 1 and not demoting):
+                total += self.weights.get(engine.name) or 0.0
+        return total
+
+    def _level1_value(self: "Scheduler", engine: Engine, now: float) -> float:
+        """Expected seconds of waiting that keeping `engine` at Level 1 (rather than 2) saves."""
+        saved = self.costs.wake_s(engine.name, 2) - self.costs.wake_s(engine.name, 1)
+        return self._reuse(engine, now) * max(saved, 0.0)
+
+    def _reuse(self: "Scheduler", engine: Engine, now: float) -> float:
+        """How likely `engine` is to be asked for within REUSE_HORIZON_S."""
+        return 1.0 - math.exp(-self.demand.rate(engine.name, now) * REUSE_HORIZON_S)
+
+    def expected_cost(self: "Scheduler", engine: Engine, action: str, now: float) -> float:
+        """Seconds of waiting that moving `engine` out of the way is expected to cost later:
+        its predicted wake (or, stopped, the boot beyond its wake) times the chance it is needed
+        again soon. Ties go to the least recently used."""
+        if action == "stop":
+            level = engine.sleep_level
+            extra = self.costs.boot_s(engine.name) - self.costs.wake_s(engine.name, level)
+        else:
+            level, _ = self._choose_level(engine, now) if action == "park" else (2, [])
+            extra = self.costs.wake_s(engine.name, level)
+        recency = 1e-9 / (1.0 + max(0.0, now - self.demand.last(engine.name)))  # a tie-break only
+        return self._reuse(engine, now) * max(extra, 0.0) + recency

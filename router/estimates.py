@@ -1,0 +1,72 @@
+"""What the router has measured, turned into predictions: how long a model takes to wake (or
+boot, or sleep), and how soon it is likely to be asked for again.
+
+Wake times are an EWMA of the recent wakes of that model at that sleep level; until a level
+has been measured, the model's cold boot stands in for it (an upper bound: a wake never
+reloads more than a boot does). Demand is an exponentially decayed request rate, so both
+frequency and recency count: a burst a minute ago weighs more than the same burst an hour ago.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+ALPHA = 0.3  # weight of the newest measurement
+DEMAND_TAU_S = 300.0  # a request's weight halves in about 3.5 minutes
+UNKNOWN_S = 30.0  # a model never booted yet (only before its first boot is measured)
+
+
+class WakeCosts:
+    def __init__(self) -> None:
+        self.boot: dict[str, float] = {}
+        self.wake: dict[tuple[str, int], float] = {}
+        self.sleep: dict[str, float] = {}
+
+    def observe_boot(self, name: str, seconds: float) -> None:
+        self.boot[name] = _ewma(self.boot.get(name), seconds)
+
+    def observe_wake(self, name: str, level: int, seconds: float) -> None:
+        self.wake[(name, level)] = _ewma(self.wake.get((name, level)), seconds)
+
+    def observe_sleep(self, name: str, seconds: float) -> None:
+        self.sleep[name] = _ewma(self.sleep.get(name), seconds)
+
+    def boot_s(self, name: str) -> float:
+        return self.boot.get(name, UNKNOWN_S)
+
+    def wake_s(self, name: str, level: Optional[int]) -> float:
+        """Predicted seconds to wake `name` from `level` (None: from cold, a boot)."""
+        if level is None:
+            return self.boot_s(name)
+        return self.wake.get((name, level), self.boot_s(name))
+
+    def sleep_s(self, name: str) -> float:
+        return self.sleep.get(name, 1.0)
+
+
+class Demand:
+    def __init__(self, tau_s: float = DEMAND_TAU_S) -> None:
+        self.tau_s = tau_s
+        self._weight: dict[str, float] = {}
+        self._at: dict[str, float] = {}
+
+    def arrived(self, name: str, now: float) -> None:
+        self._weight[name] = self._decayed(name, now) + 1.0
+        self._at[name] = now
+
+    def rate(self, name: str, now: float) -> float:
+        """Requests per second, recent ones weighing most."""
+        return self._decayed(name, now) / self.tau_s
+
+    def last(self, name: str) -> float:
+        return self._at.get(name, -math.inf)
+
+    def _decayed(self, name: str, now: float) -> float:
+        if name not in self._weight:
+            return 0.0
+        return self._weight[name] * math.exp(-(now - self._at[name]) / self.tau_s)
+
+
+def _ewma(old: Optional[float], new: float) -> float:
+    return new if old is None else ALPHA * new + (1 - ALPHA) * old

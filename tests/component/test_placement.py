@@ -1,0 +1,198 @@
+"""Placement by GPU memory, against the simulator's memory oracle: every simulated engine
+charges a shared ledger (80 GB per device) and fails to boot or wake exactly as vLLM does
+when the memory is not there, so a router that miscounts shows up as a failed engine."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engines.sim.memory import read_ledger
+from tests.support import RouterProcess, ask, client, eventually, roster_dict, sim_model
+
+SHARE = "--gpu-memory-utilization"
+
+
+def model(name: str, share: float, *args: str, **extra) -> dict:
+    return sim_model(name, args=(SHARE, str(share), *args), **extra)
+
+
+async def states(router: RouterProcess) -> dict[str, str]:
+    return {e["name"]: e["state"] for e in (await router.status())["engines"]}
+
+
+async def sim_steps(router: RouterProcess, name: str) -> list[str]:
+    port = (await router.engine(name))["port"]
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/sim/log") as r:
+        return [c["step"] for c in await r.json() if c["step"] != "generate"]
+
+
+def ledger(router: RouterProcess) -> dict:
+    return read_ledger(router.env["HOTSWAP_SIM_GPU_LEDGER"])
+
+
+async def test_two_small_models_alternate_with_zero_swaps_and_a_big_one_parks_exactly_one(start_router):
+    router = await start_router(roster_dict(
+        model("small1", 0.3, default=True), model("small2", 0.3, default=True), model("big", 0.6)))
+    assert await states(router) == {"small1": "awake", "small2": "awake", "big": "sleeping"}, \
+        "boot parks the non-default model to make room for the defaults"
+    c = client(router)
+    for name in ["small1", "small2"] * 5:
+        assert await ask(c, name)
+    assert (await router.status())["swaps"] == [], "both fit: alternating needs no swap at all"
+    assert await ask(c, "big")
+    awake = {n for n, s in (await states(router)).items() if s == "awake"}
+    assert "big" in awake and len(awake) == 2, f"0.6 + 0.3 fit: exactly one small model was parked ({awake})"
+    [swap] = (await router.status())["swaps"]
+    assert swap["to"] == "big" and len(swap["from"]) == 1
+    used = ledger(router)["devices"]["0"]["used_gb"]
+    assert used == pytest.approx(80 * 0.9 + 1.0, abs=0.01), "the oracle holds two shares and one residual"
+
+
+async def test_a_big_model_waits_for_room_while_both_small_ones_serve_then_takes_it_after_max_hold(start_router):
+    slow = ("--sim-token-rate", "20")
+    router = await start_router(roster_dict(
+        model("small1", 0.5, *slow, default=True), model("small2", 0.5, *slow, default=True), model("big", 0.6),
+        swap={"max_hold_s": 1.5}))
+    c = client(router)
+    streams = [asyncio.create_task(ask(c, name, max_tokens=60)) for name in ("small1", "small2")]  # ~3 s each
+    await eventually(lambda: _serving(router), what="both small models serving")
+    waited = asyncio.get_running_loop().time()
+    assert await ask(c, "big")
+    waited = asyncio.get_running_loop().time() - waited
+    assert waited >= 1.5, "the small ones were busy: big waited max_hold_s before one was parked"
+    results = await asyncio.gather(*streams, return_exceptions=True)
+    parked = [r for r in results if isinstance(r, Exception)]
+    assert len(parked) <= 1, f"only the one parked small model's stream may have been cut at the drain: {results}"
+
+
+async def _serving(router: RouterProcess) -> bool:
+    return all(e["in_flight"] for e in (await router.status())["engines"] if e["name"].startswith("small"))
+
+
+async def test_a_pinned_model_is_never_parked_even_when_it_is_the_least_used(start_router):
+    router = await start_router(roster_dict(
+        model("pinned", 0.3, pin=True), model("a", 0.3, default=True), model("big", 0.6)))
+    c = client(router)
+    for _ in range(5):
+        assert await ask(c, "a")
+    assert await ask(c, "big")
+    assert (await states(router)) == {"pinned": "awake", "a": "sleeping", "big": "awake"}
+
+
+async def test_models_in_one_group_are_never_awake_together_though_memory_fits(start_router):
+    router = await start_router(roster_dict(
+        model("a", 0.2, group="g", default=True), model("b", 0.2, group="g"), model("free", 0.2)))
+    c = client(router)
+    assert await ask(c, "b")
+    assert await states(router) == {"a": "sleeping", "b": "awake", "free": "awake"}
+    assert await ask(c, "a")
+    assert await states(router) == {"a": "awake", "b": "sleeping", "free": "awake"}
+
+
+def checkpoint(tmp_path: Path, name: str, gb: float) -> str:
+    folder = tmp_path / name
+    folder.mkdir()
+    with open(folder / "model.safetensors", "wb") as f:
+        f.truncate(int(gb * 1e9))  # sparse: any apparent size, no disk used
+    return str(folder)
+
+
+async def test_the_sleep_level_is_chosen_by_the_host_ram_budget(start_router, tmp_path):
+    # Each 0.6: one awake at a time. 30 GB of weights each; the budget holds one at Level 1.
+    roster = roster_dict(
+        model("a", 0.6, model=checkpoint(tmp_path, "a", 30)), model("b", 0.6, model=checkpoint(tmp_path, "b", 30)),
+        model("c", 0.6, model=checkpoint(tmp_path, "c", 30), default=True), host={"ram_budget_gb": 50})
+    router = await start_router(roster)
+    levels = {e["name"]: (e["state"], e["sleep_level"], e["weights_gb"]) for e in (await router.status())["engines"]}
+    assert levels == {"a": ("sleeping", 1, 30.0), "b": ("sleeping", 2, 30.0), "c": ("awake", None, 30.0)}, \
+        "a took the budget at Level 1; b, parked next, did not fit in host RAM and went to Level 2"
+    assert (await router.status())["placement"]["host"] == {"ram_budget_gb": 50.0, "level1_gb": 30.0}
+    assert await ask(client(router), "a")
+    assert (await sim_steps(router, "a"))[-2:] == ["wake", "reset_prefix_cache"], "a Level-1 wake: no reload, no draft step"
+    assert (await router.engine("c"))["sleep_level"] == 1, "a's host copy went back to the GPU: c fits in RAM at Level 1"
+
+
+async def test_a_level1_sleeper_nobody_asks_for_is_demoted_to_make_ram_for_a_busy_model(start_router, tmp_path):
+    slow_l2 = ("--sim-step-delay", "reload_weights=0.4")
+    roster = roster_dict(
+        model("idle", 0.6, *slow_l2, model=checkpoint(tmp_path, "idle", 30)),
+        model("hot", 0.6, *slow_l2, model=checkpoint(tmp_path, "hot", 30), default=True),
+        model("other", 0.6, *slow_l2, model=checkpoint(tmp_path, "other", 30)),
+        host={"ram_budget_gb": 50})
+    router = await start_router(roster)
+    c = client(router)
+    # Measure hot's Level-1 and Level-2 wakes, and make it the popular one.
+    for name in ["other", "hot", "other", "hot", "other", "hot", "other", "hot"]:
+        assert await ask(c, name)
+    # idle was parked first, at Level 1, and never asked for; once hot's wakes were measured,
+    # parking hot at Level 1 was worth more than keeping idle there, and idle made way.
+    assert await ask(c, "other")
+    hot, idle = await router.engine("hot"), await router.engine("idle")
+    assert hot["sleep_level"] == 1, hot
+    assert idle["state"] in ("sleeping", "cold") and idle["sleep_level"] != 1, idle
+    assert re.search(r"(stopping|demoting) idle .*host RAM for (hot|other) at level 1", router.log())
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as r:
+        metrics = await r.text()
+    assert 'hotswap_evictions_total{group="",model="idle",reason="stop"} 1.0' in metrics \
+        or 'hotswap_evictions_total{group="",model="idle",reason="demote"} 1.0' in metrics, metrics
+
+
+@pytest.fixture(scope="module")
+def oracle_router(tmp_path_factory):
+    """One router with six engines of uneven shares on two GPUs (one spans both), for the randomized sequences."""
+    path = tmp_path_factory.mktemp("oracle")
+    roster = roster_dict(
+        model("w", 0.5, devices=[0]), model("x", 0.3, devices=[0]), model("y", 0.4, devices=[0, 1]),
+        model("z", 0.7, devices=[1], default=True), model("g1", 0.2, devices=[1], group="g"),
+        model("g2", 0.2, devices=[1], group="g"))
+    router = RouterProcess(roster, path, {"HOTSWAP_SIM_GPU_LEDGER": str(path / "ledger.json")})
+    asyncio.run(router.wait_ready(60))
+    yield router
+    router.stop()
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.lists(st.sampled_from(["w", "x", "y", "z", "g1", "g2"]), min_size=1, max_size=4), min_size=2, max_size=5))
+def test_no_request_sequence_makes_the_router_overcommit_a_gpu(oracle_router, waves):
+    async def run() -> None:
+        # Its own client: each example runs in its own event loop.
+        async with openai.AsyncOpenAI(base_url=oracle_router.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+            for wave in waves:  # each wave at once: concurrent wakes on both GPUs
+                answers = await asyncio.gather(*(ask(c, name) for name in wave), return_exceptions=True)
+                assert all(isinstance(a, str) and a for a in answers), answers
+        status = await oracle_router.status()
+        assert not [e["failure"] for e in status["engines"] if e["failure"]], "an engine failed: the oracle refused memory"
+        for device, held in ledger(oracle_router)["devices"].items():
+            assert held["used_gb"] <= 80 + 0.01, (device, held)
+
+    asyncio.run(run())
+
+
+async def test_the_predicted_wait_is_shown_and_a_client_may_refuse_to_wait_longer_than_it_likes(start_router):
+    router = await start_router(roster_dict(
+        model("a", 0.6, default=True), model("b", 0.6, "--sim-step-delay", "reload_weights=1")))
+    c = client(router)
+    assert await ask(c, "b") and await ask(c, "a")  # b's Level-2 wake is measured: about 1 s
+    async with aiohttp.ClientSession() as s:
+        async with s.get(router.url + "/v1/models") as r:
+            listed = {m["id"]: m["wake_estimate_s"] for m in (await r.json())["data"]}
+        assert listed["a"] == 0 and listed["b"] >= 1.0, listed
+        body = {"model": "b", "prompt": "x", "max_tokens": 4}
+        async with s.post(router.url + "/v1/completions", json=body, headers={"X-Hotswap-Max-Wait": "0.2"}) as r:
+            assert r.status == 503 and float(r.headers["Retry-After"]) >= 1
+            error = (await r.json())["error"]
+            assert error["code"] == "model_not_ready" and "exceeds X-Hotswap-Max-Wait: 0.2" in error["message"], error
+        async with s.post(router.url + "/v1/completions", json=body, headers={"X-Hotswap-Max-Wait": "soon"}) as r:
+            assert r.status == 400 and "X-Hotswap-Max-Wait must be a number of seconds" in (await r.json())["error"]["message"]
+        async with s.post(router.url + "/v1/completions", json=body, headers={"X-Hotswap-Max-Wait": "30"}) as r:
+            assert r.status == 200, "a limit above the prediction waits as usual"
+    assert (await router.engine("b"))["state"] == "awake"
+    assert (await router.engine("a"))["wake_estimate_s"] > 0
