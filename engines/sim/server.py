@@ -2,8 +2,8 @@
 plus the sim-only /sim/* control routes.
 
 Paths, query parameters, status codes and JSON shapes follow vLLM so that a router
-cannot tell the two apart. The dev endpoints exist only with VLLM_SERVER_DEV_MODE=1
-and, like vLLM's, are not behind --api-key. Injected faults that change the answer
+cannot tell the two apart. The dev endpoints (routes_dev.py) exist only with
+VLLM_SERVER_DEV_MODE=1 and, like vLLM's, are not behind --api-key. Injected faults that change the answer
 (http500, malformed, cut: see control.py) are carried out here, where the shape
 the step promises is known.
 """
@@ -24,17 +24,15 @@ from aiohttp.abc import AbstractAccessLogger
 
 from . import lm, lora
 from .lora import Adapters
-from .control import FAULT_KINDS, Control, Fault, InjectedFault, crash, hang_forever
-from .memory import EngineMemory, OutOfMemory
+from .control import Control, InjectedFault, crash, hang_forever
+from .memory import EngineMemory
 from .metrics import CONTENT_TYPE
-from .state import WAKE_TAGS, Generation, GenerationAborted, SimEngine
+from .state import Generation, GenerationAborted, SimEngine
 
 log = logging.getLogger("vllm.sim")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-RPC_STEPS = {"reload_weights": "reload_weights", "hotswap_reload_draft": "reload_draft"}
-EXTENSION_METHODS = ("hotswap_reload_draft", "hotswap_draft_digest", "hotswap_discard_draft")
 
 # `malformed`: what a broken serialiser or proxy leaves of an answer. The ids are the
 # prefixes vLLM gives each route, so the truncation sits where a real one could.
@@ -143,24 +141,15 @@ class SimServer:
         r.add_post("/v1/embeddings", self.embeddings)
         r.add_get("/metrics", self.metrics)
         # Route families beyond the three generation routes live in their own modules.
-        from . import routes_anthropic, routes_audio, routes_pooling, routes_responses
+        from . import routes_anthropic, routes_audio, routes_dev, routes_pooling, routes_responses, routes_sim
 
         for family in (routes_responses, routes_anthropic, routes_pooling, routes_audio):
             family.add_routes(app, self)
         if lora.runtime_updates_allowed():
             lora.add_routes(app, self.adapters, self.names, read_json, error_response)
         if self.dev_mode:
-            r.add_post("/sleep", self.sleep)
-            r.add_post("/wake_up", self.wake_up)
-            r.add_get("/is_sleeping", self.is_sleeping)
-            r.add_post("/collective_rpc", self.collective_rpc)
-            r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
-        r.add_get("/sim/state", self.sim_state)
-        r.add_get("/sim/log", self.sim_log)
-        r.add_delete("/sim/log", self.sim_log_clear)
-        r.add_get("/sim/faults", self.sim_faults)
-        r.add_post("/sim/faults", self.sim_faults_add)
-        r.add_delete("/sim/faults", self.sim_faults_clear)
+            routes_dev.add_routes(app, self)
+        routes_sim.add_routes(app, self)
         return app
 
     # ---- middleware -------------------------------------------------------------
@@ -467,119 +456,6 @@ class SimServer:
     async def metrics(self, request: web.Request) -> web.Response:
         await self.control.enter("metrics")
         return web.Response(body=self.engine.render_metrics(), headers={"Content-Type": CONTENT_TYPE})
-
-    # ---- dev API (VLLM_SERVER_DEV_MODE=1) -------------------------------------------
-
-    async def sleep(self, request: web.Request) -> web.Response:
-        try:
-            level = int(request.query.get("level", "1"))
-        except ValueError:
-            raise bad_request("level must be an integer", "level") from None
-        mode = request.query.get("mode", "abort")
-        if level not in (0, 1, 2):
-            raise bad_request(f"Invalid sleep level {level}; must be 0, 1 or 2", "level")
-        if mode not in ("abort", "wait", "keep"):
-            raise bad_request(f"Invalid mode {mode!r}; must be abort, wait or keep", "mode")
-        await self.control.enter("sleep", query=query_json(request))
-        await self.engine.sleep(level, mode)
-        if level == 2 and self.lose_lora_on_level2:
-            self.adapters.lost = True
-        # Levels 1 and 2 unmap weights and KV cache; level 0 only pauses scheduling.
-        if self.memory is not None and level > 0:
-            self.memory.sleep()
-        return web.json_response({"status": "sleeping", "level": level})
-
-    async def wake_up(self, request: web.Request) -> web.Response:
-        tags = request.query.getall("tags", [])
-        bad = [t for t in tags if t not in WAKE_TAGS]
-        if bad:
-            raise bad_request(f"Unknown wake_up tags {bad}; valid tags: {list(WAKE_TAGS)}", "tags")
-        step = "wake" if not tags or set(tags) == set(WAKE_TAGS) else f"wake_{tags[0]}"
-        await self.control.enter(step, query=query_json(request), tags=list(tags))
-        if self.memory is not None and self.engine.is_sleeping:
-            # The first tag woken maps the whole share back; later ones find it mapped.
-            try:
-                self.memory.wake()
-            except OutOfMemory as e:
-                msg = e.wake_message(len(self.memory.devices))
-                log.error("Invocation of wake_up method failed (GPU %d: %s GiB free, %s GiB asked): %s",
-                          e.device, round(e.free / 2**30, 2), round(e.requested / 2**30, 2), msg)
-                return error_response(500, msg, "InternalServerError")
-        result = self.engine.wake(list(tags))
-        log.info("wake_up(tags=%s): %s", tags or "all", result["status"])
-        return web.json_response(result)
-
-    async def is_sleeping(self, request: web.Request) -> web.Response:
-        return web.json_response({"is_sleeping": self.engine.is_sleeping})
-
-    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        await self.control.enter("reset_prefix_cache", query=query_json(request))
-        ok = self.engine.reset_prefix_cache()
-        log.info("reset_prefix_cache: success=%s", ok)
-        return web.json_response({"success": ok})
-
-    async def collective_rpc(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
-        method = body.get("method")
-        if not isinstance(method, str) or not method:
-            raise bad_request("method must be a non-empty string", "method")
-        step = RPC_STEPS.get(method, "collective_rpc")
-        if step == "collective_rpc":
-            self.control.record(step, method=method)
-        else:
-            await self.control.enter(step, method=method)
-        known = method == "reload_weights" or (method in EXTENSION_METHODS and self.engine.cfg.worker_extension)
-        if not known:
-            # What a worker raises for a method neither it nor its extension defines.
-            msg = f"AttributeError: 'CPUWorker' object has no attribute '{method}'"
-            log.error("collective_rpc(%s) failed: %s", method, msg)
-            return error_response(500, msg, "InternalServerError")
-        e = self.engine
-        result: object
-        if method == "reload_weights":
-            e.reload_weights()
-            result = None
-        elif method == "hotswap_reload_draft":
-            result = e.reload_draft()
-        elif method == "hotswap_draft_digest":
-            result = e.draft_digest()
-        else:
-            result = {"discarded": e.discard_draft()}
-        log.info("collective_rpc(%s) -> %s", method, result)
-        return web.json_response({"results": [result]})
-
-    # ---- sim control ---------------------------------------------------------------
-
-    async def sim_state(self, request: web.Request) -> web.Response:
-        gpu = self.memory.state_json() if self.memory is not None else None
-        return web.json_response({**self.engine.state_json(), "gpu_memory": gpu})
-
-    async def sim_log(self, request: web.Request) -> web.Response:
-        return web.json_response(list(self.control.calls))
-
-    async def sim_log_clear(self, request: web.Request) -> web.Response:
-        n = len(self.control.calls)
-        self.control.calls.clear()
-        return web.json_response({"cleared": n})
-
-    async def sim_faults(self, request: web.Request) -> web.Response:
-        return web.json_response(self.control.faults_json())
-
-    async def sim_faults_add(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
-        try:
-            fault = Fault(step=body.get("step"), kind=body.get("kind"), times=body.get("times"))
-        except ValueError as e:
-            raise bad_request(f"{e} (kinds: {', '.join(FAULT_KINDS)})") from None
-        self.control.faults.append(fault)
-        log.info("sim: fault added: %s", fault)
-        return web.json_response(self.control.faults_json())
-
-    async def sim_faults_clear(self, request: web.Request) -> web.Response:
-        n = len(self.control.faults)
-        self.control.faults.clear()
-        return web.json_response({"cleared": n})
-
 
 async def cut(request: web.Request) -> NoReturn:
     """Drop the connection the way a dying proxy does: whatever was written goes out,

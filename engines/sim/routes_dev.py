@@ -1,0 +1,110 @@
+"""The simulated engine's dev API (vLLM serves it only with VLLM_SERVER_DEV_MODE=1, not behind
+--api-key): `/sleep`, `/wake_up`, `/is_sleeping`, `/reset_prefix_cache`, `/collective_rpc`,
+with the memory oracle's charges at sleep and wake (memory.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from .memory import OutOfMemory
+from .server import bad_request, error_response, query_json, read_json
+from .state import WAKE_TAGS
+
+if TYPE_CHECKING:
+    from .server import SimServer
+
+log = logging.getLogger("vllm.sim")
+
+RPC_STEPS = {"reload_weights": "reload_weights", "hotswap_reload_draft": "reload_draft"}
+EXTENSION_METHODS = ("hotswap_reload_draft", "hotswap_draft_digest", "hotswap_discard_draft")
+
+
+def add_routes(app: web.Application, server: "SimServer") -> None:
+    async def sleep(request: web.Request) -> web.Response:
+        try:
+            level = int(request.query.get("level", "1"))
+        except ValueError:
+            raise bad_request("level must be an integer", "level") from None
+        mode = request.query.get("mode", "abort")
+        if level not in (0, 1, 2):
+            raise bad_request(f"Invalid sleep level {level}; must be 0, 1 or 2", "level")
+        if mode not in ("abort", "wait", "keep"):
+            raise bad_request(f"Invalid mode {mode!r}; must be abort, wait or keep", "mode")
+        await server.control.enter("sleep", query=query_json(request))
+        await server.engine.sleep(level, mode)
+        if level == 2 and server.lose_lora_on_level2:
+            server.adapters.lost = True
+        # Levels 1 and 2 unmap weights and KV cache; level 0 only pauses scheduling.
+        if server.memory is not None and level > 0:
+            server.memory.sleep()
+        return web.json_response({"status": "sleeping", "level": level})
+
+    async def wake_up(request: web.Request) -> web.Response:
+        tags = request.query.getall("tags", [])
+        bad = [t for t in tags if t not in WAKE_TAGS]
+        if bad:
+            raise bad_request(f"Unknown wake_up tags {bad}; valid tags: {list(WAKE_TAGS)}", "tags")
+        step = "wake" if not tags or set(tags) == set(WAKE_TAGS) else f"wake_{tags[0]}"
+        await server.control.enter(step, query=query_json(request), tags=list(tags))
+        if server.memory is not None and server.engine.is_sleeping:
+            # The first tag woken maps the whole share back; later ones find it mapped.
+            try:
+                server.memory.wake()
+            except OutOfMemory as e:
+                msg = e.wake_message(len(server.memory.devices))
+                log.error("Invocation of wake_up method failed (GPU %d: %s GiB free, %s GiB asked): %s",
+                          e.device, round(e.free / 2**30, 2), round(e.requested / 2**30, 2), msg)
+                return error_response(500, msg, "InternalServerError")
+        result = server.engine.wake(list(tags))
+        log.info("wake_up(tags=%s): %s", tags or "all", result["status"])
+        return web.json_response(result)
+
+    async def is_sleeping(request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": server.engine.is_sleeping})
+
+    async def reset_prefix_cache(request: web.Request) -> web.Response:
+        await server.control.enter("reset_prefix_cache", query=query_json(request))
+        ok = server.engine.reset_prefix_cache()
+        log.info("reset_prefix_cache: success=%s", ok)
+        return web.json_response({"success": ok})
+
+    async def collective_rpc(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        method = body.get("method")
+        if not isinstance(method, str) or not method:
+            raise bad_request("method must be a non-empty string", "method")
+        step = RPC_STEPS.get(method, "collective_rpc")
+        if step == "collective_rpc":
+            server.control.record(step, method=method)
+        else:
+            await server.control.enter(step, method=method)
+        known = method == "reload_weights" or (method in EXTENSION_METHODS and server.engine.cfg.worker_extension)
+        if not known:
+            # What a worker raises for a method neither it nor its extension defines.
+            msg = f"AttributeError: 'CPUWorker' object has no attribute '{method}'"
+            log.error("collective_rpc(%s) failed: %s", method, msg)
+            return error_response(500, msg, "InternalServerError")
+        e = server.engine
+        result: object
+        if method == "reload_weights":
+            e.reload_weights()
+            result = None
+        elif method == "hotswap_reload_draft":
+            result = e.reload_draft()
+        elif method == "hotswap_draft_digest":
+            result = e.draft_digest()
+        else:
+            result = {"discarded": e.discard_draft()}
+        log.info("collective_rpc(%s) -> %s", method, result)
+        return web.json_response({"results": [result]})
+
+    r = app.router
+    r.add_post("/sleep", sleep)
+    r.add_post("/wake_up", wake_up)
+    r.add_get("/is_sleeping", is_sleeping)
+    r.add_post("/collective_rpc", collective_rpc)
+    r.add_post("/reset_prefix_cache", reset_prefix_cache)
