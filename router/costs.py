@@ -9,9 +9,10 @@ weights, and makes RAM for a more valuable engine by demoting a Level-1 sleeper.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Collection
+from typing import TYPE_CHECKING, Collection, Optional
 
 from engines.engine import Engine, State
+from router.placement import Ledger
 
 if TYPE_CHECKING:
     from router.scheduler import Scheduler
@@ -23,12 +24,14 @@ class Costs:
     def _level_alone(self: "Scheduler", engine: Engine) -> int:
         """The level for a park outside the loop's planning (boot, admin): Level 1 only if it fits
         in host RAM as it is, without demoting anyone."""
-        level, demote = self._choose_level(engine, self.clock())
-        return 2 if demote else level
+        return self._choose_level(engine, self.clock())[0]
 
-    def _choose_level(self: "Scheduler", engine: Engine, now: float, waking: Collection[str] = ()) -> tuple[int, list[Engine]]:
+    def _choose_level(self: "Scheduler", engine: Engine, now: float, waking: Collection[str] = (),
+                      ledger: Optional[Ledger] = None) -> tuple[int, list[Engine]]:
         """The level to park `engine` at, and the Level-1 sleepers to demote to make RAM for it.
-        `waking`: engines about to wake, whose host copy of the weights is about to go."""
+        `waking`: engines about to wake, whose host copy of the weights is about to go. `ledger`:
+        the GPU as planned, to tell a sleeper that can pass through it to Level 2 from one that
+        would have to be stopped (and pay a cold boot later); without one, demote nobody."""
         if engine.spec.sleep_level != "auto":
             return engine.spec.sleep_level, []
         weights = self.weights.get(engine.name)
@@ -38,13 +41,18 @@ class Costs:
         budget = self.capacity.ram_budget_gb
         if used + weights <= budget:
             return 1, []
-        mine = self._level1_value(engine, now)
+        if ledger is None:
+            return 2, []
+        mine = self._level1_value(engine, now, passes=True)
+
+        def value(sleeper: Engine) -> float:
+            return self._level1_value(sleeper, now, passes=ledger.fits(sleeper))
+
         sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1
-                           and e.name not in self.busy and e.name not in waking and not e.spec.pin),
-                          key=lambda e: self._level1_value(e, now))
+                           and e.name not in self.busy and e.name not in waking and not e.spec.pin), key=value)
         chosen: list[Engine] = []
         for sleeper in sleepers:
-            if self._level1_value(sleeper, now) >= mine:
+            if value(sleeper) >= mine:
                 break
             chosen.append(sleeper)
             used -= self.weights.get(sleeper.name) or 0.0
@@ -65,10 +73,11 @@ class Costs:
                 total += self.weights.get(engine.name) or 0.0
         return total
 
-    def _level1_value(self: "Scheduler", engine: Engine, now: float) -> float:
-        """Expected seconds of waiting that keeping `engine` at Level 1 (rather than 2) saves."""
-        saved = self.costs.wake_s(engine.name, 2) - self.costs.wake_s(engine.name, 1)
-        return self._reuse(engine, now) * max(saved, 0.0)
+    def _level1_value(self: "Scheduler", engine: Engine, now: float, passes: bool) -> float:
+        """Expected seconds of waiting that keeping `engine` at Level 1 saves: over a Level-2 wake
+        when it can pass through the GPU to Level 2 (`passes`), else over the cold boot a stop costs."""
+        instead = self.costs.wake_s(engine.name, 2) if passes else self.costs.boot_s(engine.name)
+        return self._reuse(engine, now) * max(instead - self.costs.wake_s(engine.name, 1), 0.0)
 
     def _reuse(self: "Scheduler", engine: Engine, now: float) -> float:
         """How likely `engine` is to be asked for within REUSE_HORIZON_S."""

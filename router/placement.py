@@ -58,6 +58,7 @@ class Victim:
     frees: dict[int, float]  # fraction freed per device
     cost: float  # expected seconds of waiting this move causes later
     busy: bool = False  # it is serving requests (parked only when no idle choice exists)
+    ready_in: float = 0.0  # seconds until it may be moved (min_active_s, max_hold_s); 0: now
 
 
 class Ledger:

@@ -301,21 +301,29 @@ class Scheduler(costs.Costs, actions.Actions):
             if engine.state is State.SLEEPING:
                 candidates.append(Victim(engine, "stop", ledger.stopped_frees(engine), self.cost(engine, "stop", now)))
             elif engine.state is State.AWAKE:
-                wait_s = self._evictable_in(engine, oldest, now)
-                if wait_s > 0:
-                    waits.append(wait_s)
+                ready_in = self._evictable_in(engine, oldest, now)
+                if ready_in > 0:
+                    waits.append(ready_in)
                     blocked |= rival
-                    continue
-                victim = Victim(engine, "park", ledger.parked_frees(engine), self.cost(engine, "park", now), engine.in_flight > 0)
+                victim = Victim(engine, "park", ledger.parked_frees(engine), self.cost(engine, "park", now),
+                                engine.in_flight > 0, ready_in)
                 (forced if rival else candidates).append(victim)
         if blocked:
             return None, min(waits, default=None)
-        idle = [v for v in candidates if not v.busy]
-        for pool in (idle, candidates):
-            chosen = placement.cheapest(ledger, target, pool, forced)
-            if chosen is not None:
-                return forced + chosen, None
-        return None, min(waits, default=None)
+        now_idle = [v for v in candidates if not v.ready_in and not v.busy]
+        now_any = [v for v in candidates if not v.ready_in]
+        chosen = placement.cheapest(ledger, target, now_idle, forced)
+        if chosen is None:
+            chosen = placement.cheapest(ledger, target, now_any, forced)
+        # Parks that become possible soon (min_active_s, max_hold_s) may beat what is possible now:
+        # stopping sleepers turns their next wake into a cold boot, while a wait costs its waiters.
+        later = placement.cheapest(ledger, target, [v for v in candidates if v.action == "park"], forced)
+        later_wait = max((v.ready_in for v in later or ()), default=0.0)
+        if chosen is not None and not (later and later_wait > 0 and any(v.action == "stop" for v in chosen)
+                                       and later_wait * self.queued(target) + sum(v.cost for v in later)
+                                       < sum(v.cost for v in chosen)):
+            return forced + chosen, None
+        return None, later_wait if later else min(waits, default=None)
 
     def _evictable_in(self, engine: Engine, oldest: float, now: float) -> float:
         """Seconds until an awake engine may be parked for a waiter that arrived at `oldest` (0: now)."""
@@ -328,7 +336,7 @@ class Scheduler(costs.Costs, actions.Actions):
         engine = victim.engine
         if victim.action == "stop":
             return [Decision("stop", engine, why)]
-        level, demoted = self._choose_level(engine, now, waking=ledger.reserved)
+        level, demoted = self._choose_level(engine, now, waking=ledger.reserved, ledger=ledger)
         out = [Decision("park", engine, why, level)]
         for sleeper in demoted:  # host RAM for Level 1 is short: the less valuable sleeper makes way
             passes = ledger.fits(sleeper)

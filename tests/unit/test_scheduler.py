@@ -328,3 +328,52 @@ async def test_an_engine_restarting_keeps_its_memory_while_it_passes_through_col
     a.state = State.COLD  # between its stop and its boot
     wait_for(s, b, clock.now)
     assert s.decide(clock.now) == Plan(), "b must not take a's memory in that moment"
+
+
+async def test_a_sleeper_someone_asks_for_is_not_stopped_when_waiting_a_moment_for_a_park_costs_less(clock):
+    gpus = {0: 100.0}  # residuals of 2 GB are 0.02 each
+    a = FakeEngine("a", State.AWAKE, share=0.55, since=clock.now - 2, sleep_residual_gb=2)  # fresh: min_active_s
+    b = FakeEngine("b", State.AWAKE, share=0.35, since=clock.now - 2, sleep_residual_gb=2)
+    sleepers = [FakeEngine(f"s{i}", share=0.3, sleep_residual_gb=2) for i in range(3)]
+    t = FakeEngine("t", share=0.05, sleep_residual_gb=2)
+    s = scheduler(a, b, *sleepers, t, clock=clock, gpus=gpus, min_active_s=5)
+    for sleeper in sleepers:
+        s.costs.observe_boot(sleeper.name, 20.0)
+        s.costs.observe_wake(sleeper.name, 2, 1.0)
+        for _ in range(5):
+            s.demand.arrived(sleeper.name, clock.now - 10)  # asked for: a stop would cost a 20 s boot
+    wait_for(s, t, clock.now)
+    # 0.9 awake + 0.08 residuals: t is 0.01 short. Stopping a sleeper fits it now; parking b fits it in 3 s.
+    assert s.decide(clock.now) == Plan(wait_s=pytest.approx(3)), "a 3 s wait for one request beats a likely 19 s cold boot"
+    clock.now += 3
+    kinds = actions(s.decide(clock.now))
+    assert kinds in ([("park", "a")], [("park", "b")]), "then one park, and no sleeper stopped"
+
+
+async def test_a_sleeper_nobody_asks_for_is_stopped_at_once_rather_than_making_a_request_wait(clock):
+    gpus = {0: 100.0}
+    a = FakeEngine("a", State.AWAKE, share=0.55, since=clock.now - 2, sleep_residual_gb=2)
+    b = FakeEngine("b", State.AWAKE, share=0.35, since=clock.now - 2, sleep_residual_gb=2)
+    sleepers = [FakeEngine(f"s{i}", share=0.3, sleep_residual_gb=2) for i in range(3)]
+    t = FakeEngine("t", share=0.05, sleep_residual_gb=2)
+    s = scheduler(a, b, *sleepers, t, clock=clock, gpus=gpus, min_active_s=5)
+    wait_for(s, t, clock.now)
+    kinds = actions(s.decide(clock.now))
+    assert len(kinds) == 1 and kinds[0][0] == "stop", kinds
+
+
+async def test_a_level1_sleeper_that_would_have_to_be_stopped_is_valued_at_its_cold_boot(clock):
+    cold = FakeEngine("cold", share=0.5, level=1)
+    hot = awake("hot", clock, share=0.5)
+    target = FakeEngine("t", share=0.6)
+    s = scheduler(cold, hot, target, clock=clock, ram_gb=20, weights={"cold": 16, "hot": 16, "t": 16})
+    for name in ("hot", "cold"):
+        s.costs.observe_wake(name, 1, 0.5)
+        s.costs.observe_wake(name, 2, 5.0)
+        s.costs.observe_boot(name, 60.0)
+        for _ in range(10):
+            s.demand.arrived(name, clock.now - 1)
+    wait_for(s, target, clock.now)
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("park", "hot")] and plan.decisions[0].level == 2, \
+        "cold cannot pass through the GPU: demoting it means a 60 s boot, worth more than hot's 4.5 s saving"
