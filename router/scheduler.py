@@ -297,6 +297,11 @@ class Scheduler(costs.Costs, actions.Actions):
             rival = target.spec.group is not None and engine.spec.group == target.spec.group
             if engine.name in self.busy or engine.name in moving:
                 blocked |= rival and (engine.state in placement.HOLDS_SHARE or engine.name in ledger.reserved)
+                if not rival and self.doing.get(engine.name, ("",))[0] == "wake":  # parkable once awake a while
+                    _, started, predicted = self.doing[engine.name]
+                    ready_in = max(0.0, started + predicted - now) + self.swap.min_active_s
+                    candidates.append(Victim(engine, "park", ledger.parked_frees(engine), self.cost(engine, "park", now),
+                                             False, max(ready_in, 0.01)))
                 continue
             if engine.state is State.SLEEPING:
                 candidates.append(Victim(engine, "stop", ledger.stopped_frees(engine), self.cost(engine, "stop", now)))

@@ -377,3 +377,20 @@ async def test_a_level1_sleeper_that_would_have_to_be_stopped_is_valued_at_its_c
     plan = s.decide(clock.now)
     assert actions(plan) == [("park", "hot")] and plan.decisions[0].level == 2, \
         "cold cannot pass through the GPU: demoting it means a 60 s boot, worth more than hot's 4.5 s saving"
+
+
+async def test_an_engine_still_waking_counts_as_parkable_later_rather_than_stopping_sleepers_now(clock):
+    gpus = {0: 100.0}
+    pinned = FakeEngine("p", State.AWAKE, share=0.55, since=clock.now - 100, sleep_residual_gb=2, pin=True)
+    waking = FakeEngine("w", State.WAKING, share=0.35, sleep_residual_gb=2)
+    sleepers = [FakeEngine(f"s{i}", share=0.3, sleep_residual_gb=2) for i in range(3)]
+    t = FakeEngine("t", share=0.05, sleep_residual_gb=2)
+    s = scheduler(pinned, waking, *sleepers, t, clock=clock, gpus=gpus, min_active_s=5)
+    for sleeper in sleepers:
+        s.costs.observe_boot(sleeper.name, 20.0)
+        s.costs.observe_wake(sleeper.name, 2, 1.0)
+        for _ in range(5):
+            s.demand.arrived(sleeper.name, clock.now - 10)
+    s.busy["w"], s.doing["w"] = asyncio.get_running_loop().create_future(), ("wake", clock.now, 2.0)
+    wait_for(s, t, clock.now)
+    assert s.decide(clock.now) == Plan(wait_s=pytest.approx(7)), "w is awake in 2 s and parkable 5 s later"
