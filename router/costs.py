@@ -51,8 +51,10 @@ class Costs:
         sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1
                            and e.name not in self.busy and e.name not in waking and not e.spec.pin), key=value)
         chosen: list[Engine] = []
+        lost = 0.0  # what the demotions chosen so far cost, together
         for sleeper in sleepers:
-            if value(sleeper) >= mine:
+            lost += value(sleeper)
+            if lost >= mine:
                 break
             chosen.append(sleeper)
             used -= self.weights.get(sleeper.name) or 0.0

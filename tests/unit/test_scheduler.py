@@ -394,3 +394,23 @@ async def test_an_engine_still_waking_counts_as_parkable_later_rather_than_stopp
     s.busy["w"], s.doing["w"] = asyncio.get_running_loop().create_future(), ("wake", clock.now, 2.0)
     wait_for(s, t, clock.now)
     assert s.decide(clock.now) == Plan(wait_s=pytest.approx(7)), "w is awake in 2 s and parkable 5 s later"
+
+
+async def test_the_demotions_for_one_level1_park_are_weighed_together(clock):
+    # hot's 16 GB need two 8 GB sleepers gone; each alone is worth less than hot's saving, both together more.
+    # (hot is parked for its group rival, so the GPU has room for the sleepers to pass through to Level 2.)
+    small = [FakeEngine(f"s{i}", share=0.1, level=1) for i in range(2)]
+    hot = awake("hot", clock, share=0.2, group="g")
+    target = FakeEngine("t", share=0.2, group="g")
+    s = scheduler(*small, hot, target, clock=clock, ram_gb=20, weights={"s0": 8, "s1": 8, "hot": 16, "t": 1})
+    s.costs.observe_wake("hot", 1, 0.5)
+    s.costs.observe_wake("hot", 2, 5.0)  # hot at Level 1 saves 4.5 s
+    for sleeper in small:
+        s.costs.observe_wake(sleeper.name, 1, 0.5)
+        s.costs.observe_wake(sleeper.name, 2, 3.0)  # each at Level 1 saves 2.5 s: 5 s together
+    for name in ("hot", "s0", "s1"):
+        for _ in range(10):
+            s.demand.arrived(name, clock.now - 1)
+    wait_for(s, target, clock.now)
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("park", "hot")] and plan.decisions[0].level == 2
