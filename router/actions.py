@@ -159,7 +159,8 @@ class Actions:
         started = time.monotonic()
         await engine.sleep(level)
         self.costs.observe_sleep(engine.name, time.monotonic() - started)
-        self._measure_residual(engine)
+        if self.capacity.nvml:
+            await asyncio.to_thread(self._measure_residual, engine)
 
     async def _stop(self: "Scheduler", engine: Engine, why: str) -> None:
         log.info("stopping %s (asleep at level %s): %s; it boots cold when next needed", engine.name, engine.sleep_level, why)
@@ -179,7 +180,8 @@ class Actions:
         self._grant(engine)
 
     def _measure_residual(self: "Scheduler", engine: Engine) -> None:
-        """What a parked engine's processes still hold on each device, through NVML (when it sees the GPUs)."""
+        """What a parked engine's processes still hold on each device, through NVML (in a thread:
+        NVML and the /proc walk block)."""
         if engine.process is None or engine.process.pid is None:
             return
         pids = engine.process.group_pids()

@@ -154,14 +154,15 @@ class Router(Observer):
 
 def capacity(roster: Roster) -> Capacity:
     """GPU sizes (the roster's, else NVML's, else unknown) and the host-RAM budget for Level-1 sleepers."""
-    gpus = {g.index: g.memory_gb for g in roster.gpus} if roster.gpus else hardware.discover_gpus()
+    seen = hardware.discover_gpus()
+    gpus = {g.index: g.memory_gb for g in roster.gpus} if roster.gpus else seen
     if gpus is None:
         log.info("GPU sizes unknown (no gpus: in the roster and NVML sees none): placement counts shares only, "
                  "not the residual of sleeping engines")
     budget = roster.host.ram_budget_gb
     if budget is None:
         budget = hardware.host_memory_total_gb() / 2
-    return Capacity(gpus, budget)
+    return Capacity(gpus, budget, nvml=seen is not None)
 
 
 def level1_weights(roster: Roster) -> dict[str, Optional[float]]:

@@ -40,6 +40,7 @@ class Placed(Protocol):
 class Capacity:
     gpus: Optional[dict[int, float]]  # GB per device index; None: sizes unknown, shares only
     ram_budget_gb: float
+    nvml: bool = False  # NVML sees the GPUs: a sleeper's residual is measured, not assumed
 
     def residual(self, engine: Placed, device: int, measured: Optional[dict[int, float]] = None) -> float:
         """An engine's sleeping residual on `device`, as a fraction of it."""

@@ -414,3 +414,23 @@ async def test_the_demotions_for_one_level1_park_are_weighed_together(clock):
     wait_for(s, target, clock.now)
     plan = s.decide(clock.now)
     assert actions(plan) == [("park", "hot")] and plan.decisions[0].level == 2
+
+
+async def test_a_parked_engines_residual_is_measured_through_nvml_when_it_sees_the_gpus(clock, monkeypatch):
+    from types import SimpleNamespace
+
+    import router.actions
+
+    a = FakeEngine("a", devices=[0, 1])
+    a.process = SimpleNamespace(pid=4242, group_pids=lambda: {4242, 4243})
+    seen = {}
+
+    def nvml(pids, index):
+        seen[index] = pids
+        return {0: 6.0, 1: None}[index]  # GPU 1: NVML could not say
+
+    monkeypatch.setattr(router.actions.hardware, "process_gpu_memory_gb", nvml)
+    s = scheduler(a, clock=clock, gpus={0: 80.0, 1: 80.0})
+    s._measure_residual(a)
+    assert s.residuals == {"a": {0: 6.0}} and seen == {0: {4242, 4243}, 1: {4242, 4243}}
+    assert s.ledger().use == {0: pytest.approx(6 / 80), 1: pytest.approx(1 / 80)}, "GPU 1 keeps the configured residual"
