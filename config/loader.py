@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import shlex
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
@@ -22,27 +22,12 @@ from typing import Any, Iterable, Mapping, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from config.schema import (
-    GPU_SHARE_FLAG,
-    IDENTITY_KEYS,
-    VLLM_DEFAULT_GPU_SHARE,
-    Auth,
-    Gpu,
-    Host,
-    Listen,
-    ModelDefaults,
-    ModelSpec,
-    Queue,
-    Roster,
-    Swap,
-    _flag_name,
-    _flag_value,
-)
-
-Path_ = tuple[Any, ...]
+from config.merge import Path_, blame, format_field, merge_defaults
+from config.placement_check import check_placement
+from config.schema import IDENTITY_KEYS, Auth, Gpu, Host, Listen, ModelDefaults, ModelSpec, Queue, Roster, Swap
 SECTIONS: dict[str, type[BaseModel]] = {"listen": Listen, "auth": Auth, "queue": Queue, "swap": Swap, "host": Host}
 TOP_LEVEL_KEYS = (*SECTIONS, "gpus", "defaults", "models")
-SECRET_PATHS = (("auth", "admin_key"), ("auth", "api_keys"))
+SECRET_PATHS = (("auth", "admin_key"), ("auth", "api_keys"), ("auth", "keys", int, "key"))
 ARGV_KEYS = ("args", "launcher", "command")
 # Scalars YAML would turn into something else than a string; in an argv list they keep their spelling.
 _TEXT_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("int", "float", "bool", "timestamp"))
@@ -82,11 +67,10 @@ def parse_roster(text: str, source: str = "<roster>", environ: Optional[Mapping[
     return _Loader(source, os.environ if environ is None else environ).load(text)
 
 
-def format_field(path: Path_) -> str:
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "roster"
+def _is_secret(path: Path_) -> bool:
+    """`path` holds a key (`int` in SECRET_PATHS stands for any list index)."""
+    return any(len(path) >= len(secret) and all(p is int and isinstance(v, int) or p == v for p, v in zip(secret, path))
+               for secret in SECRET_PATHS)
 
 
 class _Loader:
@@ -191,7 +175,7 @@ class _Loader:
             return [self.resolve_env(v, (*path, i)) for i, v in enumerate(value)]
         if not isinstance(value, str):
             return value
-        if path[:2] in SECRET_PATHS and not _ENV_REF.search(value):
+        if _is_secret(path) and not _ENV_REF.search(value):
             self.report(path, "write secrets as ${ENV_VAR} and set them in the environment, never in the file")
             return value
 
@@ -220,7 +204,7 @@ class _Loader:
         models = [self.validate_entry(entry, defaults, i) for i, entry in enumerate(raw_models)]
         self.check_across(raw_models, defaults, sections["listen"])
         whole_gpus = gpus is not None and len(gpus) == len(data["gpus"])  # a broken entry would make indexes look unknown
-        self.check_placement(raw_models, defaults, sorted({g.index for g in gpus}) if whole_gpus else None)
+        check_placement(self.report, raw_models, defaults, sorted({g.index for g in gpus}) if whole_gpus else None)
         if self.issues:
             return None
         roster = Roster(source=self.source, models=models, gpus=gpus, **sections)
@@ -275,7 +259,7 @@ class _Loader:
             self.report(path, "must be a mapping with at least `name:` and one of model, command, url")
             return None
 
-        return self.validate_model(ModelSpec, merge_defaults(defaults, entry), path, lambda loc: _blame(entry, defaults, index, loc))
+        return self.validate_model(ModelSpec, merge_defaults(defaults, entry), path, lambda loc: blame(entry, defaults, index, loc))
 
     def check_across(self, entries: list[Any], defaults: dict[str, Any], listen: Optional[Listen]) -> None:
         """Names, ports and group defaults must be unique across models.
@@ -307,142 +291,6 @@ class _Loader:
             if merged.get("default") is True and isinstance(group, str):
                 claim(group_default, group, (*base, "default"), "group '{key}' already has its default model at {other}")
 
-    def check_placement(self, entries: list[Any], defaults: dict[str, Any], known_gpus: Optional[list[int]]) -> None:
-        """Placements no scheduling can satisfy: a device `gpus:` does not list, pinned models
-        (always awake) that overcommit a device or share a group, and a model whose share never
-        fits beside the pinned ones on its devices.
-
-        Runs on the raw entries (defaults merged); a value the schema refuses is left to the
-        schema's message.
-        """
-        placed = [p for i, entry in enumerate(entries) if (p := _Placed.of(entry, defaults, i)) is not None]
-
-        if known_gpus is not None:
-            known = ", ".join(map(str, known_gpus))
-            for p in placed:
-                for j, device in enumerate(p.devices):
-                    if device not in known_gpus:
-                        self.report(p.blame(("devices", j)), f"GPU {device} is not in gpus: (known: {known})")
-
-        pinned = [p for p in placed if p.pin and p.share is not None]
-        # Pinned models are always awake: on each device their shares must add up to at most 1.0.
-        held: dict[int, float] = {}
-        for p in pinned:
-            for device in dict.fromkeys(p.devices):  # a device listed twice is the schema's error, counted once here
-                before = held.get(device, 0.0)
-                held[device] = before + p.share
-                if _over(held[device]) and not _over(before):
-                    on_device = [q for q in pinned if device in q.devices]
-                    self.report(p.blame(("pin",)), (
-                        f"pinned models need {_num(sum(q.share for q in on_device))} of GPU {device} ({_shares(on_device)}), "
-                        "more than 1.0; pinned models are always awake, so their --gpu-memory-utilization "
-                        "on one GPU must add up to at most 1.0"))
-        # A group keeps one model awake at a time; a pinned model is always awake.
-        pinned_in: dict[str, _Placed] = {}
-        for p in placed:
-            if not p.pin or p.group is None:
-                continue
-            if p.group in pinned_in:
-                first = pinned_in[p.group]
-                self.report(p.blame(("group",)), (
-                    f"'{p.name}' and '{first.name}' ({format_field(first.path)}) are both pinned in group '{p.group}'; "
-                    "a group keeps one model awake at a time and a pinned model is always awake: "
-                    "unpin one or move it to another group"))
-            else:
-                pinned_in[p.group] = p
-        for p in placed:
-            first = pinned_in.get(p.group) if p.group is not None and not p.pin else None
-            if first is not None:
-                self.report(p.blame(("group",)), (
-                    f"'{p.name}' shares group '{p.group}' with '{first.name}' ({format_field(first.path)}), which is pinned: "
-                    "a group keeps one model awake at a time and a pinned model is always awake, so it could never wake; "
-                    "move it to another group or unpin that one"))
-        # A model that is not pinned must fit beside every pinned model on each of its devices.
-        for p in placed:
-            if p.pin or p.share is None:
-                continue
-            for device in p.devices:
-                others = [q for q in pinned if device in q.devices]
-                taken = sum(q.share for q in others)
-                if not _over(taken + p.share):
-                    continue
-                room = 1.0 - taken
-                fix = (f"lower its --gpu-memory-utilization to at most {_num(room)}" if room > 1e-9
-                       else "move it to another GPU")
-                self.report(p.blame(("args", p.share_at)) if p.share_at is not None else p.path, (
-                    f"'{p.name}' {p.share_words} of GPU {device} when awake, but the pinned models there always "
-                    f"hold {_num(taken)} ({_shares(others)}): {_num(taken + p.share)} > 1.0, so it could never wake; "
-                    f"{fix}, or unpin one of them"))
-                break
-
-
-@dataclass(frozen=True, eq=False)
-class _Placed:
-    """What placement needs of one raw model entry (defaults merged), and where it was written."""
-
-    path: Path_
-    name: str
-    devices: list[int]
-    pin: bool
-    group: Optional[str]
-    share: Optional[float]  # None: the schema refuses the value
-    share_at: Optional[int]  # index in the merged args of the item holding the value; None: vLLM's default
-    entry: dict[str, Any]
-    defaults: Mapping[str, Any]
-
-    @classmethod
-    def of(cls, entry: Any, defaults: dict[str, Any], index: int) -> Optional["_Placed"]:
-        if not isinstance(entry, dict):
-            return None
-        merged = merge_defaults(defaults, entry)
-        devices = merged.get("devices", [0])
-        if not isinstance(devices, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices):
-            devices = []
-        args = [a if isinstance(a, str) else str(a) for a in _as_argv(merged.get("args", []))]
-        share, share_at = _share(args)
-        group = merged.get("group")
-        name = merged.get("name")
-        return cls(("models", index), name if isinstance(name, str) else f"models[{index}]", devices,
-                   merged.get("pin") is True, group if isinstance(group, str) else None, share, share_at, entry, defaults)
-
-    def blame(self, loc: Path_) -> Path_:
-        return _blame(self.entry, self.defaults, self.path[1], loc)
-
-    @property
-    def share_words(self) -> str:
-        if self.share_at is None:
-            return f"sets no {GPU_SHARE_FLAG} in args, so vLLM takes its default {_num(VLLM_DEFAULT_GPU_SHARE)}"
-        return f"takes {_num(self.share)} ({GPU_SHARE_FLAG})"
-
-
-def _share(args: list[str]) -> tuple[Optional[float], Optional[int]]:
-    """The model's GPU share from its args and the index of the item holding it (None: the default)."""
-    text = _flag_value(args, GPU_SHARE_FLAG)
-    if text is None:
-        return VLLM_DEFAULT_GPU_SHARE, None
-    at = None
-    for i, arg in enumerate(args):  # the item _flag_value took its value from: the last one, as in argparse
-        if _flag_name(arg) == GPU_SHARE_FLAG and ("=" in arg or i + 1 < len(args)):
-            at = i if "=" in arg else i + 1
-    try:
-        share = float(text)
-    except ValueError:
-        return None, at
-    return (share, at) if 0 < share <= 1 else (None, at)
-
-
-def _over(total: float) -> bool:
-    return total > 1.0 + 1e-9  # 0.1 + 0.2 + 0.7 is 1.0000000000000002 in floats, and fits
-
-
-def _num(value: float) -> str:
-    return f"{round(value, 6):g}"
-
-
-def _shares(placed: list[_Placed]) -> str:
-    return ", ".join(f"{p.name}: {_num(p.share)}" for p in placed)
-
-
 @dataclass(frozen=True)
 class Locations:
     """Where the parts of a loaded roster were written; `Roster.locate` asks it."""
@@ -455,22 +303,8 @@ class Locations:
         """(field, line, col) of `path` in the resolved roster: a model's key may have been written
         in `defaults`; one nobody wrote (a schema default) is placed at its model."""
         if len(path) > 2 and path[0] == "models" and isinstance(path[1], int) and path[1] < len(self.entries):
-            path = _blame(self.entries[path[1]], self.defaults, path[1], path[2:])
+            path = blame(self.entries[path[1]], self.defaults, path[1], path[2:])
         return format_field(path), *_mark(self.marks, path)
-
-
-def _blame(entry: Any, defaults: Mapping[str, Any], index: int, loc: Path_) -> Path_:
-    """Where a value of model `index` (at `loc` in the merged model) was written."""
-    here: Path_ = ("models", index, *loc)
-    if not isinstance(entry, dict):
-        return here
-    if loc[:1] == ("args",) and len(loc) > 1 and isinstance(loc[1], int) and "args" in defaults and "args" in entry:
-        # args append: the first items of the merged list are the defaults'.
-        n = len(_as_argv(defaults["args"]))
-        return ("defaults", *loc) if loc[1] < n else ("models", index, "args", loc[1] - n, *loc[2:])
-    if _has_path(entry, loc) or not _has_path(defaults, loc):
-        return here
-    return ("defaults", *loc)
 
 
 def _mark(marks: Mapping[Path_, tuple[int, int]], path: Path_) -> tuple[int, int]:
@@ -480,40 +314,9 @@ def _mark(marks: Mapping[Path_, tuple[int, int]], path: Path_) -> tuple[int, int
     return marks.get(path, (1, 1))
 
 
-def merge_defaults(defaults: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
-    """The model's own value wins; env and gate merge key by key; args append."""
-    merged = dict(defaults)
-    for key, value in entry.items():
-        base = merged.get(key)
-        if key in ("env", "gate") and isinstance(base, dict) and isinstance(value, dict):
-            merged[key] = {**base, **value}
-        elif key == "args" and base is not None:
-            merged[key] = _as_argv(base) + _as_argv(value)
-        else:
-            merged[key] = value
-    return merged
-
-
 def _line_col(text: str, position: int) -> tuple[int, int]:
     before = text[:position]
     return before.count("\n") + 1, position - (before.rfind("\n") + 1) + 1
-
-
-def _as_argv(value: Any) -> list[Any]:
-    if isinstance(value, str):
-        return shlex.split(value)
-    return list(value) if isinstance(value, list) else [value]
-
-
-def _has_path(data: Any, loc: Path_) -> bool:
-    for part in loc:
-        if isinstance(data, dict) and part in data:
-            data = data[part]
-        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
-            data = data[part]
-        else:
-            return False
-    return True
 
 
 def _unknown_key(key: Any, known: Iterable[str]) -> str:
@@ -528,6 +331,8 @@ def _section_class(cls: type[BaseModel], loc: Path_) -> type[BaseModel]:
     for part in loc[:-1]:
         field = cls.model_fields.get(part) if isinstance(part, str) else None
         annotation = field.annotation if field else None
+        if typing.get_origin(annotation) is list:  # e.g. auth.keys: list[ApiKey]; the index comes next
+            annotation = typing.get_args(annotation)[0]
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             cls = annotation
     return cls

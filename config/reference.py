@@ -12,11 +12,12 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from config.schema import Auth, Gate, Gpu, Host, Listen, ModelSpec, Queue, StepTimeouts, Swap
+from config.schema import ApiKey, Auth, Gate, Gpu, Host, Listen, ModelSpec, Queue, StepTimeouts, Swap
 
 SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("listen", Listen),
     ("auth", Auth),
+    ("auth.keys[]", ApiKey),
     ("queue", Queue),
     ("swap", Swap),
     ("swap.timeouts", StepTimeouts),

@@ -1,6 +1,6 @@
 """The roster schema: what an operator may write in roster.yaml, with its defaults.
 
-One pydantic model per section. `ModelSpec` is a model *after* `defaults` have been merged
+One pydantic model per section (the router-wide ones are in `config.sections`). `ModelSpec` is a model *after* `defaults` have been merged
 into it; `ModelDefaults` (derived from it) is what the `defaults:` section may hold.
 Cross-model rules (duplicate names, port collisions) live in `config.loader`, which sees
 the whole file and its line numbers.
@@ -15,9 +15,7 @@ from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationInfo,
@@ -25,6 +23,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from config.sections import ApiKey, Auth, Gpu, Host, Listen, NonEmptyStr, Queue, Section, StepTimeouts, Swap
+
+__all__ = ["ApiKey", "Auth", "Gate", "Gpu", "Host", "Listen", "ModelSpec", "Queue", "Roster", "RosterFile", "Section", "StepTimeouts", "Swap"]
 
 # Flags the router composes itself, in the order it emits them; an operator setting them in
 # `args` would fight it. `engines.process.compose_argv` emits router-owned flags only by
@@ -125,69 +127,6 @@ def _output_check(value: str) -> str:
 _Scalar = Union[str, float, bool]
 ArgvItem = Annotated[str, BeforeValidator(_arg_text, json_schema_input_type=_Scalar)]
 Argv = Annotated[list[ArgvItem], BeforeValidator(_argv, json_schema_input_type=Union[str, list[_Scalar]])]
-NonEmptyStr = Annotated[str, Field(min_length=1)]
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Listen(Section):
-    host: str = Field("127.0.0.1", description="Address the router binds; loopback unless you mean otherwise.")
-    port: int = Field(8080, ge=1, le=65535, description="Port the router listens on (the OpenAI endpoint).")
-    max_body_mb: float = Field(32, gt=0, description="Largest request body accepted (413 above).")
-
-
-class Auth(Section):
-    api_keys: list[NonEmptyStr] = Field(
-        default_factory=list,
-        description="Client keys (Bearer). Write each as ${ENV_VAR}. Empty: no client auth.",
-    )
-    admin_key: Optional[NonEmptyStr] = Field(
-        None, description="Key for /admin/*. Write it as ${ENV_VAR}. Unset: /admin is loopback-only."
-    )
-
-
-class Queue(Section):
-    max_waiting: int = Field(256, ge=1, description="Waiting requests per model before 429.")
-    max_wait_s: float = Field(300, gt=0, description="A waiting request gets 503 after this long.")
-    stream_keepalive_s: Optional[float] = Field(
-        None, gt=0, description="A streaming request that waits for a swap gets SSE comment lines "
-        "(`: waking NAME (STEP)`) this often, so proxies and UIs do not time out; unset: off.")
-
-
-class Gpu(Section):
-    index: int = Field(ge=0, description="The GPU index, as in `devices` (nvidia-smi's numbering).")
-    memory_gb: float = Field(gt=0, description="Its memory, in GB.")
-
-
-class Host(Section):
-    ram_budget_gb: Optional[float] = Field(
-        None, gt=0, description="Host RAM that Level-1 sleepers' weights may take; unset: half of MemTotal.")
-
-
-class StepTimeouts(Section):
-    """Seconds each step of a swap may take before the engine is marked FAILED."""
-
-    sleep: float = Field(120, gt=0, description="POST /sleep (after the drain).")
-    wake_weights: float = Field(120, gt=0, description="POST /wake_up?tags=weights.")
-    reload_draft: float = Field(300, gt=0, description="collective_rpc hotswap_reload_draft (draft from disk).")
-    reload_weights: float = Field(600, gt=0, description="collective_rpc reload_weights (target from disk).")
-    wake_kv_cache: float = Field(120, gt=0, description="POST /wake_up?tags=kv_cache (or the whole Level-1 wake).")
-    reset_prefix_cache: float = Field(60, gt=0, description="POST /reset_prefix_cache, retried while it answers false.")
-    gate: float = Field(120, gt=0, description="The canary generation and its counter reads.")
-
-
-class Swap(Section):
-    min_active_s: float = Field(5, ge=0, description="An engine stays awake at least this long (no thrash).")
-    max_hold_s: float = Field(30, gt=0, description="Oldest waiter of another model forces a swap after this long.")
-    idle_sleep_s: Optional[float] = Field(None, gt=0, description="Park an engine idle this long even if nobody waits.")
-    drain_timeout_s: float = Field(30, ge=0, description="In-flight requests get this long before sleep aborts them.")
-    boot_timeout_s: float = Field(900, gt=0, description="A cold boot must be healthy within this.")
-    kill_grace_s: float = Field(
-        15, gt=0, description="Stopping an engine (shutdown, restart, router death): SIGTERM to its process group, SIGKILL after this long."
-    )
-    timeouts: StepTimeouts = Field(default_factory=StepTimeouts, description="Per-step limits; a step past its limit fails the engine.")
 
 
 class Gate(Section):
@@ -414,6 +353,8 @@ class Roster(Section):
         data["auth"]["api_keys"] = ["***"] * len(self.auth.api_keys)
         if self.auth.admin_key:
             data["auth"]["admin_key"] = "***"
+        for entry in data["auth"]["keys"]:
+            entry["key"] = "***"
         for m in data["models"]:
             m["env"] = {k: ("***" if _SECRET_NAME.search(k) else v) for k, v in m["env"].items()}
         return data

@@ -1,0 +1,113 @@
+"""The roster's router-wide sections: listen, auth (keys and their scopes), queue, swap, gpus, host.
+
+The models' own keys and the roster as a whole are in `config.schema`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listen(Section):
+    host: str = Field("127.0.0.1", description="Address the router binds; loopback unless you mean otherwise.")
+    port: int = Field(8080, ge=1, le=65535, description="Port the router listens on (the OpenAI endpoint).")
+    max_body_mb: float = Field(32, gt=0, description="Largest request body accepted (413 above).")
+
+
+class ApiKey(Section):
+    """One client or admin key and what it may use."""
+
+    key: NonEmptyStr = Field(description="The key, sent as `Authorization: Bearer` (or `x-api-key` on /v1/messages). Write it as ${ENV_VAR}.")
+    name: Optional[NonEmptyStr] = Field(
+        None, description="What logs and the per-key request metric call it (never the key itself); unset: keys[N].")
+    models: list[NonEmptyStr] = Field(
+        default_factory=list, description="Globs over model names and aliases this key may use (`chat-*`, `embed`, `*` for all); "
+        "any other model answers 404 as if it did not exist. A LoRA adapter: by its own name or its engine's.")
+    admin: bool = Field(False, description="May call /admin/* and open /ui.")
+
+    @model_validator(mode="after")
+    def _grants_something(self) -> "ApiKey":
+        if not self.models and not self.admin:
+            raise ValueError("grants nothing: give it models: [...] (globs over model names; '*' for all) and/or admin: true")
+        return self
+
+
+class Auth(Section):
+    api_keys: list[NonEmptyStr] = Field(
+        default_factory=list,
+        description="Client keys (Bearer) that may use every model; shorthand for keys with models: ['*']. "
+        "Write each as ${ENV_VAR}. No client key anywhere: no client auth.",
+    )
+    admin_key: Optional[NonEmptyStr] = Field(
+        None, description="Key for /admin/* and /ui; shorthand for a key with admin: true. Write it as ${ENV_VAR}. "
+        "No admin key anywhere: /admin is loopback-only."
+    )
+    keys: list[ApiKey] = Field(
+        default_factory=list, description="Scoped keys: each with the models it may use and/or admin (see below).")
+
+    @field_validator("keys")
+    @classmethod
+    def _distinct(cls, keys: list[ApiKey], info: ValidationInfo) -> list[ApiKey]:
+        seen_keys: dict[str, str] = {k: f"api_keys[{i}]" for i, k in enumerate(info.data.get("api_keys") or [])}
+        if info.data.get("admin_key"):
+            seen_keys.setdefault(info.data["admin_key"], "admin_key")
+        names: dict[str, int] = {}
+        for i, entry in enumerate(keys):
+            if entry.key in seen_keys:  # never the key itself in a message
+                raise ValueError(f"keys[{i}].key is the same key as {seen_keys[entry.key]}: one key has one scope; remove one of them")
+            seen_keys[entry.key] = f"keys[{i}]"
+            if entry.name is not None:
+                if entry.name in names:
+                    raise ValueError(f"keys[{i}].name '{entry.name}' is already the name of keys[{names[entry.name]}]; names must be unique")
+                names[entry.name] = i
+        return keys
+
+
+class Queue(Section):
+    max_waiting: int = Field(256, ge=1, description="Waiting requests per model before 429.")
+    max_wait_s: float = Field(300, gt=0, description="A waiting request gets 503 after this long.")
+    stream_keepalive_s: Optional[float] = Field(
+        None, gt=0, description="A streaming request that waits for a swap gets SSE comment lines "
+        "(`: waking NAME (STEP)`) this often, so proxies and UIs do not time out; unset: off.")
+
+
+class Gpu(Section):
+    index: int = Field(ge=0, description="The GPU index, as in `devices` (nvidia-smi's numbering).")
+    memory_gb: float = Field(gt=0, description="Its memory, in GB.")
+
+
+class Host(Section):
+    ram_budget_gb: Optional[float] = Field(
+        None, gt=0, description="Host RAM that Level-1 sleepers' weights may take; unset: half of MemTotal.")
+
+
+class StepTimeouts(Section):
+    """Seconds each step of a swap may take before the engine is marked FAILED."""
+
+    sleep: float = Field(120, gt=0, description="POST /sleep (after the drain).")
+    wake_weights: float = Field(120, gt=0, description="POST /wake_up?tags=weights.")
+    reload_draft: float = Field(300, gt=0, description="collective_rpc hotswap_reload_draft (draft from disk).")
+    reload_weights: float = Field(600, gt=0, description="collective_rpc reload_weights (target from disk).")
+    wake_kv_cache: float = Field(120, gt=0, description="POST /wake_up?tags=kv_cache (or the whole Level-1 wake).")
+    reset_prefix_cache: float = Field(60, gt=0, description="POST /reset_prefix_cache, retried while it answers false.")
+    gate: float = Field(120, gt=0, description="The canary generation and its counter reads.")
+
+
+class Swap(Section):
+    min_active_s: float = Field(5, ge=0, description="An engine stays awake at least this long (no thrash).")
+    max_hold_s: float = Field(30, gt=0, description="Oldest waiter of another model forces a swap after this long.")
+    idle_sleep_s: Optional[float] = Field(None, gt=0, description="Park an engine idle this long even if nobody waits.")
+    drain_timeout_s: float = Field(30, ge=0, description="In-flight requests get this long before sleep aborts them.")
+    boot_timeout_s: float = Field(900, gt=0, description="A cold boot must be healthy within this.")
+    kill_grace_s: float = Field(
+        15, gt=0, description="Stopping an engine (shutdown, restart, router death): SIGTERM to its process group, SIGKILL after this long."
+    )
+    timeouts: StepTimeouts = Field(default_factory=StepTimeouts, description="Per-step limits; a step past its limit fails the engine.")
