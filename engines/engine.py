@@ -53,6 +53,7 @@ class Engine:
         self.sleep_level: Optional[int] = None
         self.served_name = spec.name
         self.served_names: frozenset[str] = frozenset([spec.name])
+        self.boot_names: frozenset[str] = frozenset(spec.names)  # the roster names it was started with (it serves them)
         self.process: Optional[EngineProcess] = None
         self.client: Optional[VLLMClient] = VLLMClient(spec.url, session, spec.engine_api_key) if spec.url else None
         self.port: Optional[int] = spec.port
@@ -66,6 +67,7 @@ class Engine:
         self.midlife = gate.MidlifeWatch(spec.gate)
         self.observed_mal: Optional[float] = None
         self.watch_error: Optional[str] = None  # the acceptance watch's last failure to read the engine
+        self.retiring = False  # left the roster in a reload: no new requests; stopped once its own are done
         self.in_flight = 0
         self.last_used = time.monotonic()
         self._idle = asyncio.Event()
@@ -86,6 +88,12 @@ class Engine:
     def serviceable(self) -> bool:
         """Booted and gated: awake, or parked and wakeable on demand."""
         return self.state in (State.AWAKE, State.DRAINING, State.SLEEPING, State.WAKING, State.VERIFYING)
+
+    @property
+    def other_names(self) -> frozenset[str]:
+        """Names it serves besides those the roster gave it: LoRA adapters, an attached engine's
+        extra served names. An alias a reload removed is served until a restart, but is not one."""
+        return self.served_names - self.boot_names
 
     @property
     def has_draft(self) -> bool:
@@ -239,6 +247,7 @@ class Engine:
             raise self.fail(f"boot failed: port {self.port} is answered by an engine serving {served}, not "
                              f"{self.spec.name!r} (another process took the port this engine was given)")
         self.served_names = frozenset(served)
+        self.boot_names = frozenset(self.spec.names)
         self.served_name = self.spec.name if self.spec.name in served or not served else served[0]
         self.last_phases["boot"] = time.monotonic() - started
         self.observer.step_done(self, "boot", self.last_phases["boot"], True)
@@ -400,6 +409,19 @@ class Engine:
         self._stopping = True
         if self.process is not None:
             await self.process.stop()
+
+    def respec(self, spec: ModelSpec) -> None:
+        """Take a new roster entry while COLD: the next boot starts from it and, since it may be
+        another model or other flags, records a new baseline."""
+        if self.state is not State.COLD:
+            raise self._refuse_transition(self.state, State.COLD)
+        self.spec = spec
+        self.port = spec.port
+        self.client = VLLMClient(spec.url, self.session, spec.engine_api_key) if spec.url else None
+        self.served_name, self.served_names = spec.name, frozenset([spec.name])
+        self.baseline = self.lora_baseline = self.observed_mal = None
+        self.midlife = gate.MidlifeWatch(spec.gate)
+        self.needs_restart = None
 
     async def restart(self, reason: str) -> None:
         """Cold restart, after a drain when awake; the boot's canary is judged against the original baseline."""

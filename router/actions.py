@@ -45,6 +45,9 @@ class Events:
 
     def evicted(self, engine: Engine, reason: str) -> None: ...
 
+    def retired(self, engine: Engine) -> None:
+        """An engine that left the roster has stopped and is no longer scheduled."""
+
 
 class Actions:
     # -- boot --------------------------------------------------------------------------------
@@ -102,6 +105,10 @@ class Actions:
                 await self._stop(engine, decision.why)
             elif decision.action == "demote":
                 await self._demote(engine, decision.why)
+            elif decision.action == "retire":
+                await self._retire(engine)
+            elif decision.action == "respec":
+                await self._respec(engine)
             elif decision.action == "restart":
                 log.warning("restarting %s now (mid-life acceptance collapse: %s); its requests wait", engine.name, decision.why)
                 await self._restart_in_place(engine, "midlife")
@@ -130,8 +137,12 @@ class Actions:
         predicted = self.costs.wake_s(target.name, level)
         restart = self.pending_restart.pop(target.name, None)
         self.handled.discard(target.name)
-        log.info("waking %s from %s (%d waiting; predicted %.1f s)", target.name,
-                 f"level {level}" if level else target.state.value, self.queued(target), predicted)
+        if target.name in self.to_boot and not self.queued(target):
+            log.info("booting %s in the background (new or changed in the roster; predicted %.1f s)", target.name, predicted)
+        else:
+            log.info("waking %s from %s (%d waiting; predicted %.1f s)", target.name,
+                     f"level {level}" if level else target.state.value, self.queued(target), predicted)
+        self.to_boot.discard(target.name)
         woke = time.monotonic()
         phases = {p: s for name in moved for p, s in self._engine(name).last_phases.items()}
         try:

@@ -10,21 +10,22 @@ import collections
 import logging
 import time
 from pathlib import Path
-from typing import Optional
 
 import aiohttp
 from aiohttp import web
 
-from config.schema import Roster
-from engines import hardware, watch, weights
+from config.schema import ModelSpec, Roster
+from engines import watch
 from engines.client import EngineError
 from engines.engine import Engine, Observer, State
 from engines.gate import Verdict
-from router import endpoints, handlers, routes
+from router import endpoints, handlers, routes, sizing
 from router.auth import auth_middleware
 from router.errors import APIError
+from router.keys import EVERYTHING, Grant, KeyTable
+from router.actions import Events, SwapRecord
 from router.metrics import Metrics
-from router.placement import Capacity
+from router.reload import Reloads
 from router.responses import ResponseIds
 from router.scheduler import Scheduler
 from router.tasks import spawn
@@ -32,33 +33,49 @@ from router.tasks import spawn
 log = logging.getLogger("hotswap")
 
 
-class Router(Observer):
+class Router(Observer, Events):
     """The roster made live: engines, their scheduler, and the name -> engine table."""
 
     def __init__(self, roster: Roster, log_dir: Path, session: aiohttp.ClientSession, proxy_session: aiohttp.ClientSession):
         self.roster = roster
+        self.log_dir = log_dir
         self.session = session
         self.proxy_session = proxy_session
         self.metrics = Metrics()
         self.started = int(time.time())
-        self.engines: dict[str, Engine] = {m.name: Engine(m, roster.swap, session, log_dir, self) for m in roster.models}
+        self.engines: dict[str, Engine] = {m.name: self.new_engine(m) for m in roster.models}
         self.by_name: dict[str, Engine] = {n: self.engines[m.name] for m in roster.models for n in m.names}
-        self.capacity = capacity(roster)
-        self.placement = Scheduler(list(self.engines.values()), roster.swap, roster.queue, self.capacity,
-                                   weights=level1_weights(roster), observer=self.metrics)
+        self.keys = KeyTable(roster.auth)
+        self.placement = Scheduler(list(self.engines.values()), roster.swap, roster.queue, sizing.capacity(roster),
+                                   weights=sizing.level1_weights(roster.models), observer=self)
         self.metrics.attach(self)
         self.verdicts: dict[str, collections.deque[Verdict]] = {name: collections.deque(maxlen=10) for name in self.engines}
+        self.reloads = Reloads(self)
         self._tasks: list[asyncio.Task[None]] = []
+
+    def new_engine(self, spec: ModelSpec) -> Engine:
+        return Engine(spec, self.roster.swap, self.session, self.log_dir, self)
+
+    def add_engine(self, engine: Engine) -> None:
+        self.engines[engine.name] = engine
+        self.verdicts[engine.name] = collections.deque(maxlen=10)
+        self.metrics.engine_added(engine)
+        self.placement.add(engine)
 
     def scheduler(self, engine: Engine) -> Scheduler:
         return self.placement
 
-    def lookup(self, model: str) -> Engine:
+    def lookup(self, model: str, grant: Grant = EVERYTHING) -> Engine:
+        """The engine serving roster name or alias `model`, if `grant` may use it; else the 404 of
+        an unknown model, listing only the names `grant` may use."""
         engine = self.by_name.get(model)
-        if engine is None:
-            known = ", ".join(sorted(self.by_name))
-            raise APIError(404, f"The model '{model}' does not exist. Available: {known}", "model_not_found", param="model")
+        if engine is None or not grant.may_use(engine.spec.names):
+            raise self.unknown_model(model, grant)
         return engine
+
+    def unknown_model(self, model: str, grant: Grant) -> APIError:
+        known = ", ".join(sorted(n for n, e in self.by_name.items() if grant.may_use(e.spec.names))) or "none"
+        return APIError(404, f"The model '{model}' does not exist. Available: {known}", "model_not_found", param="model")
 
     @property
     def ready(self) -> bool:
@@ -89,12 +106,9 @@ class Router(Observer):
 
     async def _watch_acceptance(self) -> None:
         """Keep measuring acceptance on the awake engines: a collapse can also appear mid-life."""
-        watched = [e for e in self.engines.values() if e.has_draft and e.spec.gate.enabled]
-        if not watched:
-            return
-        interval = min(5.0, min(e.spec.gate.midlife_window_s for e in watched) / 4)
-        while True:
-            await asyncio.sleep(interval)
+        while True:  # the watched set is read each round: a reload may add or change engines
+            watched = [e for e in self.engines.values() if e.has_draft and e.spec.gate.enabled and not e.retiring]
+            await asyncio.sleep(min([5.0, *(e.spec.gate.midlife_window_s / 4 for e in watched)]))
             for engine in watched:
                 await self._watch_one(engine)
 
@@ -151,38 +165,23 @@ class Router(Observer):
     def midlife_collapse(self, engine: Engine, observed_mal: float, reason: str) -> None:
         self.metrics.midlife_collapse(engine, observed_mal, reason)
 
+    # -- Events: the scheduler reports here ----------------------------------------------------
 
-def capacity(roster: Roster) -> Capacity:
-    """GPU sizes (the roster's, else NVML's, else unknown) and the host-RAM budget for Level-1 sleepers."""
-    seen = hardware.discover_gpus()
-    gpus = {g.index: g.memory_gb for g in roster.gpus} if roster.gpus else seen
-    if gpus is None:
-        log.info("GPU sizes unknown (no gpus: in the roster and NVML sees none): placement counts shares only, "
-                 "not the residual of sleeping engines")
-    budget = roster.host.ram_budget_gb
-    if budget is None:
-        budget = hardware.host_memory_total_gb() / 2
-    return Capacity(gpus, budget, nvml=seen is not None)
+    def swap_done(self, record: SwapRecord) -> None:
+        self.metrics.swap_done(record)
 
+    def evicted(self, engine: Engine, reason: str) -> None:
+        self.metrics.evicted(engine, reason)
 
-def level1_weights(roster: Roster) -> dict[str, Optional[float]]:
-    """Host RAM each `sleep_level: auto` engine's weights take at Level 1 (None: unknown, so Level 2)."""
-    out: dict[str, Optional[float]] = {}
-    for spec in roster.models:
-        out[spec.name], why = weights.weights_gb(spec)
-        if spec.sleep_level != "auto":
-            continue
-        if out[spec.name] is None:
-            log.warning("%s: weight size unknown, so it sleeps at level 2: %s", spec.name, why)
-        else:
-            log.info("%s: weights %.1f GB (%s)", spec.name, out[spec.name], why)
-    return out
+    def retired(self, engine: Engine) -> None:
+        self.engines.pop(engine.name, None)
+        self.verdicts.pop(engine.name, None)
 
 
 def build_app(router: Router) -> web.Application:
     roster = router.roster
     app = web.Application(
-        middlewares=[handlers.api_errors, auth_middleware(roster)],
+        middlewares=[handlers.api_errors, auth_middleware(lambda: router.keys)],
         client_max_size=int(roster.listen.max_body_mb * 1024 * 1024),
     )
     app[handlers.ROUTER_KEY] = router
@@ -198,6 +197,7 @@ def build_app(router: Router) -> web.Application:
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/admin/status", handlers.admin_status)
     app.router.add_post(r"/admin/{action:swap|sleep|restart}", handlers.admin_action)
+    app.router.add_post("/admin/reload", handlers.admin_reload)
     app.router.add_post(r"/admin/lora/{action:load|unload}", handlers.admin_lora)
     app.router.add_get("/ui", handlers.status_page)
     return app

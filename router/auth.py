@@ -1,5 +1,6 @@
 """Who may call what: client keys on /v1/* and every proxied route (`router.routes`), the admin
-key on /admin/* and /ui (loopback-only without one).
+key on /admin/* and /ui (loopback-only without one). Each client key's scope (`router.keys`) is
+left on the request for the handlers: a model outside it is answered as one that does not exist.
 
 Clients present their key as `Authorization: Bearer`; on the Anthropic routes (/v1/messages*)
 also as `x-api-key`, which is how the anthropic SDK sends it. Failures raise APIError, so
@@ -9,20 +10,21 @@ the error middleware answers in the route's shape.
 from __future__ import annotations
 
 import base64
-import hmac
 import ipaddress
-from typing import Optional
+from typing import Callable, Optional
 
 from aiohttp import web
 
-from config.schema import Roster
 from router.errors import APIError, anthropic_path, error_response
+from router.keys import EVERYTHING, Grant, KeyTable
 from router.routes import CLIENT_PATHS
 
 
-def auth_middleware(roster: Roster):
-    client_keys = [k.encode() for k in roster.auth.api_keys]
-    admin_key = roster.auth.admin_key.encode() if roster.auth.admin_key else None
+GRANT = "hotswap.grant"  # request[GRANT]: the Grant of the client key on /v1/* and the proxied routes
+
+
+def auth_middleware(keys: Callable[[], KeyTable]):
+    """`keys` returns the table in force (a roster reload replaces it between two requests)."""
 
     def presented(request: web.Request) -> bytes:
         scheme, _, value = request.headers.get("Authorization", "").partition(" ")
@@ -35,10 +37,6 @@ def auth_middleware(roster: Roster):
                 return b""
         return b""
 
-    def matches(key: bytes, keys: list[bytes]) -> bool:
-        # Compare against every key, so the time taken does not say which one was close.
-        return bool(key) and sum(hmac.compare_digest(key, k) for k in keys) > 0
-
     def client_key(request: web.Request) -> bytes:
         if anthropic_path(request.path) and "x-api-key" in request.headers:
             return request.headers["x-api-key"].strip().encode()
@@ -46,22 +44,33 @@ def auth_middleware(roster: Roster):
 
     @web.middleware
     async def auth(request: web.Request, handler) -> web.StreamResponse:
+        table = keys()
         path = request.path
-        if client_keys and (path.startswith("/v1/") or path in CLIENT_PATHS) and not matches(client_key(request), client_keys):
-            how = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if anthropic_path(path) else "'Authorization: Bearer <key>'"
-            raise APIError(401, f"Missing or invalid API key: send {how}.", "invalid_api_key")
+        if path.startswith("/v1/") or path in CLIENT_PATHS:
+            grant = table.identify(client_key(request)) if table.client_auth else EVERYTHING
+            if grant is None:
+                how = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if anthropic_path(path) else "'Authorization: Bearer <key>'"
+                raise APIError(401, f"Missing or invalid API key: send {how}.", "invalid_api_key")
+            request[GRANT] = grant
         if path.startswith("/admin/") or path == "/ui":
-            if admin_key is not None:
-                if not matches(presented(request), [admin_key]):
-                    response = error_response(401, "Missing or invalid admin key.", "invalid_admin_key")
+            if table.admin_auth:
+                grant = table.identify(presented(request))
+                if grant is None or not grant.admin:
+                    response = error_response(401, "Missing or invalid admin key (a key with admin: true, or auth.admin_key).",
+                                              "invalid_admin_key")
                     if path == "/ui":
                         response.headers["WWW-Authenticate"] = 'Basic realm="hotswap"'
                     return response
             elif not _is_loopback(request.remote):
-                return error_response(403, f"{path} is loopback-only until auth.admin_key is set.", "admin_loopback_only")
+                return error_response(403, f"{path} is loopback-only until an admin key is set (auth.admin_key, "
+                                           "or a key with admin: true).", "admin_loopback_only")
         return await handler(request)
 
     return auth
+
+
+def grant_of(request: web.Request) -> Grant:
+    return request.get(GRANT, EVERYTHING)
 
 
 def _is_loopback(remote: Optional[str]) -> bool:

@@ -1,4 +1,4 @@
-"""`hotswap` command line: serve, check, schema, status."""
+"""`hotswap` command line: serve, check, schema, status, reload."""
 
 from __future__ import annotations
 
@@ -67,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--url", default="http://127.0.0.1:8080", help="the router (default %(default)s)")
     status.add_argument("--admin-key", help="admin key (default: $HOTSWAP_ADMIN_KEY)")
+
+    reload = commands.add_parser(
+        "reload",
+        help="make a running router re-read its roster",
+        description="Ask a running router to re-read its --config file (as SIGHUP does). Prints what changed "
+        "and exits 0; if the file is invalid, prints every error as file:line:col: field: message, changes "
+        "nothing and exits 2; exits 1 when the router cannot be reached or refuses.",
+    )
+    reload.add_argument("--url", default="http://127.0.0.1:8080", help="the router (default %(default)s)")
+    reload.add_argument("--admin-key", help="admin key (default: $HOTSWAP_ADMIN_KEY)")
     return parser
 
 
@@ -74,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _writing_stdout(build_parser().parse_args, argv)  # --help prints
     if args.command == "serve":
         return cmd_serve(args)  # logs to stderr: a broken pipe in there is a real error, not a reader gone
-    handler = {"check": cmd_check, "schema": cmd_schema, "status": cmd_status}[args.command]
+    handler = {"check": cmd_check, "schema": cmd_schema, "status": cmd_status, "reload": cmd_reload}[args.command]
     return _writing_stdout(handler, args)
 
 
@@ -163,6 +173,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     from router.status_cli import show
 
     return show(args.url, args.admin_key)
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    from router.reload_cli import reload
+
+    return reload(args.url, args.admin_key)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`hotswap serve`: listen, boot the engines, serve until SIGTERM/SIGINT, then drain and stop."""
+"""`hotswap serve`: listen, boot the engines, serve until SIGTERM/SIGINT, then drain and stop;
+SIGHUP re-reads the roster (`router.reload`)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
             return 1
         log.info("hotswap: listening on http://%s:%d (roster %s)", host, port, roster.source)
         router.start()
+        loop.add_signal_handler(signal.SIGHUP, router.reloads.on_signal)
         await stop.wait()
 
         log.info("hotswap: stopping: no new connections or requests; draining in-flight and queued ones (up to %g s); "

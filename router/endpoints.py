@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Optional
 from urllib.parse import quote
 
 from aiohttp import web
 
 from engines.engine import Engine
 from router import keepalive, multipart, routes
+from router.auth import grant_of
 from router.errors import APIError, sse_error
 from router.handlers import ROUTER_KEY, max_wait
+from router.keys import Grant
 from router.metrics import UNKNOWN_MODEL
 from router.proxy import forward, json_for
 from router.responses import ResponseIds, StreamSniffer, id_in_answer
@@ -27,28 +29,27 @@ from router.responses import ResponseIds, StreamSniffer, id_in_answer
 RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
 
 
-def default_model(router) -> str:
+def default_model(router, grant: Grant) -> str:
     for m in router.roster.models:
-        if m.default:
+        if m.default and grant.may_use(m.names):
             return m.name
-    known = ", ".join(sorted(router.by_name))
+    known = ", ".join(sorted(n for n, e in router.by_name.items() if grant.may_use(e.spec.names))) or "none"
     raise APIError(400, "The request names no 'model' and the roster has no default model (`default: true`). "
                         f"Name one of: {known}", "missing_model", param="model")
 
 
-def resolve(router, model: Any) -> Engine:
-    """The engine for a request's `model` (None: the roster's default)."""
+def resolve(router, model: Any, grant: Grant) -> Engine:
+    """The engine for a request's `model` (None: the roster's default), if `grant` may use it."""
     if model is None:
-        model = default_model(router)
+        model = default_model(router, grant)
     elif not isinstance(model, str) or not model:
         raise APIError(400, "'model' must be a non-empty string naming a model from GET /v1/models.", "missing_model", param="model")
-    engine = router.by_name.get(model)
-    if engine is not None:
-        return engine
+    if model in router.by_name:
+        return router.lookup(model, grant)
     for candidate in router.engines.values():  # a LoRA adapter (or other served name) an engine reported
-        if model in candidate.served_names:
+        if model in candidate.other_names and not candidate.retiring and (grant.may_use([model]) or grant.may_use(candidate.spec.names)):
             return candidate
-    return router.lookup(model)  # raises the 404 that lists the names
+    raise router.unknown_model(model, grant)
 
 
 async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
@@ -59,7 +60,7 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
     try:
         if route.multipart:
             form = await multipart.read_form(request, int(router.roster.listen.max_body_mb * 1024 * 1024))
-            engine = resolve(router, form.value("model"))
+            engine = resolve(router, form.value("model"), grant_of(request))
             stream = "true" if (form.value("stream") or "").lower() == "true" else "false"
         else:
             body = await _json_body(request)
@@ -103,7 +104,8 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         done = time.monotonic()
-        router.metrics.request_done(label, group, route.endpoint, stream, status, queued_s, request.get("first_byte_at", done) - started, done - started)
+        router.metrics.request_done(label, group, route.endpoint, stream, status, queued_s, request.get("first_byte_at", done) - started,
+                                    done - started, key=grant_of(request).name)
 
 
 def _engine_for(request: web.Request, router, body: dict[str, Any], route: routes.Route) -> Engine:
@@ -112,9 +114,18 @@ def _engine_for(request: web.Request, router, body: dict[str, Any], route: route
         # A follow-up without a model continues where its conversation lives.
         previous = body.get("previous_response_id")
         pinned = request.app[RESPONSE_IDS_KEY].engine_of(previous) if isinstance(previous, str) else None
-        if pinned is not None:
-            return router.engines[pinned]
-    return resolve(router, model)
+        engine = _usable(router, pinned, grant_of(request))
+        if engine is not None:
+            return engine
+    return resolve(router, model, grant_of(request))
+
+
+def _usable(router, name: Optional[str], grant: Grant) -> Optional[Engine]:
+    """The engine a response was pinned to, unless it has left the roster or `grant` may not use it."""
+    engine = router.engines.get(name) if name is not None else None
+    if engine is None or engine.retiring or not grant.may_use(engine.spec.names):
+        return None
+    return engine
 
 
 def _pinning(request: web.Request, engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
@@ -135,11 +146,10 @@ async def response_pinned(request: web.Request) -> web.StreamResponse:
     started, status, label, group = time.monotonic(), 500, UNKNOWN_MODEL, ""
     cancel = request.path.endswith("/cancel")
     try:
-        name = request.app[RESPONSE_IDS_KEY].engine_of(response_id)
-        if name is None:
+        engine = _usable(router, request.app[RESPONSE_IDS_KEY].engine_of(response_id), grant_of(request))
+        if engine is None:
             raise APIError(404, f"Response with id '{response_id}' not found (the router pins the responses it saw "
                                 "created, for a bounded time).", "response_not_found", param="response_id")
-        engine = router.engines[name]
         label, group = engine.name, engine.spec.group or ""
         path = f"/v1/responses/{quote(response_id, safe='')}" + ("/cancel" if cancel else "")
         params = {k: v for k, v in request.query.items() if k in ("starting_after", "stream")}
@@ -158,7 +168,8 @@ async def response_pinned(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         done = time.monotonic()
-        router.metrics.request_done(label, group, "responses", "false", status, None, request.get("first_byte_at", done) - started, done - started)
+        router.metrics.request_done(label, group, "responses", "false", status, None, request.get("first_byte_at", done) - started,
+                                    done - started, key=grant_of(request).name)
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:

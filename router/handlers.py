@@ -15,7 +15,10 @@ from typing import Optional
 from aiohttp import web
 
 from router import lora, ui
-from router.errors import APIError, anthropic_path, error_response
+from router.auth import grant_of
+from config import RosterError
+from router.errors import APIError, anthropic_path, error_body, error_response
+from router.keys import Grant
 from router.status import engine_status, router_status
 
 log = logging.getLogger("hotswap")
@@ -24,7 +27,8 @@ ROUTER_KEY = web.AppKey("router", "Router")
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
 
 
-def _model_cards(router) -> list[dict]:
+def _model_cards(router, grant: Grant) -> list[dict]:
+    """Every name `grant` may use: roster names and aliases, then the engines' LoRA adapters."""
     scheduler = router.placement
     now = scheduler.clock()
 
@@ -34,9 +38,10 @@ def _model_cards(router) -> list[dict]:
                 "wake_estimate_s": round(scheduler.predicted_wait(engine, now), 2)}
 
     cards = [card(name, engine, None if name == engine.name else engine.name, engine.spec.model or engine.spec.url or engine.name)
-             for name, engine in router.by_name.items()]
+             for name, engine in router.by_name.items() if grant.may_use(engine.spec.names)]
     # An adapter's parent is its engine's roster name: the name clients use (vLLM's card says the served name).
-    return cards + [card(name, engine, engine.name, root) for name, engine, root in lora.adapters(router)]
+    return cards + [card(name, engine, engine.name, root) for name, engine, root in lora.adapters(router)
+                    if grant.may_use([name]) or grant.may_use(engine.spec.names)]
 
 
 def max_wait(request: web.Request) -> Optional[float]:
@@ -54,12 +59,12 @@ def max_wait(request: web.Request) -> Optional[float]:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": _model_cards(request.app[ROUTER_KEY])})
+    return web.json_response({"object": "list", "data": _model_cards(request.app[ROUTER_KEY], grant_of(request))})
 
 
 async def get_model(request: web.Request) -> web.Response:
     model_id = request.match_info["model_id"]
-    for card in _model_cards(request.app[ROUTER_KEY]):
+    for card in _model_cards(request.app[ROUTER_KEY], grant_of(request)):
         if card["id"] == model_id:
             return web.json_response(card)
     raise APIError(404, f"The model '{model_id}' does not exist.", "model_not_found", param="model")
@@ -102,6 +107,20 @@ async def admin_action(request: web.Request) -> web.Response:
     except TimeoutError:
         raise APIError(504, f"{action} {engine.name} is still running; watch /admin/status", "admin_timeout") from None
     return web.json_response({"model": engine.name, "action": action, "result": result, "engine": engine_status(router, engine)})
+
+
+async def admin_reload(request: web.Request) -> web.Response:
+    """POST /admin/reload: apply the --config file as it is now, or say why not (nothing changed)."""
+    router = request.app[ROUTER_KEY]
+    try:
+        changes = await router.reloads.reload("POST /admin/reload")
+    except RosterError as exc:
+        errors = [str(issue) for issue in exc.issues]
+        body = error_body(422, f"{router.roster.source}: {len(errors)} error(s); nothing changed, the roster in force is "
+                               f"still served. First: {errors[0]}", "invalid_roster")
+        return web.json_response({**body, "errors": errors}, status=422)
+    return web.json_response({"applied": True, "source": router.roster.source, "changes": changes.as_dict(),
+                              "summary": changes.summary()})
 
 
 async def admin_lora(request: web.Request) -> web.Response:

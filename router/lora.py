@@ -25,6 +25,8 @@ def adapters(router) -> list[tuple[str, Engine, Optional[str]]]:
     attached engine's extra --served-model-name) still route to their engine but are not adapters."""
     out = []
     for engine in router.engines.values():
+        if engine.retiring:
+            continue
         cards = engine.client.model_cards if engine.client is not None else {}
         for name in sorted(engine.served_names):
             card = cards.get(name, {})

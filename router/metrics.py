@@ -27,6 +27,7 @@ SWAP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600
 BOOT_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200)
 RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2, 4)
 EVICTION_REASONS = ("room", "idle", "admin", "boot", "demote", "stop")
+RESTART_REASONS = ("failed", "gate", "midlife", "admin", "roster")
 
 
 def group_of(engine: Engine) -> str:
@@ -59,19 +60,23 @@ class Metrics(Observer, Events):
                                       buckets=BOOT_BUCKETS, registry=r)
         self.verdicts = Counter("hotswap_gate_verdicts", "Promotion gate verdicts (baseline, passed, refused, allowed, skipped).",
                                 [*m, "result"], registry=r)
-        self.restarts = Counter("hotswap_engine_restarts", "Engine cold restarts by reason (failed, gate, midlife, admin).",
+        self.restarts = Counter("hotswap_engine_restarts", "Engine cold restarts by reason (failed, gate, midlife, admin, "
+                                "roster: its entry changed in a reload).",
                                 [*m, "reason"], registry=r)
         self.collapses = Counter("hotswap_midlife_collapses", "Acceptance collapses detected while serving.", m, registry=r)
         self.evictions = Counter("hotswap_evictions", "Engines moved out of the way, by reason (room, idle, admin, boot, "
                                  "demote: level 1 -> 2 for host RAM, stop: asleep -> cold).", [*m, "reason"], registry=r)
         self.wake_ratio = Histogram("hotswap_wake_actual_over_predicted", "A wake's actual seconds over the seconds "
                                     "predicted for it (1.0: the estimate was right).", m, buckets=RATIO_BUCKETS, registry=r)
+        self.key_requests = Counter("hotswap_key_requests", "Proxied requests by the name of the client key (auth.keys[].name; "
+                                    "never the key), model and HTTP status.", ["key_name", "model", "status"], registry=r)
         # labels() takes a lock and validates on every call; the request path reuses the children.
         self._per_request: dict[tuple[str, str, str], tuple] = {}
         self._per_status: dict[tuple[str, str, int], Any] = {}
+        self._per_key: dict[tuple[str, str, int], Any] = {}
 
     def request_done(self, model: str, group: str, endpoint: str, stream: str, status: int, queued_s: Optional[float],
-                     first_byte_s: float, total_s: float) -> None:
+                     first_byte_s: float, total_s: float, key: str = "") -> None:
         children = self._per_request.get((model, endpoint, stream))
         if children is None:
             children = self._per_request[(model, endpoint, stream)] = (
@@ -82,6 +87,11 @@ class Metrics(Observer, Events):
         if counter is None:
             counter = self._per_status[(model, endpoint, status)] = self.requests.labels(model, endpoint, str(status))
         counter.inc()
+        if key:  # "": client auth is off
+            per_key = self._per_key.get((key, model, status))
+            if per_key is None:
+                per_key = self._per_key[(key, model, status)] = self.key_requests.labels(key, model, str(status))
+            per_key.inc()
         latency.observe(total_s)
         ttfb.observe(first_byte_s)
         if queued_s is not None:
@@ -89,18 +99,22 @@ class Metrics(Observer, Events):
 
     def attach(self, router: "Router") -> None:
         self.registry.register(_LiveState(router))
-        for engine in router.engines.values():  # series exist from the start: increase() sees the first event
-            labels = (engine.name, group_of(engine))
-            self.collapses.labels(*labels)
-            for reason in EVICTION_REASONS:
-                self.evictions.labels(*labels, reason)
-            self.boot_failures.labels(*labels)
-            for phase in engine.phases:
-                self.phase_failures.labels(*labels, phase)
-            for reason in ("failed", "gate", "midlife", "admin"):
-                self.restarts.labels(*labels, reason)
-            for result in ("refused", "allowed"):
-                self.verdicts.labels(*labels, result)
+        for engine in router.engines.values():
+            self.engine_added(engine)
+
+    def engine_added(self, engine: Engine) -> None:
+        """Its series exist from the start, so increase() sees the first event."""
+        labels = (engine.name, group_of(engine))
+        self.collapses.labels(*labels)
+        for reason in EVICTION_REASONS:
+            self.evictions.labels(*labels, reason)
+        self.boot_failures.labels(*labels)
+        for phase in engine.phases:
+            self.phase_failures.labels(*labels, phase)
+        for reason in RESTART_REASONS:
+            self.restarts.labels(*labels, reason)
+        for result in ("refused", "allowed"):
+            self.verdicts.labels(*labels, result)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

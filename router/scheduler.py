@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from config.schema import Queue, Swap
+from config.schema import ModelSpec, Queue, Swap
 from engines.engine import Engine, EngineFailed, State
-from router import actions, costs, placement
+from router import actions, costs, placement, roster_changes
 from router.backoff import Backoff
 from router.errors import APIError
 from router.estimates import Demand, WakeCosts
@@ -64,7 +64,7 @@ class Plan:
     wait_s: Optional[float] = None  # nothing to start: look again after this long (None: when poked)
 
 
-class Scheduler(costs.Costs, actions.Actions):
+class Scheduler(costs.Costs, actions.Actions, roster_changes.RosterChanges):
     def __init__(self, engines: list[Engine], swap: Swap, limits: Queue, capacity: Capacity,
                  weights: Optional[dict[str, Optional[float]]] = None, observer: Optional[actions.Events] = None,
                  clock: Callable[[], float] = time.monotonic, victim_cost: Optional[placement.CostFn] = None):
@@ -87,6 +87,8 @@ class Scheduler(costs.Costs, actions.Actions):
         self.handled: set[str] = set()  # FAILED engines whose failure has been counted and stopped
         self.pending_restart: dict[str, str] = {}  # engine -> reason, for its next wake
         self.residuals: dict[str, dict[int, float]] = {}  # measured per engine and device, GB
+        self.to_boot: set[str] = set()  # new in a reload (or restarted from a changed entry): boot in the background
+        self.pending_spec: dict[str, ModelSpec] = {}  # engine -> its changed roster entry, applied at its next idle moment
         self.booted = False
         self.boot_done = asyncio.Event()
         self.history: collections.deque[actions.SwapRecord] = collections.deque(maxlen=20)
@@ -236,6 +238,8 @@ class Scheduler(costs.Costs, actions.Actions):
                 decisions.append(Decision("restart", engine, engine.needs_restart))
             elif engine.state is State.AWAKE:
                 self._grant(engine)
+        moving = {d.engine.name for d in decisions}
+        decisions += [d for d in self.roster_decisions() if d.engine.name not in moving]
         ledger = self.ledger()
         moving = {d.engine.name for d in decisions}
         waits: list[float] = []
@@ -267,16 +271,18 @@ class Scheduler(costs.Costs, actions.Actions):
         return Plan(tuple(decisions), min(waits) if waits and not decisions else None)
 
     def _targets(self, now: float, moving: set[str]) -> list[tuple[Engine, float]]:
-        """Engines with waiters that are not awake, oldest waiter first."""
+        """Engines with waiters that are not awake, oldest waiter first; then those to boot in the
+        background, as if asked for just now (so no busy engine is ever parked for them)."""
         out = []
         for engine in self.engines:
             queue = self.waiting[engine.name]
-            if not queue or engine.name in self.busy or engine.name in moving or engine.state is State.AWAKE:
+            background = engine.name in self.to_boot and engine.state is State.COLD
+            if not (queue or background) or engine.name in self.busy or engine.name in moving or engine.state is State.AWAKE:
                 continue
             if self.backoff.waiting(engine, now):
                 self._fail_waiters(engine, self.backoff.unavailable(engine))
                 continue
-            out.append((engine, queue[0].since))
+            out.append((engine, queue[0].since if queue else now))
         return sorted(out, key=lambda pair: pair[1])
 
     def _make_room(self, ledger: Ledger, target: Engine, oldest: float, now: float,

@@ -22,6 +22,7 @@ def router_status(router: "Router") -> dict[str, Any]:
         "engines": [engine_status(router, e) for e in router.engines.values()],
         "last_swap": _swap_dict(scheduler.last_swap),
         "swaps": [_swap_dict(r) for r in reversed(scheduler.history)],
+        "roster": {"source": router.roster.source, "last_reload": router.reloads.last},
     }
 
 
@@ -70,6 +71,8 @@ def engine_status(router: "Router", e: Engine) -> dict[str, Any]:
         "collapsed": e.midlife.collapsed,
         "last_collapse": e.midlife.last_collapse,
         "restart_pending": e.needs_restart,
+        "roster_change_pending": e.name in scheduler.pending_spec,
+        "retiring": e.retiring,
         "watch_error": e.watch_error,
         "failure": e.failure,
         "last_log_lines": e.last_log_lines(20),

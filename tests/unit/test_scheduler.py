@@ -37,6 +37,7 @@ class FakeEngine:
         self.sleep_level = level if state is State.SLEEPING else None
         self.in_flight = 0
         self.needs_restart: Optional[str] = None
+        self.retiring = False
         self.failure: Optional[str] = None
         self.holds_process = False
         self.stopped = 0

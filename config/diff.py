@@ -1,0 +1,119 @@
+"""What a roster reload changes: which models are new, gone, to be restarted, or changed in place,
+and which router-wide sections changed.
+
+Pure: two rosters in, a `RosterDiff` out. A model's settings are of two kinds. Those the engine
+process was started with (ENGINE_KEYS, and the canary's own keys, since a baseline recorded with
+another prompt proves nothing) need a cold restart and a new baseline; every other key is read
+by the router only and changes in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from config.schema import ModelSpec, Roster
+
+ENGINE_KEYS = ("model", "url", "port", "command", "launcher", "args", "env", "speculative", "devices", "draft_restore")
+CANARY_KEYS = ("enabled", "prompt", "max_tokens", "lora_canary")  # gate keys that make the canary another one
+SECTIONS = ("auth", "queue", "swap", "gpus", "host")  # router-wide, changed in place
+RESTART_SECTIONS = ("listen",)  # the listener is bound once: a change needs a router restart
+
+
+@dataclass(frozen=True)
+class ModelChange:
+    spec: ModelSpec  # the new entry
+    fields: tuple[str, ...]  # what changed, as dotted keys (`args`, `gate.prompt`)
+    restart: bool  # an engine-side key changed: cold restart (at the engine's next idle moment)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class RosterDiff:
+    added: tuple[ModelSpec, ...] = ()
+    removed: tuple[str, ...] = ()
+    changed: tuple[ModelChange, ...] = ()
+    unchanged: tuple[str, ...] = ()
+    sections: tuple[str, ...] = ()  # router-wide sections changed in place
+    needs_restart: tuple[str, ...] = ()  # dotted keys under listen: not applied
+
+    @property
+    def empty(self) -> bool:
+        return not (self.added or self.removed or self.changed or self.sections or self.needs_restart)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "added": [m.name for m in self.added],
+            "removed": list(self.removed),
+            "restarting": {c.name: list(c.fields) for c in self.changed if c.restart},
+            "changed_in_place": {c.name: list(c.fields) for c in self.changed if not c.restart},
+            "unchanged": list(self.unchanged),
+            "sections": list(self.sections),
+            "needs_restart": list(self.needs_restart),
+        }
+
+    def summary(self) -> list[str]:
+        """One line per change, as `hotswap reload` prints them and the router logs them."""
+        out = [f"+ {m.name}: new; boots in the background" for m in self.added]
+        out += [f"- {name}: removed; takes no new requests, stops once its requests are done" for name in self.removed]
+        for c in self.changed:
+            what = "restarts at its next idle moment" if c.restart else "changed in place"
+            out.append(f"~ {c.name}: {what} ({', '.join(c.fields)})")
+        out += [f"~ {section}: changed in place" for section in self.sections]
+        out += [f"! {key}: NOT applied: the listener needs a router restart (still on the old one)" for key in self.needs_restart]
+        return out or ["no changes"]
+
+
+def diff(old: Roster, current: Mapping[str, ModelSpec], new: Roster) -> RosterDiff:
+    """From `old` (the router-wide sections in force) and `current` (each engine's spec, including
+    one still to be applied and models still draining) to `new`."""
+    new_names = {m.name for m in new.models}
+    added = tuple(m for m in new.models if m.name not in current)
+    removed = tuple(name for name in current if name not in new_names)
+    changed, unchanged = [], []
+    for spec in new.models:
+        if spec.name not in current:
+            continue
+        fields = _changed_fields(current[spec.name], spec)
+        if fields:
+            changed.append(ModelChange(spec, fields, _engine_side(fields)))
+        else:
+            unchanged.append(spec.name)
+    sections = tuple(s for s in SECTIONS if getattr(old, s) != getattr(new, s))
+    needs_restart = tuple(f"{s}.{k}" for s in RESTART_SECTIONS for k, v in getattr(new, s).model_dump().items()
+                          if getattr(getattr(old, s), k) != v)
+    return RosterDiff(added, removed, tuple(changed), tuple(unchanged), sections, needs_restart)
+
+
+def restarts(running: ModelSpec, new: ModelSpec) -> bool:
+    """Going from `running` to `new` needs a cold restart of the engine."""
+    return _engine_side(_changed_fields(running, new))
+
+
+def _engine_side(fields: tuple[str, ...]) -> bool:
+    return any(f in ENGINE_KEYS or (f.startswith("gate.") and f[len("gate."):] in CANARY_KEYS) for f in fields)
+
+
+def router_side(running: ModelSpec, new: ModelSpec) -> ModelSpec:
+    """`running` with the keys of `new` that the router alone reads (aliases, group, pin, ...):
+    what an engine waiting for its restart is placed and judged by meanwhile."""
+    keep = set(ENGINE_KEYS)
+    if any(getattr(running.gate, k) != getattr(new.gate, k) for k in CANARY_KEYS):
+        keep.add("gate")  # the running engine's baseline was recorded with its own canary
+    return running.model_copy(update={k: getattr(new, k) for k in ModelSpec.model_fields if k not in keep})
+
+
+def _changed_fields(old: ModelSpec, new: ModelSpec) -> tuple[str, ...]:
+    out = []
+    for key in ModelSpec.model_fields:
+        a, b = getattr(old, key), getattr(new, key)
+        if a == b:
+            continue
+        if key == "gate":
+            out += [f"gate.{k}" for k in type(a).model_fields if getattr(a, k) != getattr(b, k)]
+        else:
+            out.append(key)
+    return tuple(out)

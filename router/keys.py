@@ -1,0 +1,51 @@
+"""API keys and what each may use: the roster's `auth` as a table the auth middleware asks.
+
+`api_keys` and `admin_key` are shorthands for scoped keys (`models: ["*"]`, `admin: true`).
+A key may use a model when one of the model's names or aliases matches one of its globs; a
+LoRA adapter when its own name matches or its engine may be used. A model a key may not use
+is answered exactly as a model that does not exist, so a key learns nothing of the others.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hmac
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from config.sections import Auth
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One key's scope. `name` is what logs and metrics say; the key itself appears nowhere."""
+
+    name: str
+    models: tuple[str, ...]
+    admin: bool = False
+
+    def may_use(self, names: Iterable[str]) -> bool:
+        return any(fnmatch.fnmatchcase(name, glob) for name in names for glob in self.models)
+
+
+EVERYTHING = Grant("", ("*",))  # no client auth configured: every model, for anyone
+
+
+class KeyTable:
+    def __init__(self, auth: Auth):
+        entries = [(f"api_keys[{i}]", key, ("*",), False) for i, key in enumerate(auth.api_keys)]
+        if auth.admin_key:
+            entries.append(("admin_key", auth.admin_key, (), True))
+        entries += [(k.name or f"keys[{i}]", k.key, tuple(k.models), k.admin) for i, k in enumerate(auth.keys)]
+        self._keys = [(key.encode(), Grant(name, models, admin)) for name, key, models, admin in entries]
+        self.client_auth = any(grant.models for _, grant in self._keys)
+        self.admin_auth = any(grant.admin for _, grant in self._keys)
+
+    def identify(self, presented: bytes) -> Optional[Grant]:
+        """The grant of the key presented, or None. Every key is compared, in constant time each,
+        so the time taken says neither which key was close nor where it sits in the table."""
+        found = None
+        for key, grant in self._keys:
+            if hmac.compare_digest(presented, key) and presented:
+                found = grant
+        return found

@@ -1,0 +1,112 @@
+"""Roster hot reload: SIGHUP, `POST /admin/reload` and `hotswap reload` re-read the --config file.
+
+The new roster is validated in full first (the same loader as at start, placement checks
+included); if anything is wrong nothing changes, and every error is logged and returned as
+`file:line:col: field: message`. Otherwise the difference (`config.diff`) is applied in one
+step with no await in it, so no request sees half of a reload: names resolve to the new table,
+keys and limits are the new ones, and the scheduler is told which engines join, leave or
+restart (`router.roster_changes`), which it then does in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from config import RosterError, load_roster
+from config.diff import RosterDiff, diff, restarts
+from config.schema import Roster
+from router import sizing
+from router.errors import APIError
+from router.keys import KeyTable
+from router.tasks import spawn
+
+if TYPE_CHECKING:
+    from router.app import Router
+
+log = logging.getLogger("hotswap")
+
+
+class Reloads:
+    def __init__(self, router: "Router"):
+        self.router = router
+        self.lock = asyncio.Lock()  # one reload at a time: each diffs against what the last applied
+        self.last: Optional[dict[str, Any]] = None  # for /admin/status
+        self._signalled: set[asyncio.Task[None]] = set()
+
+    async def reload(self, trigger: str) -> RosterDiff:
+        """Apply the --config file as it is now; raise RosterError (nothing changed) when it is invalid,
+        or APIError 409 while the engines are still booting."""
+        router = self.router
+        scheduler = router.placement
+        if not scheduler.booted:
+            raise APIError(409, "the router is still booting its engines; reload once /admin/status says booted: true "
+                           "(a SIGHUP sent now is applied when the boot ends)", "still_booting", retry_after=5)
+        async with self.lock:
+            source = router.roster.source
+            try:
+                new = await asyncio.to_thread(load_roster, source)
+            except RosterError as exc:
+                for issue in exc.issues:
+                    log.error("%s", issue)
+                log.error("roster reload (%s) refused: %d error(s) in %s; nothing changed, still serving the roster in force",
+                          trigger, len(exc.issues), source)
+                self.last = {"at": time.time(), "trigger": trigger, "result": "refused", "errors": [str(i) for i in exc.issues]}
+                raise
+            current = {e.name: scheduler.pending_spec.get(e.name, e.spec) for e in router.engines.values()}
+            changes = diff(router.roster, current, new)
+            weights = await asyncio.to_thread(sizing.level1_weights, [*changes.added, *(c.spec for c in changes.changed)])
+            apply(router, new, changes, weights)
+            for line in changes.summary():
+                (log.warning if line.startswith("!") else log.info)("roster reload (%s): %s", trigger, line)
+            self.last = {"at": time.time(), "trigger": trigger, "result": "applied", "changes": changes.as_dict()}
+            return changes
+
+    def on_signal(self) -> None:
+        """SIGHUP: applied once the boot has ended; the outcome is in the log (and /admin/status)."""
+        task = spawn(self._on_signal(), "reload:SIGHUP")
+        self._signalled.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._signalled.discard)
+
+    async def _on_signal(self) -> None:
+        if not self.router.placement.booted:
+            log.info("SIGHUP: the roster is reloaded once every engine has booted")
+            await self.router.placement.boot_done.wait()
+        try:
+            await self.reload("SIGHUP")
+        except RosterError:
+            pass  # logged, error by error, by reload()
+        except Exception:
+            log.exception("roster reload (SIGHUP): internal error; the roster in force is unchanged")
+
+
+def apply(router: "Router", new: Roster, changes: RosterDiff, weights: dict[str, Optional[float]]) -> None:
+    """Put `new` in force at once (no await in here). The listener stays as it is: changing it needs a restart."""
+    scheduler = router.placement
+    router.roster = new.model_copy(update={"listen": router.roster.listen})
+    router.keys = KeyTable(new.auth)
+    scheduler.swap, scheduler.limits = new.swap, new.queue
+    if "gpus" in changes.sections or "host" in changes.sections:
+        scheduler.capacity = sizing.capacity(new)
+    for engine in router.engines.values():
+        engine.swap = new.swap
+    for name in changes.removed:
+        scheduler.retire(router.engines[name])
+    for spec in changes.added:
+        router.add_engine(router.new_engine(spec))
+    for change in changes.changed:
+        engine = router.engines[change.name]
+        if restarts(engine.spec, change.spec):  # against what runs: a change back cancels a pending restart
+            scheduler.respec(engine, change.spec)
+        else:
+            scheduler.pending_spec.pop(engine.name, None)
+            engine.spec = change.spec
+            engine.midlife.gate = change.spec.gate
+    for spec in new.models:
+        if router.engines[spec.name].retiring:  # removed by an earlier reload, back before it stopped
+            scheduler.revive(router.engines[spec.name])
+    router.by_name = {n: router.engines[m.name] for m in new.models for n in m.names}
+    scheduler.weights.update(weights)
+    scheduler.poke()

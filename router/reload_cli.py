@@ -1,0 +1,45 @@
+"""`hotswap reload`: ask a running router to re-read its roster; print what changed, or every error."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from typing import Optional
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_ROSTER = 0, 1, 2
+TIMEOUT_S = 60  # validation reads the file and sizes new models' checkpoints; applying is instant
+
+
+def reload(url: str, admin_key: Optional[str]) -> int:
+    request = urllib.request.Request(url.rstrip("/") + "/admin/reload", data=b"", method="POST")
+    key = admin_key or os.environ.get("HOTSWAP_ADMIN_KEY")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            answer = json.load(response)
+    except urllib.error.HTTPError as exc:
+        text = exc.read().decode(errors="replace")
+        try:
+            body = json.loads(text)
+        except ValueError:
+            body = {}
+        if exc.code == 422 and "errors" in body:
+            for error in body["errors"]:
+                print(error, file=sys.stderr)
+            print(f"hotswap reload: {len(body['errors'])} error(s); nothing changed, the router serves the roster it had",
+                  file=sys.stderr)
+            return EXIT_BAD_ROSTER
+        message = body.get("error", {}).get("message") if isinstance(body.get("error"), dict) else None
+        print(f"hotswap reload: {url} answered {exc.code}: {message or text[:300]}", file=sys.stderr)
+        return EXIT_FAILED
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"hotswap reload: cannot reach a router at {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    for line in answer["summary"]:
+        print(line)
+    print(f"applied {answer['source']}")
+    return EXIT_OK

@@ -1,0 +1,40 @@
+"""What the router knows of sizes: the GPUs' memory and the host-RAM budget (`Capacity`), and
+the host RAM each model's weights take when parked at Level 1."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+from config.schema import ModelSpec, Roster
+from engines import hardware, weights
+from router.placement import Capacity
+
+log = logging.getLogger("hotswap")
+
+
+def capacity(roster: Roster) -> Capacity:
+    """GPU sizes (the roster's, else NVML's, else unknown) and the host-RAM budget for Level-1 sleepers."""
+    seen = hardware.discover_gpus()
+    gpus = {g.index: g.memory_gb for g in roster.gpus} if roster.gpus else seen
+    if gpus is None:
+        log.info("GPU sizes unknown (no gpus: in the roster and NVML sees none): placement counts shares only, "
+                 "not the residual of sleeping engines")
+    budget = roster.host.ram_budget_gb
+    if budget is None:
+        budget = hardware.host_memory_total_gb() / 2
+    return Capacity(gpus, budget, nvml=seen is not None)
+
+
+def level1_weights(specs: Iterable[ModelSpec]) -> dict[str, Optional[float]]:
+    """Host RAM each `sleep_level: auto` engine's weights take at Level 1 (None: unknown, so Level 2)."""
+    out: dict[str, Optional[float]] = {}
+    for spec in specs:
+        out[spec.name], why = weights.weights_gb(spec)
+        if spec.sleep_level != "auto":
+            continue
+        if out[spec.name] is None:
+            log.warning("%s: weight size unknown, so it sleeps at level 2: %s", spec.name, why)
+        else:
+            log.info("%s: weights %.1f GB (%s)", spec.name, out[spec.name], why)
+    return out
