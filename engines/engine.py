@@ -410,6 +410,12 @@ class Engine:
         if self.process is not None:
             await self.process.stop()
 
+    def adopt(self, spec: ModelSpec) -> None:
+        """A roster entry that differs from the running one only in what the router reads (aliases,
+        placement, gate thresholds): in force at once, no restart."""
+        self.spec = spec
+        self.midlife.gate = spec.gate
+
     def respec(self, spec: ModelSpec) -> None:
         """Take a new roster entry while COLD: the next boot starts from it and, since it may be
         another model or other flags, records a new baseline."""

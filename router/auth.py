@@ -48,7 +48,7 @@ def auth_middleware(keys: Callable[[], KeyTable]):
         path = request.path
         if path.startswith("/v1/") or path in CLIENT_PATHS:
             grant = table.identify(client_key(request)) if table.client_auth else EVERYTHING
-            if grant is None:
+            if grant is None or not grant.models:  # an admin-only key is no client key
                 how = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if anthropic_path(path) else "'Authorization: Bearer <key>'"
                 raise APIError(401, f"Missing or invalid API key: send {how}.", "invalid_api_key")
             request[GRANT] = grant

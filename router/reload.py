@@ -102,8 +102,7 @@ def apply(router: "Router", new: Roster, changes: RosterDiff, weights: dict[str,
             scheduler.respec(engine, change.spec)
         else:
             scheduler.pending_spec.pop(engine.name, None)
-            engine.spec = change.spec
-            engine.midlife.gate = change.spec.gate
+            engine.adopt(change.spec)
     for spec in new.models:
         if router.engines[spec.name].retiring:  # removed by an earlier reload, back before it stopped
             scheduler.revive(router.engines[spec.name])

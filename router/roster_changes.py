@@ -47,8 +47,7 @@ class RosterChanges:
     def respec(self: "Scheduler", engine: Engine, spec: ModelSpec) -> None:
         """Restart `engine` from `spec` at its next idle moment; the router-side keys apply now."""
         self.pending_spec[engine.name] = spec
-        engine.spec = router_side(engine.spec, spec)
-        engine.midlife.gate = engine.spec.gate
+        engine.adopt(router_side(engine.spec, spec))
         self.poke()
 
     def roster_decisions(self: "Scheduler") -> list["Decision"]:

@@ -58,6 +58,9 @@ class FakeEngine:
     async def stop_after_failure(self) -> None:
         self.stopped += 1
 
+    def adopt(self, spec: ModelSpec) -> None:
+        self.spec = spec
+
 
 def scheduler(*engines: FakeEngine, clock: Clock, gpus: Optional[dict[int, float]] = None, ram_gb: float = 100,
               weights: Optional[dict[str, float]] = None, **swap) -> Scheduler:
