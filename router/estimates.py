@@ -32,6 +32,11 @@ class WakeCosts:
     def observe_sleep(self, name: str, seconds: float) -> None:
         self.sleep[name] = _ewma(self.sleep.get(name), seconds)
 
+    def forget(self, name: str) -> None:
+        self.boot.pop(name, None)
+        self.sleep.pop(name, None)
+        self.wake = {key: s for key, s in self.wake.items() if key[0] != name}
+
     def boot_s(self, name: str) -> float:
         return self.boot.get(name, UNKNOWN_S)
 

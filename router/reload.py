@@ -11,6 +11,7 @@ restart (`router.roster_changes`), which it then does in the background.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Optional
@@ -57,6 +58,8 @@ class Reloads:
                 raise
             current = {e.name: scheduler.pending_spec.get(e.name, e.spec) for e in router.engines.values()}
             changes = diff(router.roster, current, new)
+            # An engine an earlier reload removed is still in `current` (so adding it back revives it), but not removed again.
+            changes = dataclasses.replace(changes, removed=tuple(n for n in changes.removed if not router.engines[n].retiring))
             weights = await asyncio.to_thread(sizing.level1_weights, [*changes.added, *(c.spec for c in changes.changed)])
             apply(router, new, changes, weights)
             for line in changes.summary():

@@ -41,6 +41,7 @@ class RosterChanges:
 
     def revive(self: "Scheduler", engine: Engine) -> None:
         """Back in the roster before it was stopped: it serves again as it is."""
+        log.info("%s is back in the roster before it stopped: it serves on", engine.name)
         engine.retiring = False
         self.poke()
 
@@ -78,13 +79,16 @@ class RosterChanges:
         log.info("%s stopped and removed", engine.name)
 
     async def _respec(self: "Scheduler", engine: Engine) -> None:
-        spec = self.pending_spec.pop(engine.name)
+        spec = self.pending_spec.pop(engine.name, None)
+        if spec is None or engine.retiring:  # a later reload removed it, or changed it back
+            return
         log.info("restarting %s from its changed roster entry (was %s); it boots when there is room", engine.name, engine.state.value)
         engine.restarts["roster"] += 1
         engine.observer.restarted(engine, "roster")
         await engine.stop()
         engine.respec(spec)
         self.residuals.pop(engine.name, None)
+        self.costs.forget(engine.name)  # they were another model's, or other flags'
         self.handled.discard(engine.name)
         self.backoff.succeeded(engine.name)
         self.to_boot.add(engine.name)

@@ -8,10 +8,11 @@ teardown can prove they are all gone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import openai
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +22,17 @@ from tests.support import RouterProcess, pid_alive
 
 
 class LiveRouter:
+    @classmethod
+    @contextlib.contextmanager
+    def booted(cls, roster: dict[str, Any], workdir: Path, timeout: float) -> Iterator["LiveRouter"]:
+        """A router with every engine booted, for a module's tests; stopped (and checked) after them."""
+        live = cls(roster, workdir)
+        try:
+            live.wait_booted(timeout=timeout)
+            yield live
+        finally:
+            live.stop()
+
     def __init__(self, roster: dict[str, Any], workdir: Path):
         self.workdir = workdir
         self.proc = RouterProcess(roster, workdir)

@@ -47,12 +47,8 @@ def roster() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def router(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRouter]:
-    live = LiveRouter(roster(), tmp_path_factory.mktemp("router"))
-    try:
-        live.wait_booted(timeout=2 * BOOT_TIMEOUT_S)
+    with LiveRouter.booted(roster(), tmp_path_factory.mktemp("router"), timeout=2 * BOOT_TIMEOUT_S) as live:
         yield live
-    finally:
-        live.stop()
 
 
 def without_ids(answer: Any) -> Any:

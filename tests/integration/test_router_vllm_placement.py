@@ -33,12 +33,8 @@ def roster() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def router(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRouter]:
-    live = LiveRouter(roster(), tmp_path_factory.mktemp("placement"))
-    try:
-        live.wait_booted(timeout=3 * BOOT_TIMEOUT_S)
+    with LiveRouter.booted(roster(), tmp_path_factory.mktemp("placement"), timeout=3 * BOOT_TIMEOUT_S) as live:
         yield live
-    finally:
-        live.stop()
 
 
 def test_two_real_engines_that_fit_together_are_both_awake_and_alternating_requests_never_park_either(router: LiveRouter):
