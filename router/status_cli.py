@@ -34,6 +34,7 @@ def render(status: dict[str, Any]) -> str:
         verdict = e["last_verdict"] or {}
         mal = "-" if e["baseline_mal"] is None else f"{e['baseline_mal']:.2f}/{e['observed_mal'] or 0:.2f}"
         state = e["state"] + (f" ({e['action']})" if e["action"] else "")
+        state += " (leaving the roster)" if e.get("retiring") else " (restart pending: roster)" if e.get("roster_change_pending") else ""
         rows.append((e["name"] + (" [pin]" if e["pin"] else ""), state, f"{e['for_s']:.0f}s", str(e["sleep_level"] or "-"),
                      ",".join(map(str, e["devices"])), f"{e['gpu_share']:g}", f"{e['wake_estimate_s']:.1f}s",
                      str(e["in_flight"]), str(e["queued"]), mal, str(e["restarts"]), verdict.get("result", "-")))
@@ -45,6 +46,13 @@ def render(status: dict[str, Any]) -> str:
         moved = f" (parked {', '.join(swap['from'])})" if swap["from"] else ""
         lines.append(f"  last wake: {swap['to']} {swap['result']} in {swap['seconds']:.2f} s, predicted "
                      f"{swap['predicted_s']:.2f} s{moved} ({phases})")
+    reload = (status.get("roster") or {}).get("last_reload")
+    if reload:
+        at = time.strftime("%H:%M:%S", time.localtime(reload["at"]))
+        what = (f"{len(reload['errors'])} error(s), nothing changed; first: {reload['errors'][0]}" if reload["result"] == "refused"
+                else ", ".join(f"{k} {v if isinstance(v, list) else sorted(v)}" for k, v in reload["changes"].items()
+                               if v and k != "unchanged") or "no changes")
+        lines.append(f"  last reload ({reload['trigger']}) at {at}: {reload['result']}: {what}")
     for e in status["engines"]:
         if e["failure"]:
             lines.append(f"  {e['name']} failed: {e['failure']}")

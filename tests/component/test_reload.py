@@ -189,6 +189,10 @@ async def test_sighup_and_hotswap_reload_apply_the_file(start_router):
     assert run.stdout.splitlines() == ["- a: removed; takes no new requests, stops once its requests are done",
                                        f"applied {router.roster_path}"]
     await eventually(lambda: _gone(router, "a"), timeout=15, what="a stopped and removed")
+    status = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "router.cli", "status", "--url", router.url],
+                                     capture_output=True, text=True, timeout=30)
+    assert any(line.strip().startswith("last reload (POST /admin/reload) at ") and line.endswith("applied: removed ['a']")
+               for line in status.stdout.splitlines()), status.stdout
 
 
 async def _present(router, name: str) -> bool:
