@@ -42,6 +42,8 @@ class Reloads:
         or APIError 409 while the engines are still booting."""
         router = self.router
         scheduler = router.placement
+        if scheduler.closing:
+            raise APIError(503, "the router is shutting down; the roster is not reloaded", "shutting_down")
         if not scheduler.booted:
             raise APIError(409, "the router is still booting its engines; reload once /admin/status says booted: true "
                            "(a SIGHUP sent now is applied when the boot ends)", "still_booting", retry_after=5)
@@ -81,8 +83,10 @@ class Reloads:
             await self.reload("SIGHUP")
         except RosterError:
             pass  # logged, error by error, by reload()
+        except APIError as exc:
+            log.warning("SIGHUP: roster not reloaded: %s", exc.message)
         except Exception:
-            log.exception("roster reload (SIGHUP): internal error; the roster in force is unchanged")
+            log.exception("roster reload (SIGHUP): internal error (traceback above); see /admin/status for what is in force")
 
 
 def apply(router: "Router", new: Roster, changes: RosterDiff, weights: dict[str, Optional[float]]) -> None:

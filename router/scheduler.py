@@ -154,6 +154,10 @@ class Scheduler(costs.Costs, actions.Actions, roster_changes.RosterChanges):
     def last_swap(self) -> Optional[actions.SwapRecord]:
         return self.history[-1] if self.history else None
 
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
     def close(self) -> None:
         """Refuse new requests (they may still arrive over kept-alive connections); serve those queued."""
         self._closing = True
