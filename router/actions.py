@@ -158,8 +158,11 @@ class Actions:
             self._record(target, moved, "failed", started, {**phases, **target.last_phases}, predicted, str(exc))
             await self._handle_failure(target, str(exc))
             return
-        (self.costs.observe_wake(target.name, level, time.monotonic() - woke) if level and restart is None
-         else self.costs.observe_boot(target.name, time.monotonic() - woke))
+        if level and restart is None:
+            reload_s = sum(target.last_phases.get(p, 0.0) for p in ("reload_draft", "reload_weights"))
+            self.costs.observe_wake(target.name, level, time.monotonic() - woke, reload_s)
+        else:
+            self.costs.observe_boot(target.name, time.monotonic() - woke)
         self.backoff.succeeded(target.name)
         self._grant(target)
         self._record(target, moved, "ok", started, {**phases, **target.last_phases}, predicted)

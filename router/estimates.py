@@ -22,12 +22,19 @@ class WakeCosts:
         self.boot: dict[str, float] = {}
         self.wake: dict[tuple[str, int], float] = {}
         self.sleep: dict[str, float] = {}
+        self.level1_prior: dict[str, float] = {}  # a Level-2 wake without its reloads from disk
 
     def observe_boot(self, name: str, seconds: float) -> None:
         self.boot[name] = _ewma(self.boot.get(name), seconds)
 
-    def observe_wake(self, name: str, level: int, seconds: float) -> None:
+    def observe_wake(self, name: str, level: int, seconds: float, reload_s: float = 0.0) -> None:
+        """`reload_s`: the part of a Level-2 wake spent reloading weights from disk. Without it the
+        wake is what a Level-1 wake would be, the estimate until one is measured: falling back to
+        the boot instead would price Level 1 above Level 2 wherever a boot is the slower of the two
+        (always, on a GPU), so no engine would ever be parked at Level 1 to be measured there."""
         self.wake[(name, level)] = _ewma(self.wake.get((name, level)), seconds)
+        if level == 2 and reload_s > 0:
+            self.level1_prior[name] = _ewma(self.level1_prior.get(name), max(seconds - reload_s, 0.0))
 
     def observe_sleep(self, name: str, seconds: float) -> None:
         self.sleep[name] = _ewma(self.sleep.get(name), seconds)
@@ -35,6 +42,7 @@ class WakeCosts:
     def forget(self, name: str) -> None:
         self.boot.pop(name, None)
         self.sleep.pop(name, None)
+        self.level1_prior.pop(name, None)
         self.wake = {key: s for key, s in self.wake.items() if key[0] != name}
 
     def boot_s(self, name: str) -> float:
@@ -44,6 +52,8 @@ class WakeCosts:
         """Predicted seconds to wake `name` from `level` (None: from cold, a boot)."""
         if level is None:
             return self.boot_s(name)
+        if level == 1 and (name, 1) not in self.wake and name in self.level1_prior:
+            return self.level1_prior[name]
         return self.wake.get((name, level), self.boot_s(name))
 
     def sleep_s(self, name: str) -> float:

@@ -353,14 +353,16 @@ ROSTER = roster_dict(
     sim_model("a", default=True),
     sim_model("b", spec=True, draft_restore="none"),  # loses its draft at wake: refused, restarted
     sim_model("c", spec=True),                        # draft_restore: reload (the reload_draft phase)
+    auth={"keys": [{"key": "${OBS_KEY}", "name": "obs", "models": ["*"]}]},  # so per-key counts are exported too
 )
+OBS_KEY = "obs-client-key"
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("observability")
     (workdir / "router").mkdir()
-    router = RouterProcess(ROSTER, workdir / "router")
+    router = RouterProcess(ROSTER, workdir / "router", env={"OBS_KEY": OBS_KEY})
     prometheus = None
     try:
         if shutil.which("prometheus"):  # without it, the /metrics checks still run
@@ -395,7 +397,7 @@ def fetch(url: str, method: str = "GET", body: Optional[dict] = None) -> str:
 
 def drive(router: RouterProcess) -> None:
     """Swaps through every wake path, a refusal and its restart, a failed wake step, streams, errors."""
-    c = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    c = openai.OpenAI(base_url=router.url + "/v1", api_key=OBS_KEY, max_retries=0, timeout=30)
 
     def ask(model: str, **kw) -> str:
         return c.completions.create(model=model, prompt="hello", max_tokens=8, temperature=0, **kw).choices[0].text

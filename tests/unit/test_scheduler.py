@@ -201,6 +201,19 @@ async def test_the_sleep_level_follows_the_host_ram_budget(clock):
     assert s._choose_level(b, clock.now) == (2, []), "unknown weights: level 2"
 
 
+async def test_a_model_never_parked_at_level1_is_priced_there_from_its_level2_wake_without_the_reload(clock):
+    cold = FakeEngine("cold", share=0.5, level=1)
+    hot = awake("hot", clock, share=0.5)
+    s = scheduler(cold, hot, FakeEngine("t", share=0.6), clock=clock, ram_gb=20, weights={"cold": 16, "hot": 16, "t": 16})
+    s.costs.observe_boot("hot", 60.0)  # a boot slower than any wake, as on a GPU
+    s.costs.observe_wake("hot", 2, 20.0, reload_s=19.0)
+    for _ in range(10):
+        s.demand.arrived("hot", clock.now - 1)
+    assert s.costs.wake_s("hot", 1) == pytest.approx(1.0)
+    assert s._choose_level(hot, clock.now, ledger=s.ledger())[0] == 1, \
+        "priced at its boot, Level 1 would look slower than Level 2 and never be tried"
+
+
 async def test_a_less_valuable_level1_sleeper_is_demoted_to_make_ram_for_a_popular_model(clock):
     cold = FakeEngine("cold", share=0.5, level=1)
     hot = awake("hot", clock, share=0.5)
