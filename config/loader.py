@@ -32,6 +32,7 @@ from config.schema import (
     Listen,
     ModelDefaults,
     ModelSpec,
+    Node,
     Queue,
     Roster,
     Swap,
@@ -40,7 +41,7 @@ from config.schema import (
 )
 
 Path_ = tuple[Any, ...]
-SECTIONS: dict[str, type[BaseModel]] = {"listen": Listen, "auth": Auth, "queue": Queue, "swap": Swap, "host": Host}
+SECTIONS: dict[str, type[BaseModel]] = {"listen": Listen, "auth": Auth, "queue": Queue, "swap": Swap, "host": Host, "node": Node}
 TOP_LEVEL_KEYS = (*SECTIONS, "gpus", "defaults", "models")
 SECRET_PATHS = (("auth", "admin_key"), ("auth", "api_keys"))
 ARGV_KEYS = ("args", "launcher", "command")

@@ -49,6 +49,7 @@ class Router(Observer):
         self.metrics.attach(self)
         self.verdicts: dict[str, collections.deque[Verdict]] = {name: collections.deque(maxlen=10) for name in self.engines}
         self._tasks: list[asyncio.Task[None]] = []
+        self.draining = False  # SIGTERM seen: /ready says 503 while in-flight work finishes
 
     def scheduler(self, engine: Engine) -> Scheduler:
         return self.placement
@@ -118,6 +119,7 @@ class Router(Observer):
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests; give those in flight or already queued until `timeout` to finish."""
+        self.draining = True
         self.placement.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(e.in_flight or self.scheduler(e).queued(e) for e in self.engines.values()):
