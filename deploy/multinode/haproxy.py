@@ -37,7 +37,7 @@ defaults
     # /ready is 200 while any model can be served, asleep or awake; 503 while draining.
     option httpchk GET /ready
     http-check expect status 200
-    default-server inter 1s fall 2 rise 1
+    default-server inter 1s fall 2 rise 1@DNS@
     # When no node of a model is left, say so in OpenAI's error shape (the SDKs read it).
     http-error status 503 content-type application/json string '{"error": {"message": "no node that serves this model is up", "type": "service_unavailable", "param": "model", "code": "no_node_available"}}' hdr Retry-After 5
 
@@ -65,9 +65,19 @@ def backend_name(model: str) -> str:
     return "model_" + re.sub(r"[^A-Za-z0-9_.-]", "_", model)
 
 
-def render(placement: dict[str, list[tuple[str, str]]], bind: str) -> str:
+# In Kubernetes a pod's address changes when it is rescheduled: resolve the per-pod DNS names
+# (the headless Service's) at run time, and start even while a pod does not exist yet.
+RESOLVERS = """
+resolvers cluster
+    parse-resolv-conf
+    hold valid 10s
+"""
+
+
+def render(placement: dict[str, list[tuple[str, str]]], bind: str, dns: bool = False) -> str:
     """`placement`: model -> [(node name, host:port)]. Requests without a known model go to
-    `any_node` (every node: /v1/models, /health), a POST naming an unknown model to a 404."""
+    `any_node` (every node: /v1/models, /health), a POST naming an unknown model to a 404.
+    `dns`: the addresses are DNS names to re-resolve while running (Kubernetes)."""
     rules, backends = [], []
     for model, nodes in sorted(placement.items()):
         backend = backend_name(model)
@@ -80,7 +90,9 @@ def render(placement: dict[str, list[tuple[str, str]]], bind: str) -> str:
     any_servers = "".join(f"    server {name} {addr} check\n" for name, addr in sorted(every.items()))
     backends.append(MODEL_BACKEND.format(backend="any_node", servers=any_servers))
     # Placeholders, not str.format: the config is full of braces and `$`.
-    return GLOBAL.replace("@BIND@", bind).replace("@RULES@", "".join(rules)).rstrip() + "\n" + "".join(backends) + NO_MODEL
+    head = GLOBAL.replace("@BIND@", bind).replace("@RULES@", "".join(rules))
+    head = head.replace("@DNS@", " resolvers cluster init-addr last,libc,none" if dns else "")
+    return head.rstrip() + "\n" + (RESOLVERS if dns else "") + "".join(backends) + NO_MODEL
 
 
 def server_states(stats_csv: str) -> dict[tuple[str, str], str]:
