@@ -1,4 +1,4 @@
-"""Three hotswap nodes behind HAProxy on loopback; SIGKILL one mid-load; count what happened.
+"""Three hotswap nodes behind HAProxy on loopback; SIGKILL (or SIGTERM) one mid-load; count what happened.
 
 Run it through try-local.sh (which installs what it needs). Layout (rosters in a temp dir):
 
@@ -7,7 +7,8 @@ Run it through try-local.sh (which installs what it needs). Layout (rosters in a
                    HAProxy (deploy/multinode/haproxy.py): backend per model, /ready checks, retry-on 503
 
 The openai SDK sends completions for every model through HAProxy for --seconds; node-b is
-SIGKILLed at --kill-at. Exit 0 when every claim in the summary holds, 1 otherwise.
+SIGKILLed at --kill-at (`--signal TERM`: stopped gracefully, so it drains first). Exit 0 when every
+claim in the summary holds, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def roster(name: str, port: int) -> dict:
     models, zone, idle = NODES[name]
     swap = {"min_active_s": 0, "drain_timeout_s": 5, **({"idle_sleep_s": idle} if idle else {})}
     return {
-        "listen": {"host": "127.0.0.1", "port": port},
+        # Two HAProxy checks (inter 1s, fall 2) see a drain within the notice.
+        "listen": {"host": "127.0.0.1", "port": port, "drain_notice_s": 2.5},
         "node": {"name": name, "labels": {"zone": zone}},
         "swap": swap,
         "defaults": {"launcher": ["python", "-m", "engines.sim", "serve"],
@@ -177,7 +179,7 @@ async def load(url: str, seconds: float, kill_at: float, concurrency: int, kill)
     return run
 
 
-def report(run: Run, before: dict, engines_gone: bool) -> tuple[str, bool]:
+def report(run: Run, before: dict, engines_gone: bool, sig: str) -> tuple[str, bool]:
     kill = run.killed_at
     holders = {m: [n for n, (models, _, _) in NODES.items() if m in models] for m in MODELS}
     rows, lost_elsewhere = [], 0
@@ -194,6 +196,7 @@ def report(run: Run, before: dict, engines_gone: bool) -> tuple[str, bool]:
     in_flight = sum(run.in_flight_at_kill.get(m, 0) for m in MODELS if VICTIM in holders[m])
     post_shared = [r for r in run.results if r.model == "shared" and r.started > kill]
     orphan = [r for r in run.results if VICTIM in holders[r.model] and len(holders[r.model]) == 1 and r.started > kill]
+    # SIGTERM: the victim stops by itself after its drain; SIGKILL: it must not leave engines behind.
     claims = [
         ("every model answered before the kill", all(any(not r.error and r.ended < kill for r in run.results if r.model == m)
                                                      for m in MODELS)),
@@ -204,7 +207,10 @@ def report(run: Run, before: dict, engines_gone: bool) -> tuple[str, bool]:
          bool(post_shared) and all(not r.error and r.node == "node-a" for r in post_shared)),
         ("alpha, gamma, delta never failed", not any(r.error for r in run.results if r.model in ("alpha", "gamma", "delta"))),
         (f"requests lost on models another node has ({lost_elsewhere}) <= in flight on {VICTIM} at the kill ({in_flight})",
-         lost_elsewhere <= in_flight),
+         lost_elsewhere <= in_flight) if sig == "KILL" else
+        (f"a drain loses nothing: requests lost on models another node has ({lost_elsewhere}) == 0, and every beta "
+         f"request in flight at the signal finished", lost_elsewhere == 0 and not any(
+             r.error for r in run.results if r.model == "beta" and r.started < kill < r.ended)),
         ("beta (only on node-b) is refused fast after the kill, never hangs",
          all(r.ended - r.started < 5 for r in orphan)),
         (f"{VICTIM}'s engines died with it", engines_gone),
@@ -213,7 +219,7 @@ def report(run: Run, before: dict, engines_gone: bool) -> tuple[str, bool]:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
     out = [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows), "",
-           f"{VICTIM} SIGKILLed with {sum(run.in_flight_at_kill.values())} requests in flight "
+           f"{VICTIM} SIG{sig}ed with {sum(run.in_flight_at_kill.values())} requests in flight "
            f"({', '.join(f'{m} {c}' for m, c in sorted(run.in_flight_at_kill.items())) or 'none'}); "
            f"{len(orphan)} beta requests after it were refused (no live node has beta); errors: "
            + (", ".join(f"{e} x{c}" for e, c in collections.Counter(r.error for r in run.results if r.error).most_common()) or "none"),
@@ -227,6 +233,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0, help="load duration")
     parser.add_argument("--kill-at", type=float, default=3.0, help=f"SIGKILL {VICTIM} this long into the load")
     parser.add_argument("--concurrency", type=int, default=10)
+    parser.add_argument("--signal", choices=("KILL", "TERM"), default="KILL", help=f"how {VICTIM} is stopped")
     parser.add_argument("--haproxy", default=shutil.which("haproxy") or "/usr/sbin/haproxy")
     parser.add_argument("--summary-json", type=Path, help="also write the claims and counts here")
     args = parser.parse_args()
@@ -265,14 +272,14 @@ def main() -> int:
         victim_engines = [e["pid"] for e in victim_status["engines"] if e.get("pid")]
 
         def kill() -> None:
-            _signal_group(procs.started[VICTIM].pid, signal.SIGKILL)
+            _signal_group(procs.started[VICTIM].pid, getattr(signal, f"SIG{args.signal}"))
 
         run = asyncio.run(load(f"http://127.0.0.1:{front}/v1", args.seconds, args.kill_at, args.concurrency, kill))
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in victim_engines) and time.monotonic() < deadline:
             time.sleep(0.1)
         engines_gone = bool(victim_engines) and not any(_alive(p) for p in victim_engines)
-        text, ok = report(run, before, engines_gone)
+        text, ok = report(run, before, engines_gone, args.signal)
         print(f"try-local: 3 hotswap nodes + HAProxy {haproxy_version(args.haproxy)} on loopback "
               f"({args.concurrency} openai SDK clients for {args.seconds:g} s; logs in {work})\n")
         print(text)

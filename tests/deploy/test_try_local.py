@@ -1,4 +1,5 @@
-"""deploy/multinode/try-local.sh as CI runs it: three nodes behind HAProxy, one SIGKILLed mid-load.
+"""deploy/multinode/try-local.sh as CI runs it: three nodes behind HAProxy, one SIGKILLed (or
+SIGTERMed: drained) mid-load.
 
 The script itself checks the claims (traffic of the killed node's shared model moves to the
 other node, the others keep serving, nothing is lost beyond what was in flight there) and exits
@@ -22,9 +23,10 @@ HAVE_HAPROXY = bool(shutil.which("haproxy") or Path("/usr/sbin/haproxy").exists(
 
 @pytest.mark.skipif(not HAVE_HAPROXY and os.geteuid() != 0 and os.environ.get("HOTSWAP_REQUIRE_TOOLS") != "1",
                     reason="needs haproxy (apt-get install haproxy, or .ci/install-tools.sh), or root to install it")
-def test_try_local_moves_the_killed_nodes_traffic_and_loses_nothing_else(tmp_path):
+@pytest.mark.parametrize("sig", ["KILL", "TERM"])
+def test_try_local_moves_the_stopped_nodes_traffic_and_loses_nothing_else(tmp_path, sig):
     summary = tmp_path / "summary.json"
-    run = subprocess.run(["bash", str(SCRIPT), "--seconds", "6", "--kill-at", "2.5", "--summary-json", str(summary)],
+    run = subprocess.run(["bash", str(SCRIPT), "--seconds", "6", "--kill-at", "2.5", "--signal", sig, "--summary-json", str(summary)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(summary.read_text())
@@ -37,4 +39,4 @@ def test_try_local_moves_the_killed_nodes_traffic_and_loses_nothing_else(tmp_pat
     assert set(rows) == {"alpha", "beta", "delta", "gamma", "shared"}
     assert rows["shared"][4] == "0" and rows["shared"][-1] == "node-a:" + rows["shared"][5].split("/")[0]
     assert result["requests"] > 100
-    assert result["summary"] in run.stdout
+    assert f"node-b SIG{sig}ed with" in result["summary"] and result["summary"] in run.stdout
