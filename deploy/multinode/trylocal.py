@@ -34,10 +34,10 @@ from typing import Optional
 import openai
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import haproxy  # noqa: E402  (deploy/multinode/haproxy.py, a sibling script)
-
 REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(REPO)]
+import haproxy  # noqa: E402  (deploy/multinode/haproxy.py, a sibling script)
+from tests.support import until  # noqa: E402  (polling with a deadline, as the tests do)
 NODES = {  # node -> (models, zone, parks its idle models after this many seconds)
     "node-a": (["shared", "alpha"], "a", None),
     "node-b": (["shared", "beta"], "b", None),
@@ -59,20 +59,6 @@ def get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
-
-
-def poll(check, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    last: Optional[BaseException] = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-        except (OSError, ValueError, KeyError) as exc:  # not up yet
-            last = exc
-        time.sleep(interval)
-    raise SystemExit(f"try-local: {what} not reached within {timeout:g} s" + (f" ({last!r})" if last else ""))
 
 
 def roster(name: str, port: int) -> dict:
@@ -250,7 +236,7 @@ def main() -> int:
             procs.start(name, [sys.executable, "-m", "router.cli", "serve", "--config", str(path),
                                "--log-dir", str(work / f"{name}-engines")])
         for name, port in ports.items():
-            poll(lambda: json.loads(get(f"http://127.0.0.1:{port}/admin/status")[1])["booted"], 90, f"{name} booted")
+            until(lambda: json.loads(get(f"http://127.0.0.1:{port}/admin/status")[1])["booted"], 90, f"{name} booted")
         placement = {m: [(n, f"127.0.0.1:{ports[n]}") for n in NODES if m in NODES[n][0]] for m in MODELS}
         front = free_port()
         cfg = work / "haproxy.cfg"
@@ -262,10 +248,10 @@ def main() -> int:
             return haproxy.server_states(get(stats)[1].decode())
 
         servers = sum(len(nodes) for nodes in placement.values()) + len(ports)  # + the any_node backend
-        poll(lambda: len(states()) == servers and all(s == "UP" for s in states().values()), 30, "every HAProxy server UP")
+        until(lambda: len(states()) == servers and all(s == "UP" for s in states().values()), 30, "every HAProxy server UP")
         c_port = ports["node-c"]
-        poll(lambda: all(e["state"] == "sleeping" for e in json.loads(get(f"http://127.0.0.1:{c_port}/admin/status")[1])["engines"]),
-             30, "node-c's models parked")
+        until(lambda: all(e["state"] == "sleeping" for e in json.loads(get(f"http://127.0.0.1:{c_port}/admin/status")[1])["engines"]),
+              30, "node-c's models parked")
         before = {"node_c_up_while_asleep": get(f"http://127.0.0.1:{c_port}/ready")[0] == 200
                   and states()[("model_gamma", "node-c")] == "UP"}
         victim_status = json.loads(get(f"http://127.0.0.1:{ports[VICTIM]}/admin/status")[1])
@@ -287,6 +273,9 @@ def main() -> int:
             args.summary_json.write_text(json.dumps({"ok": ok, "summary": text, "requests": len(run.results),
                                                      "in_flight_at_kill": run.in_flight_at_kill}))
         return 0 if ok else 1
+    except AssertionError as exc:  # a set-up step did not happen in time (tests.support.until)
+        print(f"try-local: {exc}; logs in {work}", file=sys.stderr)
+        return 1
     finally:
         procs.stop_all()
 
