@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the real tools the component tests run: Debian's `prometheus` package (`prometheus`
-# and `promtool`, for the observability tests) and `chromium` (the /ui page test).
-# Idempotent: returns at once when all three are on PATH.
+# and `promtool`, for the observability tests), `chromium` (the /ui page test) and `haproxy`
+# (the multi-node front, deploy/multinode/try-local.sh). Idempotent: returns at once when all are on PATH.
 #
 # The package's maintainer scripts would start a system Prometheus on :9090. The tests run
 # their own Prometheus (own port, config and storage in a temporary directory) and need no
@@ -9,7 +9,8 @@
 # policy-rc.d (the standard Debian mechanism), removed again afterwards.
 set -euo pipefail
 
-if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 && command -v chromium >/dev/null 2>&1; then
+if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 && command -v chromium >/dev/null 2>&1 \
+        && command -v haproxy >/dev/null 2>&1; then
     exit 0
 fi
 
@@ -35,12 +36,12 @@ trap cleanup EXIT
 export DEBIAN_FRONTEND=noninteractive
 # Other jobs on the machine may hold the apt locks for a while: wait for them, do not fail.
 $SUDO apt-get -o DPkg::Lock::Timeout=600 update -qq
-$SUDO apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends prometheus chromium >/dev/null
+$SUDO apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends prometheus chromium haproxy >/dev/null
 
 # On a machine where systemd runs anyway, make sure no packaged daemon holds :9090.
 if command -v systemctl >/dev/null 2>&1 && systemctl is-system-running >/dev/null 2>&1; then
-    $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
+    $SUDO systemctl disable --now prometheus haproxy >/dev/null 2>&1 || true
 fi
 
-command -v prometheus >/dev/null && command -v promtool >/dev/null
+command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v haproxy >/dev/null
 prometheus --version 2>&1 | head -1

@@ -24,9 +24,9 @@ from pydantic import (
     model_validator,
 )
 
-from config.sections import ApiKey, Auth, Gpu, Host, Listen, NonEmptyStr, Queue, Section, StepTimeouts, Swap
+from config.sections import ApiKey, Auth, Gpu, Host, Listen, Node, NonEmptyStr, Queue, Section, StepTimeouts, Swap
 
-__all__ = ["ApiKey", "Auth", "Gate", "Gpu", "Host", "Listen", "ModelSpec", "Queue", "Roster", "RosterFile", "Section", "StepTimeouts", "Swap"]
+__all__ = ["ApiKey", "Auth", "Gate", "Gpu", "Host", "Listen", "ModelSpec", "Node", "Queue", "Roster", "RosterFile", "Section", "StepTimeouts", "Swap"]
 
 # Flags the router composes itself, in the order it emits them; an operator setting them in
 # `args` would fight it. `engines.process.compose_argv` emits router-owned flags only by
@@ -323,6 +323,7 @@ class RosterFile(Section):
     swap: Swap = Field(default_factory=Swap)
     gpus: Optional[list[Gpu]] = Field(None, description="GPU sizes; unset: discovered through NVML, else each device is 1.0 of itself.")
     host: Host = Field(default_factory=Host)
+    node: Node = Field(default_factory=Node)
     defaults: ModelDefaults = Field(default_factory=ModelDefaults)  # type: ignore[valid-type]
     models: list[ModelSpec] = Field(min_length=1)
 
@@ -337,6 +338,7 @@ class Roster(Section):
     swap: Swap
     gpus: Optional[list[Gpu]] = None
     host: Host = Host()
+    node: Node = Node()
     models: list[ModelSpec]
     _located: Optional[Callable[[tuple[Any, ...]], tuple[str, int, int]]] = PrivateAttr(None)  # config.loader.Locations
 

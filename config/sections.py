@@ -1,4 +1,4 @@
-"""The roster's router-wide sections: listen, auth (keys and their scopes), queue, swap, gpus, host.
+"""The roster's router-wide sections: listen, auth (keys and their scopes), queue, swap, gpus, host, node.
 
 The models' own keys and the roster as a whole are in `config.schema`.
 """
@@ -20,6 +20,10 @@ class Listen(Section):
     host: str = Field("127.0.0.1", description="Address the router binds; loopback unless you mean otherwise.")
     port: int = Field(8080, ge=1, le=65535, description="Port the router listens on (the OpenAI endpoint).")
     max_body_mb: float = Field(32, gt=0, description="Largest request body accepted (413 above).")
+    drain_notice_s: float = Field(
+        0, ge=0, description="On SIGTERM the router keeps listening at least this long (and until in-flight and queued "
+        "requests finish), answering /ready and new requests with 503 and Retry-After, so a load balancer or Kubernetes "
+        "moves traffic away before the port closes. Behind a front: its health-check interval × fall count, or more.")
 
 
 class ApiKey(Section):
@@ -77,6 +81,15 @@ class Queue(Section):
     stream_keepalive_s: Optional[float] = Field(
         None, gt=0, description="A streaming request that waits for a swap gets SSE comment lines "
         "(`: waking NAME (STEP)`) this often, so proxies and UIs do not time out; unset: off.")
+
+
+class Node(Section):
+    name: Optional[NonEmptyStr] = Field(
+        None, description="This router's name, shown with every model in /v1/models (`node.name`) for a front that "
+        "spreads models over several hotswap nodes; unset: the host name (the pod name in Kubernetes).")
+    labels: dict[NonEmptyStr, str] = Field(
+        default_factory=dict, description="Free-form labels shown with the name (e.g. `{zone: a}`), for a front that "
+        "prefers some nodes.")
 
 
 class Gpu(Section):

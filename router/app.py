@@ -52,6 +52,7 @@ class Router(Observer, Events):
         self.verdicts: dict[str, collections.deque[Verdict]] = {name: collections.deque(maxlen=10) for name in self.engines}
         self.reloads = Reloads(self)
         self._tasks: list[asyncio.Task[None]] = []
+        self.draining = False  # SIGTERM seen: /ready says 503 while in-flight work finishes
 
     def new_engine(self, spec: ModelSpec) -> Engine:
         return Engine(spec, self.roster.swap, self.session, self.log_dir, self)
@@ -132,6 +133,7 @@ class Router(Observer, Events):
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests; give those in flight or already queued until `timeout` to finish."""
+        self.draining = True
         self.placement.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(e.in_flight or self.scheduler(e).queued(e) for e in self.engines.values()):

@@ -85,9 +85,11 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
         loop.add_signal_handler(signal.SIGHUP, router.reloads.on_signal)
         await stop.wait()
 
-        log.info("hotswap: stopping: no new connections or requests; draining in-flight and queued ones (up to %g s); "
-                 "a second signal stops at once", roster.swap.drain_timeout_s)
-        graceful = asyncio.create_task(_stop_gracefully(router, site, runner, roster.swap.drain_timeout_s))
+        log.info("hotswap: draining: /ready and new requests answer 503 (Retry-After); in-flight and queued ones finish "
+                 "(up to %g s); the listener closes after that and at least listen.drain_notice_s=%g s; a second signal "
+                 "stops at once", roster.swap.drain_timeout_s, roster.listen.drain_notice_s)
+        graceful = asyncio.create_task(_stop_gracefully(router, site, runner, roster.swap.drain_timeout_s,
+                                                        roster.listen.drain_notice_s))
         forced = asyncio.create_task(force.wait())
         await asyncio.wait({graceful, forced}, return_when=asyncio.FIRST_COMPLETED)
         forced.cancel()
@@ -104,8 +106,17 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
     return 0
 
 
-async def _stop_gracefully(router: Router, site: web.TCPSite, runner: web.AppRunner, drain_s: float) -> None:
+async def _stop_gracefully(router: Router, site: web.TCPSite, runner: web.AppRunner, drain_s: float, notice_s: float) -> None:
+    """Drain while still listening, then close the port. A front that polls /ready sees 503 and
+    moves traffic away, and one that still sends gets a 503 it can retry elsewhere, not a
+    refused connection; `notice_s` covers the front's (or Kubernetes endpoints') reaction time."""
+    notice = asyncio.create_task(asyncio.sleep(notice_s))
+    try:
+        await router.drain(drain_s)
+        await notice
+    finally:
+        notice.cancel()
+    log.info("hotswap: drained; closing the listener")
     await site.stop()
-    await router.drain(drain_s)
     await router.stop()
     await runner.cleanup()

@@ -14,7 +14,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from router import lora, ui
+from router import lora, node, ui
 from router.auth import grant_of
 from config import RosterError
 from router.errors import APIError, anthropic_path, error_body, error_response
@@ -25,17 +25,19 @@ log = logging.getLogger("hotswap")
 
 ROUTER_KEY = web.AppKey("router", "Router")
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
+DRAINING_RETRY_AFTER_S = 5  # what the scheduler tells refused requests while shutting down, too
 
 
 def _model_cards(router, grant: Grant) -> list[dict]:
     """Every name `grant` may use: roster names and aliases, then the engines' LoRA adapters."""
     scheduler = router.placement
     now = scheduler.clock()
+    where = node.card(router.roster)
 
     def card(name: str, engine, parent, root) -> dict:
         return {"id": name, "object": "model", "created": router.started, "owned_by": "hotswap", "root": root,
                 "parent": parent, "state": engine.state.value, "group": engine.spec.group,
-                "wake_estimate_s": round(scheduler.predicted_wait(engine, now), 2)}
+                "wake_estimate_s": round(scheduler.predicted_wait(engine, now), 2), "node": where}
 
     cards = [card(name, engine, None if name == engine.name else engine.name, engine.spec.model or engine.spec.url or engine.name)
              for name, engine in router.by_name.items() if grant.may_use(engine.spec.names)]
@@ -78,8 +80,12 @@ async def ready(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
     promoted = [e.name for e in router.engines.values() if e.promoted]
     serviceable = [e.name for e in router.engines.values() if e.serviceable]
-    return web.json_response({"ready": router.ready, "promoted": promoted, "serviceable": serviceable},
-                             status=200 if router.ready else 503)
+    body = {"ready": router.ready and not router.draining, "draining": router.draining, "promoted": promoted,
+            "serviceable": serviceable}
+    # Draining for shutdown: a front that polls /ready takes the node out of rotation now,
+    # while it still answers (new work gets 503 + Retry-After, in-flight work finishes).
+    headers = {"Retry-After": str(DRAINING_RETRY_AFTER_S)} if router.draining else None
+    return web.json_response(body, status=200 if body["ready"] else 503, headers=headers)
 
 
 async def metrics(request: web.Request) -> web.Response:

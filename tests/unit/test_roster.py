@@ -451,3 +451,14 @@ def test_a_loaded_roster_knows_where_each_model_key_was_written():
     assert roster.locate(("models", 1, "launcher")) == ("models[1].launcher", 9, 15)
     assert roster.locate(("models", 1, "sleep_level")) == ("models[1].sleep_level", 7, 5)  # a schema default: at its model
     assert roster == load(text)  # two loads of one file are still equal
+
+
+def test_the_node_section_names_this_node_from_the_environment_and_points_at_typos():
+    roster = parse_roster("node: {name: '${POD_NAME}', labels: {zone: a}}\nmodels: [{name: a, model: m}]\n", "r.yaml",
+                          {"POD_NAME": "hotswap-1"})
+    assert (roster.node.name, roster.node.labels) == ("hotswap-1", {"zone": "a"})
+    assert parse_roster("models: [{name: a, model: m}]\n", "r.yaml", {}).node.name is None  # the host name, at run time
+    assert errors("node:\n  nme: a\nlisten: {drain_notice_s: -1}\nmodels: [{name: a, model: m}]\n") == [
+        "roster.yaml:2:3: node.nme: unknown key 'nme'; did you mean 'name'?",
+        "roster.yaml:3:26: listen.drain_notice_s: must be greater than or equal to 0 (found -1)",
+    ]
