@@ -74,8 +74,12 @@ class Router(Observer, Events):
             raise self.unknown_model(model, grant)
         return engine
 
+    def usable_names(self, grant: Grant) -> str:
+        """The roster names and aliases `grant` may use, for messages that list them."""
+        return ", ".join(sorted(n for n, e in self.by_name.items() if grant.may_use(e.spec.names))) or "none"
+
     def unknown_model(self, model: str, grant: Grant) -> APIError:
-        known = ", ".join(sorted(n for n, e in self.by_name.items() if grant.may_use(e.spec.names))) or "none"
+        known = self.usable_names(grant)
         return APIError(404, f"The model '{model}' does not exist. Available: {known}", "model_not_found", param="model")
 
     @property

@@ -33,9 +33,8 @@ def default_model(router, grant: Grant) -> str:
     for m in router.roster.models:
         if m.default and grant.may_use(m.names):
             return m.name
-    known = ", ".join(sorted(n for n, e in router.by_name.items() if grant.may_use(e.spec.names))) or "none"
     raise APIError(400, "The request names no 'model' and the roster has no default model (`default: true`). "
-                        f"Name one of: {known}", "missing_model", param="model")
+                        f"Name one of: {router.usable_names(grant)}", "missing_model", param="model")
 
 
 def resolve(router, model: Any, grant: Grant) -> Engine:
