@@ -10,7 +10,7 @@ by the router only and changes in place.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from config.schema import ModelSpec, Roster
 
@@ -68,8 +68,8 @@ class RosterDiff:
 
 
 def diff(old: Roster, current: Mapping[str, ModelSpec], new: Roster) -> RosterDiff:
-    """From `old` (the router-wide sections in force) and `current` (each engine's spec, including
-    one still to be applied and models still draining) to `new`."""
+    """From `old` (the router-wide sections in force) and `current` (each engine's spec as it runs,
+    models still draining included) to `new`."""
     new_names = {m.name for m in new.models}
     added = tuple(m for m in new.models if m.name not in current)
     removed = tuple(name for name in current if name not in new_names)
@@ -77,9 +77,9 @@ def diff(old: Roster, current: Mapping[str, ModelSpec], new: Roster) -> RosterDi
     for spec in new.models:
         if spec.name not in current:
             continue
-        fields = _changed_fields(current[spec.name], spec)
-        if fields:
-            changed.append(ModelChange(spec, fields, _engine_side(fields)))
+        change = model_change(current[spec.name], spec)
+        if change is not None:
+            changed.append(change)
         else:
             unchanged.append(spec.name)
     sections = tuple(s for s in SECTIONS if getattr(old, s) != getattr(new, s))
@@ -88,9 +88,10 @@ def diff(old: Roster, current: Mapping[str, ModelSpec], new: Roster) -> RosterDi
     return RosterDiff(added, removed, tuple(changed), tuple(unchanged), sections, needs_restart)
 
 
-def restarts(running: ModelSpec, new: ModelSpec) -> bool:
-    """Going from `running` to `new` needs a cold restart of the engine."""
-    return _engine_side(_changed_fields(running, new))
+def model_change(running: ModelSpec, new: ModelSpec) -> Optional[ModelChange]:
+    """What going from `running` to `new` changes (None: nothing), and whether it needs a cold restart."""
+    fields = _changed_fields(running, new)
+    return ModelChange(new, fields, _engine_side(fields)) if fields else None
 
 
 def _engine_side(fields: tuple[str, ...]) -> bool:

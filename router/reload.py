@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from config import RosterError, load_roster
-from config.diff import RosterDiff, diff, restarts
+from config.diff import RosterDiff, diff
 from config.schema import Roster
 from router import sizing
 from router.errors import APIError
@@ -58,7 +58,9 @@ class Reloads:
                           trigger, len(exc.issues), source)
                 self.last = {"at": time.time(), "trigger": trigger, "result": "refused", "errors": [str(i) for i in exc.issues]}
                 raise
-            current = {e.name: scheduler.pending_spec.get(e.name, e.spec) for e in router.engines.values()}
+            # Against what runs (an engine waiting for its restart runs its old entry, with the new
+            # router-side keys): what the reload reports is what it does.
+            current = {e.name: e.spec for e in router.engines.values()}
             changes = diff(router.roster, current, new)
             # An engine an earlier reload removed is still in `current` (so adding it back revives it), but not removed again.
             changes = dataclasses.replace(changes, removed=tuple(n for n in changes.removed if not router.engines[n].retiring))
@@ -105,11 +107,14 @@ def apply(router: "Router", new: Roster, changes: RosterDiff, weights: dict[str,
         router.add_engine(router.new_engine(spec))
     for change in changes.changed:
         engine = router.engines[change.name]
-        if restarts(engine.spec, change.spec):  # against what runs: a change back cancels a pending restart
+        if change.restart:
             scheduler.respec(engine, change.spec)
         else:
-            scheduler.pending_spec.pop(engine.name, None)
             engine.adopt(change.spec)
+    restarting = {c.name for c in changes.changed if c.restart}
+    for name in router.engines:  # an engine back to the entry it runs no longer waits for a restart
+        if name not in restarting:
+            scheduler.pending_spec.pop(name, None)
     for spec in new.models:
         if router.engines[spec.name].retiring:  # removed by an earlier reload, back before it stopped
             scheduler.revive(router.engines[spec.name])

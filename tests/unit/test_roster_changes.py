@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from config.diff import diff, restarts, router_side
+from config.diff import diff, model_change, router_side
 from config.schema import ModelSpec
 from engines.engine import State
 from tests.support import sim_roster
@@ -77,7 +77,7 @@ def test_what_an_engine_waiting_for_its_restart_is_judged_by():
     running = ModelSpec(name="a", model="m/a", gate={"prompt": "one", "min_acceptance_ratio": 0.5})
     thresholds_only = ModelSpec(name="a", model="m/a", gate={"prompt": "one", "min_acceptance_ratio": 0.2}, group="g")
     new_canary = ModelSpec(name="a", model="m/b", gate={"prompt": "two", "min_acceptance_ratio": 0.2}, group="g")
-    assert not restarts(running, thresholds_only) and restarts(running, new_canary)
+    assert not model_change(running, thresholds_only).restart and model_change(running, new_canary).restart
     interim = router_side(running, new_canary)
     assert interim.group == "g" and interim.model == "m/a" and interim.gate == running.gate, \
         "its baseline was recorded with its own canary, so the new thresholds wait for the new one"
