@@ -28,6 +28,7 @@ from router.placement import Capacity
 from router.responses import ResponseIds
 from router.scheduler import Scheduler
 from router.tasks import spawn
+from router.upstream import Upstreams
 
 log = logging.getLogger("hotswap")
 
@@ -35,10 +36,10 @@ log = logging.getLogger("hotswap")
 class Router(Observer):
     """The roster made live: engines, their scheduler, and the name -> engine table."""
 
-    def __init__(self, roster: Roster, log_dir: Path, session: aiohttp.ClientSession, proxy_session: aiohttp.ClientSession):
+    def __init__(self, roster: Roster, log_dir: Path, session: aiohttp.ClientSession):
         self.roster = roster
         self.session = session
-        self.proxy_session = proxy_session
+        self.upstreams = Upstreams()  # the proxied requests' connections, a pool per engine URL
         self.metrics = Metrics()
         self.started = int(time.time())
         self.engines: dict[str, Engine] = {m.name: Engine(m, roster.swap, session, log_dir, self) for m in roster.models}
@@ -128,6 +129,7 @@ class Router(Observer):
             task.cancel()
         await self.placement.stop()
         await asyncio.gather(*(e.stop() for e in self.engines.values()), return_exceptions=True)
+        self.upstreams.close_all()
 
     # -- Observer: engines report here --------------------------------------------------------
 
