@@ -74,27 +74,14 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
 
 
 async def _send(pool: Pool, engine: Engine, data: bytes) -> Exchange:
-    """Send the request and wait for the answer's head; once more on a new connection when a
-    pooled one turns out to have been closed by the engine before it read the request."""
-    for fresh in (False, True):
-        try:
-            exchange = await pool.exchange(data, fresh=fresh)
-        except Unreachable as exc:
-            watch.suspect(engine, f"connect: {exc}")
-            raise APIError(502, f"engine '{engine.name}' is unreachable: {exc}", "engine_unreachable") from None
-        try:
-            await exchange.head()
-            return exchange
-        except UpstreamError as exc:
-            exchange.end()
-            if exchange.retryable and not fresh:
-                continue
-            watch.suspect(engine, f"before answering: {exc}")
-            raise APIError(502, f"engine '{engine.name}' failed before answering: {exc}", "engine_error") from None
-        except BaseException:  # cancelled (the client went away): cut the engine's connection, so vLLM aborts
-            exchange.end()
-            raise
-    raise AssertionError("unreachable")
+    try:
+        return await pool.request(data)
+    except Unreachable as exc:
+        watch.suspect(engine, f"connect: {exc}")
+        raise APIError(502, f"engine '{engine.name}' is unreachable: {exc}", "engine_unreachable") from None
+    except UpstreamError as exc:
+        watch.suspect(engine, f"before answering: {exc}")
+        raise APIError(502, f"engine '{engine.name}' failed before answering: {exc}", "engine_error") from None
 
 
 async def _stream(request: web.Request, exchange: Exchange, engine: Engine, sniffer: Optional[StreamSniffer],

@@ -303,13 +303,27 @@ class Pool:
         self.read_timeout = read_timeout
         self.idle: list[Connection] = []
 
-    async def exchange(self, request: bytes, fresh: bool = False) -> Exchange:
-        conn = None if fresh else self._take()
-        if conn is None:
-            conn = await self._connect()
-        exchange = Exchange(conn, self.read_timeout)
-        conn.transport.write(request)  # type: ignore[union-attr]
-        return exchange
+    async def request(self, data: bytes) -> Exchange:
+        """Send a request and wait for its answer's head. Once more on a new connection when a
+        pooled one turns out to have been closed by the engine before it answered a byte: the
+        engine's idle close raced our reuse, so it never took the request."""
+        for fresh in (False, True):
+            conn = None if fresh else self._take()
+            if conn is None:
+                conn = await self._connect()
+            exchange = Exchange(conn, self.read_timeout)
+            conn.transport.write(data)  # type: ignore[union-attr]
+            try:
+                await exchange.head()
+                return exchange
+            except UpstreamError:
+                exchange.end()
+                if not exchange.retryable or fresh:
+                    raise
+            except BaseException:  # cancelled (the client went away): cut the connection, so vLLM aborts
+                exchange.end()
+                raise
+        raise AssertionError("unreachable")
 
     def _take(self) -> Optional[Connection]:
         now = time.monotonic()
