@@ -98,8 +98,8 @@ async def _stream(request: web.Request, exchange: Exchange, engine: Engine, snif
     writer.chunked = False  # type: ignore[attr-defined]  # the relay frames the body; write_eof adds nothing
     try:
         await exchange.relay(relay, writer.drain)
-    except ClientGone:
-        raise ConnectionResetError("the client went away") from None
+    except ClientGone:  # aiohttp cancels this handler for it too (handler_cancellation); nothing left to send
+        return response
     except UpstreamError as exc:
         # Headers are gone already: the error travels in the stream, where the SDK raises it.
         watch.suspect(engine, f"mid-stream: {exc}")

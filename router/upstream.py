@@ -70,6 +70,8 @@ class Connection(asyncio.Protocol):
         self.closed = True
         if self._exchange is not None:
             self._exchange.lost(exc)
+        else:
+            self.pool.discard(self)
 
     def data_received(self, data: bytes) -> None:
         if self._exchange is None:  # nothing was asked: a broken engine; never reuse this one
@@ -353,8 +355,13 @@ class Pool:
         conn.idle_since = time.monotonic()
         self.idle.append(conn)
 
+    def discard(self, conn: Connection) -> None:
+        """An idle connection the engine closed: forget it now, not at the next request (there may be none)."""
+        if conn in self.idle:
+            self.idle.remove(conn)
+
     def close(self) -> None:
-        for conn in self.idle:
+        for conn in list(self.idle):
             conn.abort()
         self.idle.clear()
 

@@ -107,6 +107,28 @@ async def test_a_pooled_connection_the_engine_closed_before_reading_is_retried_o
     script.close()
 
 
+async def test_a_connection_the_engine_closes_while_idle_leaves_the_pool_at_once():
+    async def answer_then_close(n, reader, writer):
+        writer.write(ANSWER)  # keep-alive by its headers, then closed: an engine's idle timeout
+        await writer.drain()
+        return False
+
+    script, pool = await scripted(answer_then_close)
+    first = await pool.request(REQUEST)
+    await first.body()
+    first.end()
+    await eventually(lambda: _empty(pool), timeout=5, what="the closed connection dropped from the pool")
+    second = await pool.request(REQUEST)
+    assert await second.body() == b'{"a":1}'
+    second.end()
+    assert (script.requests, script.connections) == (2, 2)  # no request was sent into the closed one
+    script.close()
+
+
+async def _empty(pool: Pool) -> bool:
+    return not pool.idle
+
+
 async def test_no_retry_once_the_engine_began_to_answer_or_on_a_new_connection():
     async def half_an_answer(n, reader, writer):
         if n == 0:
