@@ -26,6 +26,14 @@ READ_TIMEOUT_S = 600.0  # the longest silence while an answer is awaited (a long
 # so the engine's close and our reuse rarely race (when they do, see `Exchange.retryable`).
 IDLE_S = 4.0
 MAX_IDLE = 256  # connections kept per engine beyond this are closed as they come back
+# Connections being opened to one engine at a time; the rest wait for a turn or a pooled one.
+# An engine's listen backlog (aiohttp's default 128, uvicorn's 2048) bounds its half-open and
+# not-yet-accepted connections; past it, Linux answers a SYN with a cookie, the connect succeeds,
+# the request is written, and the engine's kernel drops it: it sits in TCP retransmission for
+# seconds to minutes, then is answered late, cut by a reset, or timed out. Below any sane
+# backlog, a handshake the engine's full accept queue refuses holds its turn (the kernel
+# retries the SYN) instead of turning into a request nobody reads.
+CONNECTS_AT_ONCE = 16
 PENDING_MAX = 64 * 1024  # a stream's bytes held before the client's head is out: then stop reading
 
 
@@ -304,15 +312,18 @@ class Pool:
         self.netloc = url.netloc
         self.read_timeout = read_timeout
         self.idle: list[Connection] = []
+        self._connecting = asyncio.Semaphore(CONNECTS_AT_ONCE)
 
     async def request(self, data: bytes) -> Exchange:
         """Send a request and wait for its answer's head. Once more on a new connection when a
-        pooled one turns out to have been closed by the engine before it answered a byte: the
-        engine's idle close raced our reuse, so it never took the request."""
+        pooled one turns out to have been closed by the engine before it answered a byte (the
+        engine's idle close raced our reuse, so it never took the request). Never after a new
+        connection's request was written: the engine may have read it, and a generation must
+        not run twice."""
         for fresh in (False, True):
             conn = None if fresh else self._take()
             if conn is None:
-                conn = await self._connect()
+                conn = await self._connect(reuse=not fresh)
             exchange = Exchange(conn, self.read_timeout)
             conn.transport.write(data)  # type: ignore[union-attr]
             try:
@@ -337,10 +348,17 @@ class Pool:
             conn.abort()
         return None
 
-    async def _connect(self) -> Connection:
+    async def _connect(self, reuse: bool) -> Connection:
+        """A new connection, opened in turn (CONNECTS_AT_ONCE); or, if `reuse`, a pooled one that
+        came back while this request waited for its turn."""
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            # The wait for a turn counts: behind an engine that black-holes connects, a request
+            # gets a clean 502 in CONNECT_TIMEOUT_S, not after every connect ahead of it timed out.
+            async with asyncio.timeout(CONNECT_TIMEOUT_S), self._connecting:
+                conn = self._take() if reuse else None
+                if conn is not None:
+                    return conn
                 _, conn = await loop.create_connection(lambda: Connection(self), self.host, self.port)
         except TimeoutError:
             raise Unreachable(f"no connection within {CONNECT_TIMEOUT_S:g} s") from None

@@ -5,12 +5,13 @@ answer, an idle close racing a reuse, a client that stops reading)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import pytest
 
 from router.relay import Relay
-from router.upstream import Pool, UpstreamError
+from router.upstream import CONNECTS_AT_ONCE, Pool, UpstreamError
 from tests.support import eventually
 
 REQUEST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -222,3 +223,60 @@ async def _sink_pair() -> tuple[SlowReader, asyncio.StreamWriter]:
 
 async def _sink() -> asyncio.StreamWriter:
     return (await _sink_pair())[1]
+
+
+
+
+
+async def test_many_new_connections_to_an_engine_slow_to_accept_are_all_answered():
+    """An engine whose loop is busy (it accepts late) and whose listen backlog is short, while the
+    router opens connections for hundreds of concurrent requests: every request gets its answer,
+    none sits unread in the engine's kernel (router.upstream.CONNECTS_AT_ONCE says how one would)."""
+    backlog, clients = 32, 1000
+    assert backlog > CONNECTS_AT_ONCE
+    engine = await asyncio.create_subprocess_exec(sys.executable, "-c", BUSY_ENGINE, str(backlog), stdout=asyncio.subprocess.PIPE)
+    try:
+        port = int(await asyncio.wait_for(engine.stdout.readline(), 10))  # type: ignore[union-attr]
+        pool = Pool(f"http://127.0.0.1:{port}", read_timeout=15)
+
+        async def one() -> bytes:
+            exchange = await pool.request(REQUEST)
+            try:
+                return await exchange.body()
+            finally:
+                exchange.end()
+
+        results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(clients)), return_exceptions=True), 60)
+        pool.close()
+    finally:
+        engine.kill()
+        await asyncio.wait_for(engine.wait(), 10)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, f"{len(failed)} of {clients} failed, e.g. {failed[0]!r}"
+
+
+# A loopback HTTP server in its own process, its loop blocked 5 ms of every 6 (its CPU taken by
+# generation), so accept() lags the router's connects; it prints its port once listening.
+BUSY_ENGINE = f"""
+import asyncio, sys, time
+import uvloop
+
+async def serve(reader, writer):
+    try:
+        while True:
+            await reader.readexactly({len(REQUEST)})
+            writer.write({ANSWER!r})
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, backlog=int(sys.argv[1]))
+    print(server.sockets[0].getsockname()[1], flush=True)
+    while True:
+        time.sleep(0.005)  # the simulated load itself
+        await asyncio.sleep(0.001)
+
+uvloop.run(main())
+"""
