@@ -120,6 +120,7 @@ class Exchange:
         self.complete = False
         self.got_bytes = False  # any byte of the answer: after one, the request is never sent again
         self.lost_early = False  # the engine closed the connection before any byte of the answer
+        self.unsent = False  # the connection was lost before the request was written
         self.error: Optional[UpstreamError] = None
         self.first_body_at: Optional[float] = None
         self._head_done = False
@@ -246,11 +247,18 @@ class Exchange:
 
     # -- what the handler calls ----------------------------------------------------------------
 
+    def send(self, data: bytes) -> None:
+        if self.conn.closed:  # reset between the handshake and this write: connection_lost has passed
+            self.unsent = True
+            self._fail(UpstreamError("the engine closed the connection before the request was sent"))
+            return
+        self.conn.transport.write(data)  # type: ignore[union-attr]
+
     @property
     def retryable(self) -> bool:
-        """The engine closed a pooled connection before reading this request (its idle close
-        raced our reuse): nothing of it was answered, so sending it once more is safe."""
-        return self.conn.reused and self.lost_early
+        """Sending once more is safe: nothing of the request was written, or the engine closed a
+        pooled connection before reading it (its idle close raced our reuse)."""
+        return self.unsent or (self.conn.reused and self.lost_early)
 
     @property
     def content_type(self) -> str:
@@ -317,15 +325,15 @@ class Pool:
     async def request(self, data: bytes) -> Exchange:
         """Send a request and wait for its answer's head. Once more on a new connection when a
         pooled one turns out to have been closed by the engine before it answered a byte (the
-        engine's idle close raced our reuse, so it never took the request). Never after a new
-        connection's request was written: the engine may have read it, and a generation must
-        not run twice."""
+        engine's idle close raced our reuse, so it never took the request), or when a connection
+        was lost before a byte of the request went out. Never after a new connection's request
+        was written: the engine may have read it, and a generation must not run twice."""
         for fresh in (False, True):
             conn = None if fresh else self._take()
             if conn is None:
                 conn = await self._connect(reuse=not fresh)
             exchange = Exchange(conn, self.read_timeout)
-            conn.transport.write(data)  # type: ignore[union-attr]
+            exchange.send(data)
             try:
                 await exchange.head()
                 return exchange
