@@ -47,7 +47,7 @@ async def main(upstream: str, host: str, port: int) -> None:
 
 
 async def serve(app: web.Application, proxy, host: str, port: int) -> None:
-    """Serve the proxy routes until SIGTERM/SIGINT (bench/raw_pipe_proxy.py shares this)."""
+    """Serve the proxy routes until SIGTERM/SIGINT."""
     app.router.add_post("/v1/completions", proxy)
     app.router.add_post("/v1/chat/completions", proxy)
     app.router.add_get("/health", health)

@@ -376,7 +376,7 @@ def start_sim(procs: Processes, tmp: Path) -> tuple[int, int]:
 
 
 def start_script_proxy(procs: Processes, tmp: Path, name: str, script: str, upstream_port: int, upstream_pid: int, note: str) -> Target:
-    """A proxy from bench/ that takes --upstream and --port and answers GET /health (bare_proxy.py, raw_pipe_proxy.py)."""
+    """A proxy from bench/ that takes --upstream and --port and answers GET /health (bare_proxy.py)."""
     port = free_port()
     log = tmp / f"{Path(script).stem}.log"
     proc = procs.start(name, [sys.executable, str(REPO / "bench" / script), "--upstream", f"http://127.0.0.1:{upstream_port}",

@@ -1,4 +1,4 @@
-"""Peer proxies (issue 8): hotswap side by side with nginx, a bare aiohttp proxy, vllm-router and LiteLLM.
+"""Peer proxies (issues 8, 14): hotswap side by side with nginx, a bare aiohttp proxy, vllm-router and LiteLLM.
 
     .venv/bin/python bench/peers.py [--requests N] [--stream-requests N] [--concurrency C] [--reps R] [--peers LIST]
 
@@ -45,18 +45,19 @@ from typing import Optional
 import harness as h  # bench/harness.py: targets, phases, load generator, processes, /proc, report helpers
 from harness import MODEL, MODES, REPO, SIM_FLAGS
 
-SECTION = "## Peer proxies (issue 8)"
+SECTION = "## Peer proxies (issue 14)"
 VENVS = Path(os.environ.get("HOTSWAP_BENCH_VENVS", Path.home() / ".cache" / "hotswap" / "bench-venvs"))
 PIP_PEERS = {  # peer -> (venv dir, pip requirement, console script)
     "vllm-router": ("vllm-router", "vllm-router", "vllm-router"),
     "litellm": ("litellm", "litellm[proxy]", "litellm"),
 }
-ALL_TARGETS = ["direct", "nginx", "bare", "vllm-router", "litellm", "hotswap", "raw", "hotswap-ab"]
-# Opt-in: `raw` (bench/raw_pipe_proxy.py, a prototype) and `hotswap-ab` (hotswap from --ab-src, to A/B a router patch).
-DEFAULT_TARGETS = ALL_TARGETS[:-2]
-TARGET_STREAM_VS_VLLM_ROUTER = 1.0
-TARGET_STREAM_VS_NGINX = 1.5
-TARGET_NONSTREAM_VS_BARE = 1.2
+ALL_TARGETS = ["direct", "nginx", "bare", "vllm-router", "litellm", "hotswap", "hotswap-ab"]
+# Opt-in: `hotswap-ab` (hotswap from --ab-src, to A/B a router patch).
+DEFAULT_TARGETS = ALL_TARGETS[:-1]
+# issue 14's targets (issue 8's were 1.0, 1.5 and 1.2)
+TARGET_STREAM_VS_VLLM_ROUTER = 0.9
+TARGET_STREAM_VS_NGINX = 1.25
+TARGET_NONSTREAM_VS_BARE = 0.9
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,12 +189,6 @@ def start_nginx(procs: h.Processes, tmp: Path, upstream: int, install: bool, ver
     return h.Target("nginx", f"http://127.0.0.1:{port}", proc.pid, 0,
                     note="worker_processes 1, proxy_buffering off, proxy_request_buffering off, proxy_http_version 1.1, "
                          "upstream keepalive 128, access_log off")
-
-
-def start_raw(procs: h.Processes, tmp: Path, upstream: int) -> h.Target:
-    return h.start_script_proxy(procs, tmp, "raw", "raw_pipe_proxy.py", upstream, 0,
-                                "bench/raw_pipe_proxy.py, a prototype: aiohttp server, raw asyncio upstream pool, chunked bytes "
-                                "forwarded from data_received without re-encoding")
 
 
 def start_vllm_router(procs: h.Processes, tmp: Path, upstream: int, install: bool, versions: dict) -> h.Target:
@@ -329,23 +324,14 @@ def report(phases: list[h.Phase], targets: list[h.Target], unavailable: dict[str
         verdict.append(f"- {label}: hotswap ÷ {b} = **{r:.2f}×** (per rep {', '.join(f'{x:.2f}' for x in per)}), "
                        f"target ≤ {limit:g}×: **{'met' if r <= limit else 'missed'}**.")
 
-    check("stream, at or below vllm-router", "hotswap", "vllm-router", "stream", TARGET_STREAM_VS_VLLM_ROUTER)
-    check("stream, within 1.5× nginx", "hotswap", "nginx", "stream", TARGET_STREAM_VS_NGINX)
-    check("non-stream, within 1.2× the bare proxy", "hotswap", "bare", "non-stream", TARGET_NONSTREAM_VS_BARE)
+    check("stream, at most 0.9× vllm-router", "hotswap", "vllm-router", "stream", TARGET_STREAM_VS_VLLM_ROUTER)
+    check("stream, within 1.25× nginx", "hotswap", "nginx", "stream", TARGET_STREAM_VS_NGINX)
+    check("non-stream, at most 0.9× the bare proxy", "hotswap", "bare", "non-stream", TARGET_NONSTREAM_VS_BARE)
     if "hotswap-ab" in names:
         for mode in modes:
             r, per = ratio("hotswap-ab", "hotswap", mode)
             if r is not None:
                 verdict.append(f"- A/B, {mode}: hotswap-ab ÷ hotswap = {r:.2f}× (per rep {', '.join(f'{x:.2f}' for x in per)}).")
-    if "raw" in names:  # the prototype: what a protocol-level pipe would give hotswap's forward path
-        for mode in modes:
-            parts = []
-            for other in ("nginx", "bare", "hotswap"):
-                r, per = ratio("raw", other, mode)
-                if r is not None:
-                    parts.append(f"÷ {other} {r:.2f}× ({', '.join(f'{x:.2f}' for x in per)})")
-            if parts:
-                verdict.append(f"- prototype `raw` (bench/raw_pipe_proxy.py), {mode}: " + "; ".join(parts) + ".")
     ticks = [p.proxy_us * p.ok / 1e6 * h.CLK_TCK for p in phases if p.proxy_us]
     if ticks:
         verdict.append(f"- CPU resolution: {1e3 / h.CLK_TCK:g} ms ticks; the smallest proxy CPU in one phase was {min(ticks):.0f} ticks "
@@ -417,7 +403,6 @@ def main(argv: list[str]) -> int:
             "vllm-router": lambda: start_vllm_router(procs, tmp, sim_port, not args.no_install, versions),
             "litellm": lambda: start_litellm(procs, tmp, sim_port, not args.no_install, versions),
             "hotswap": lambda: start_hotswap(procs, tmp, sim_port, key, args.router_src),
-            "raw": lambda: start_raw(procs, tmp, sim_port),
             "hotswap-ab": lambda: start_hotswap(procs, tmp, sim_port, key, args.ab_src, "hotswap-ab"),
         }
         targets = []

@@ -229,10 +229,9 @@ async def run_policy(policy: str, trace: list[Req], args: argparse.Namespace, tm
     log_dir.mkdir()
     deadline = time.monotonic() + args.max_seconds
     async with aiohttp.ClientSession() as session, \
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as proxy_session, \
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                   timeout=aiohttp.ClientTimeout(total=MAX_WAIT_S * scale + 60)) as client:
-        router = Router(spec, log_dir, session, proxy_session)
+        router = Router(spec, log_dir, session)
         scheduler = router.placement
         scheduler.demand = Demand(DEMAND_TAU_S * scale)
         if policy == "lru":

@@ -10,6 +10,7 @@ import collections
 import logging
 import time
 from pathlib import Path
+from typing import Optional
 
 import aiohttp
 from aiohttp import web
@@ -29,6 +30,7 @@ from router.reload import Reloads
 from router.responses import ResponseIds
 from router.scheduler import Scheduler
 from router.tasks import spawn
+from router.upstream import Upstreams
 
 log = logging.getLogger("hotswap")
 
@@ -36,11 +38,11 @@ log = logging.getLogger("hotswap")
 class Router(Observer, Events):
     """The roster made live: engines, their scheduler, and the name -> engine table."""
 
-    def __init__(self, roster: Roster, log_dir: Path, session: aiohttp.ClientSession, proxy_session: aiohttp.ClientSession):
+    def __init__(self, roster: Roster, log_dir: Path, session: aiohttp.ClientSession):
         self.roster = roster
         self.log_dir = log_dir
         self.session = session
-        self.proxy_session = proxy_session
+        self.upstreams = Upstreams()  # the proxied requests' connections, a pool per engine URL
         self.metrics = Metrics()
         self.started = int(time.time())
         self.engines: dict[str, Engine] = {m.name: self.new_engine(m) for m in roster.models}
@@ -148,6 +150,7 @@ class Router(Observer, Events):
             task.cancel()
         await self.placement.stop()
         await asyncio.gather(*(e.stop() for e in self.engines.values()), return_exceptions=True)
+        self.upstreams.close_all()
 
     # -- Observer: engines report here --------------------------------------------------------
 
@@ -182,6 +185,12 @@ class Router(Observer, Events):
     def retired(self, engine: Engine) -> None:
         self.engines.pop(engine.name, None)
         self.verdicts.pop(engine.name, None)
+        if engine.client is not None:
+            self.upstreams.close(engine.client.base_url)
+
+    def replaced(self, engine: Engine, old_url: Optional[str]) -> None:
+        if old_url is not None:  # its process is gone, and so are the pooled connections to it
+            self.upstreams.close(old_url)
 
 
 def build_app(router: Router) -> web.Application:

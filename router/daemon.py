@@ -67,10 +67,9 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
     loop.add_signal_handler(signal.SIGUSR1, log_tasks)
 
-    # Control calls carry their own per-call timeouts; proxied generations may run long,
-    # so their session has no total limit (proxy.UPSTREAM_TIMEOUT bounds connect and read gaps).
-    async with aiohttp.ClientSession() as session, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as proxy_session:
-        router = Router(roster, log_dir, session, proxy_session)
+    # Control calls carry their own per-call timeouts; proxied requests go through router.upstream.
+    async with aiohttp.ClientSession() as session:
+        router = Router(roster, log_dir, session)
         runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port)

@@ -78,12 +78,12 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
         try:
             if route.multipart:
                 model = form.value("model")
-                data = form.encode(model if model in engine.served_names else engine.served_name)
-                response = await forward(request, router.proxy_session, engine, route.path, data, content_type=None,
+                form_type, data = await form.encode(model if model in engine.served_names else engine.served_name)
+                response = await forward(request, router.upstreams, engine, route.path, data, content_type=form_type,
                                          prepared=prepared)
             else:
                 kw = _pinning(request, engine, body) if route.creates_response else {}
-                response = await forward(request, router.proxy_session, engine, route.path, json_for(engine, body, request["raw_body"]),
+                response = await forward(request, router.upstreams, engine, route.path, json_for(engine, body, request["raw_body"]),
                                          prepared=prepared, anthropic=route.anthropic, **kw)
         except APIError as exc:
             if prepared is None:
@@ -155,8 +155,8 @@ async def response_pinned(request: web.Request) -> web.StreamResponse:
         scheduler = router.scheduler(engine)
         await scheduler.acquire(engine, max_wait_s=max_wait(request))
         try:
-            response = await forward(request, router.proxy_session, engine, path + ("?" + "&".join(
-                f"{k}={quote(v, safe='')}" for k, v in params.items()) if params else ""), None,
+            response = await forward(request, router.upstreams, engine, path + ("?" + "&".join(
+                f"{k}={quote(v, safe='')}" for k, v in params.items()) if params else ""),
                 method="POST" if cancel else "GET", content_type=None)
         finally:
             scheduler.release(engine)

@@ -37,8 +37,8 @@ class Form:
                 return part.data.decode("utf-8", "replace")
         return None
 
-    def encode(self, model: str) -> aiohttp.FormData:
-        """The form for the engine: every part as received, `model` replaced (or added)."""
+    async def encode(self, model: str) -> tuple[str, bytes]:
+        """The form for the engine (its Content-Type and body): every part as received, `model` replaced (or added)."""
         form = aiohttp.FormData(quote_fields=False)
         for part in self.parts:
             if part.name == "model" and part.filename is None:
@@ -49,7 +49,8 @@ class Form:
             else:
                 form.add_field(part.name, part.data.decode("utf-8", "replace"))
         form.add_field("model", model)
-        return form
+        payload = form()
+        return payload.content_type, await payload.as_bytes()
 
 
 async def read_form(request: web.Request, limit: int) -> Form:

@@ -1,27 +1,28 @@
 """Forward one request to the engine that holds its lease.
 
-Streams pass through chunk by chunk as they arrive. If the client goes away, the upstream
-connection is closed at once, which makes vLLM abort the generation. When the router has
+The request goes out as raw bytes on a pooled keep-alive connection (router.upstream); a
+stream's bytes pass through as the engine framed them (router.relay), with back-pressure; other
+answers are read whole. If the client goes away, the upstream connection is cut at once, which
+makes vLLM abort the generation. When the router has
 already sent a stream's headers (keep-alive comments while the request waited for a swap),
 the engine's answer must travel inside that stream, errors included.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any, Callable, Optional
 
-import aiohttp
 from aiohttp import web
 
 from engines import watch
 from engines.engine import Engine
 from router.errors import APIError, sse_error
+from router.relay import Relay
 from router.responses import StreamSniffer
+from router.upstream import ClientGone, Exchange, Pool, Unreachable, UpstreamError, Upstreams
 
-UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -33,68 +34,79 @@ def json_for(engine: Engine, body: dict[str, Any], raw: bytes) -> bytes:
     return raw
 
 
-async def forward(request: web.Request, session: aiohttp.ClientSession, engine: Engine, path: str, data: Any, *,
+def request_bytes(method: str, path: str, pool: Pool, headers: dict[str, str], content_type: Optional[str],
+                  body: bytes) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {pool.netloc}"]
+    # The client's Authorization is never forwarded; the engine gets its own key, if it has one.
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    if content_type:
+        lines.append(f"Content-Type: {content_type}")
+    if body or method == "POST":
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, path: str, body: bytes = b"", *,
                   method: str = "POST", content_type: Optional[str] = "application/json",
                   on_answer: Optional[Callable[[bytes], None]] = None, sniffer: Optional[StreamSniffer] = None,
                   prepared: Optional[web.StreamResponse] = None, anthropic: bool = False) -> web.StreamResponse:
     client = engine.client
     if client is None:  # a lease implies a started engine; say so rather than crash if that ever breaks
         raise APIError(502, f"engine '{engine.name}' has no address yet", "engine_unreachable")
+    pool = upstreams.pool(client.base_url)
+    exchange = await _send(pool, engine, request_bytes(method, path, pool, client.headers, content_type, body))
     try:
-        # The client's Authorization is never forwarded; the engine gets its own key, if it has one.
-        headers = {"Content-Type": content_type, **client.headers} if content_type else client.headers
-        upstream = await session.request(method, client.base_url + path, data=data, headers=headers, timeout=UPSTREAM_TIMEOUT)
-    except aiohttp.ClientConnectorError as exc:
-        watch.suspect(engine, f"connect: {exc.os_error or exc}")
-        raise APIError(502, f"engine '{engine.name}' is unreachable: {exc.os_error or exc}", "engine_unreachable") from None
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        watch.suspect(engine, f"before answering: {exc!r}")
-        raise APIError(502, f"engine '{engine.name}' failed before answering: {exc!r}", "engine_error") from None
-    try:
-        answer_type = upstream.headers.get("Content-Type", "application/json")
-        if answer_type.startswith("text/event-stream"):
-            return await _stream(request, upstream, engine, answer_type, sniffer, prepared, anthropic)
+        if exchange.stream:
+            return await _stream(request, exchange, engine, sniffer, prepared, anthropic)
         try:
-            payload = await upstream.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            watch.suspect(engine, f"while answering: {exc!r}")
-            raise APIError(502, f"engine '{engine.name}' failed while answering: {exc!r}", "engine_error") from None
+            payload = await exchange.body()
+        except UpstreamError as exc:
+            watch.suspect(engine, f"while answering: {exc}")
+            raise APIError(502, f"engine '{engine.name}' failed while answering: {exc}", "engine_error") from None
         request["first_byte_at"] = time.monotonic()
         if prepared is not None:
-            return await _inside_stream(prepared, upstream.status, payload, anthropic)
-        if on_answer is not None and upstream.status < 300:
+            return await _inside_stream(prepared, exchange.status, payload, anthropic)
+        if on_answer is not None and exchange.status < 300:
             on_answer(payload)
-        return web.Response(status=upstream.status, body=payload, headers={"Content-Type": answer_type})
+        return web.Response(status=exchange.status, body=payload, headers={"Content-Type": exchange.content_type})
     finally:
-        # close(), not release(): an unfinished upstream must be cut, not returned to the pool
-        upstream.close()
+        exchange.end()
 
 
-async def _stream(request: web.Request, upstream: aiohttp.ClientResponse, engine: Engine, content_type: str,
-                  sniffer: Optional[StreamSniffer], prepared: Optional[web.StreamResponse], anthropic: bool) -> web.StreamResponse:
+async def _send(pool: Pool, engine: Engine, data: bytes) -> Exchange:
+    try:
+        return await pool.request(data)
+    except Unreachable as exc:
+        watch.suspect(engine, f"connect: {exc}")
+        raise APIError(502, f"engine '{engine.name}' is unreachable: {exc}", "engine_unreachable") from None
+    except UpstreamError as exc:
+        watch.suspect(engine, f"before answering: {exc}")
+        raise APIError(502, f"engine '{engine.name}' failed before answering: {exc}", "engine_error") from None
+
+
+async def _stream(request: web.Request, exchange: Exchange, engine: Engine, sniffer: Optional[StreamSniffer],
+                  prepared: Optional[web.StreamResponse], anthropic: bool) -> web.StreamResponse:
     response = prepared
     if response is None:
-        response = web.StreamResponse(status=upstream.status, headers={**SSE_HEADERS, "Content-Type": content_type})
+        response = web.StreamResponse(status=exchange.status, headers={**SSE_HEADERS, "Content-Type": exchange.content_type})
         await response.prepare(request)
-    chunks = upstream.content.iter_any()
+    writer, transport = request.writer, request.transport
+    if transport is None or transport.is_closing():
+        raise ConnectionResetError("the client went away")
+    writer.send_headers()  # type: ignore[attr-defined]
+    relay = Relay(transport, writer.chunked, exchange.chunked, sniffer)  # type: ignore[attr-defined]
+    writer.chunked = False  # type: ignore[attr-defined]  # the relay frames the body; write_eof adds nothing
     try:
-        first = await chunks.__anext__()
-        request["first_byte_at"] = time.monotonic()  # for TTFB; kept off the per-chunk path below
-        await response.write(first)
-        if sniffer is not None:  # Responses only: the id is in the first event; chat streams never pay for this
-            sniffer.feed(first)
-            while not sniffer.done:
-                chunk = await chunks.__anext__()
-                sniffer.feed(chunk)
-                await response.write(chunk)
-        async for chunk in chunks:
-            await response.write(chunk)
-    except StopAsyncIteration:  # an empty stream, or one that ended while sniffing: nothing more to forward
-        pass
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, asyncio.TimeoutError) as exc:
+        await exchange.relay(relay, writer.drain)
+    except ClientGone:  # aiohttp cancels this handler for it too (handler_cancellation); nothing left to send
+        return response
+    except UpstreamError as exc:
         # Headers are gone already: the error travels in the stream, where the SDK raises it.
-        watch.suspect(engine, f"mid-stream: {exc!r}")
-        await response.write(sse_error(f"engine '{engine.name}' failed mid-stream: {exc!r}", "engine_error", anthropic=anthropic))
+        watch.suspect(engine, f"mid-stream: {exc}")
+        relay.end_with_error(sse_error(f"engine '{engine.name}' failed mid-stream: {exc}", "engine_error", anthropic=anthropic))
+    else:
+        relay.end()
+    request["first_byte_at"] = exchange.first_body_at or time.monotonic()
     await response.write_eof()
     return response
 
