@@ -20,6 +20,12 @@ from aiohttp import web
 from config.schema import Roster
 from router.app import Router, build_app
 
+# Clients that open hundreds of connections at once (an agent fleet, a load balancer's warm-up)
+# overflow a short accept queue; past it Linux answers with SYN cookies, the client's request is
+# dropped by our kernel and sits in TCP retransmission for seconds. uvicorn's (so vLLM's) 2048;
+# the kernel caps it at net.core.somaxconn.
+BACKLOG = 2048
+
 log = logging.getLogger("hotswap")
 
 
@@ -72,7 +78,7 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
         router = Router(roster, log_dir, session)
         runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, backlog=BACKLOG)
         try:
             await site.start()
         except OSError as exc:
