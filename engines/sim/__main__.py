@@ -313,7 +313,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
     )
     await runner.setup()
     try:
-        await web.TCPSite(runner, args.host, args.port).start()
+        await web.TCPSite(runner, args.host, args.port, backlog=2048).start()  # uvicorn's, so vLLM's
     except OSError as e:
         print(f"ERROR:    [Errno {e.errno}] error while attempting to bind on address ({args.host!r}, {args.port}): {e.strerror}", file=sys.stderr, flush=True)
         await runner.cleanup()
