@@ -1,6 +1,6 @@
 """Forward one request to the engine that holds its lease.
 
-The request goes out as raw bytes on a pooled keep-alive connection (router.upstream); a
+The request goes out as raw bytes on a pooled keep-alive connection (router.upstream, router.exchange); a
 stream's bytes pass through as the engine framed them (router.relay), with back-pressure; other
 answers are read whole. If the client goes away, the upstream connection is cut at once, which
 makes vLLM abort the generation. When the router has
@@ -21,7 +21,8 @@ from engines.engine import Engine
 from router.errors import APIError, sse_error
 from router.relay import Relay
 from router.responses import StreamSniffer
-from router.upstream import ClientGone, Exchange, Pool, Unreachable, UpstreamError, Upstreams
+from router.exchange import ClientGone, Exchange, Unreachable, UpstreamError
+from router.upstream import Pool, Upstreams
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -1,5 +1,5 @@
 """A streamed answer on its way to the client: the engine's bytes written to the client's socket
-from the upstream connection's callback (router.upstream), framed once.
+from the upstream connection's callback (router.exchange), framed once.
 
 When the engine chunks its answer and the client speaks HTTP/1.1 (always, in practice), the
 engine's chunked bytes are already valid framing for the client: they go out as received,

@@ -14,7 +14,8 @@ import pytest
 from config.schema import ModelSpec
 from router.app import Router
 from router.relay import Relay
-from router.upstream import CONNECTS_AT_ONCE, Pool, UpstreamError
+from router.exchange import UpstreamError
+from router.upstream import CONNECTS_AT_ONCE, Pool
 from tests.support import eventually, sim_roster
 
 REQUEST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -229,6 +230,51 @@ async def _sink() -> asyncio.StreamWriter:
 
 
 
+
+
+async def test_a_connection_given_back_goes_to_the_request_that_waited_longest_not_to_a_newcomer():
+    """Under a burst, connections come back faster than new ones open: a request that arrives
+    later must not take one ahead of a request already waiting for its connect."""
+    held = asyncio.Event()
+
+    async def first_answer_held(n, reader, writer):
+        if n == 0:
+            await held.wait()
+        writer.write(ANSWER)
+        return True
+
+    script, pool = await scripted(first_answer_held)
+    first = asyncio.create_task(pool.request(REQUEST))
+    await eventually(lambda: script.requests == 1, what="the first request reached the engine")
+    connects = asyncio.Event()  # from here on, a new connection takes until this is set: an engine slow to accept
+    open_now = pool._open
+
+    async def slow_open():
+        await connects.wait()
+        return await open_now()
+
+    pool._open = slow_open  # type: ignore[method-assign]
+    finished: list[str] = []
+
+    async def one(name: str) -> None:
+        exchange = await pool.request(REQUEST)
+        await exchange.body()
+        exchange.end()
+        finished.append(name)
+
+    waiting = asyncio.create_task(one("waiting"))
+    await eventually(lambda: len(pool._line) == 1, what="a request waits in line")
+    held.set()
+    head = await first
+    await head.body()
+    head.end()  # the first connection is free again
+    newcomer = asyncio.create_task(one("newcomer"))
+    await asyncio.wait_for(waiting, 5)
+    connects.set()
+    await asyncio.wait_for(newcomer, 5)
+    assert finished == ["waiting", "newcomer"]
+    pool.close()
+    script.close()
 
 
 async def test_many_new_connections_to_an_engine_slow_to_accept_are_all_answered():

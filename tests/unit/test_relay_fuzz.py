@@ -1,4 +1,4 @@
-"""Fuzzing the stream relay (router.upstream + router.relay) with httptools as the oracle.
+"""Fuzzing the stream relay (router.exchange + router.relay) with httptools as the oracle.
 
 An engine's chunked answer (random chunk sizes, chunk extensions, trailers), cut into random
 receive blocks, maybe truncated anywhere: the client's bytes parse (by httptools, the parser
@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.relay import Relay
-from router.upstream import Connection, Pool, UpstreamError
+from router.exchange import Connection, Exchange, UpstreamError
+from router.upstream import Pool
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 CLIENT_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -104,7 +105,6 @@ async def relay_blocks(blocks: list[bytes], lost: bool, chunked_in: bool = True)
     `lost`), relay the stream to a client; returns the client's transport and the error, if any."""
     conn = Connection(Pool("http://127.0.0.1:9"))
     conn.connection_made(UpstreamTransport(conn))  # type: ignore[arg-type]
-    from router.upstream import Exchange
     exchange = Exchange(conn, read_timeout=30)
     client = ClientTransport()
     error: list[UpstreamError] = []
