@@ -361,7 +361,7 @@ def report(phases: list[h.Phase], targets: list[h.Target], unavailable: dict[str
     if unavailable:
         head += ["Not measured:", ""] + [f"- **{n}**: " + msg.replace("\n", "\n  ") for n, msg in unavailable.items()] + [""]
     return "\n".join(head + rows + ["", "Proxy CPU per request (mean, and each rep):", ""] + summary + lat + rss
-                     + ["", "Targets (issue 8):", ""] + verdict) + "\n"
+                     + ["", "Targets (issue 14):", ""] + verdict) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------
