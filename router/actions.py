@@ -48,9 +48,6 @@ class Events:
     def retired(self, engine: Engine) -> None:
         """An engine that left the roster has stopped and is no longer scheduled."""
 
-    def replaced(self, engine: Engine, old_url: Optional[str]) -> None:
-        """A changed roster entry stopped an engine's process (at `old_url`) to start it anew."""
-
 
 class Actions:
     # -- boot --------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ import collections
 import logging
 import time
 from pathlib import Path
-from typing import Optional
 
 import aiohttp
 from aiohttp import web
@@ -156,6 +155,11 @@ class Router(Observer, Events):
 
     def state_changed(self, engine: Engine, old: State, new: State) -> None:
         self.metrics.state_changed(engine, old, new)
+        if new is State.COLD and engine.client is not None:
+            # Its process is stopping (a stop, a restart, a reload's retire or respec), and a new boot
+            # may take another port: keeping these connections would only leak them, and an
+            # attached (`url:`) engine outlives its entry and would hold them open.
+            self.upstreams.close(engine.client.base_url)
         if new is State.FAILED:
             self.scheduler(engine).poke()
 
@@ -185,12 +189,6 @@ class Router(Observer, Events):
     def retired(self, engine: Engine) -> None:
         self.engines.pop(engine.name, None)
         self.verdicts.pop(engine.name, None)
-        if engine.client is not None:
-            self.upstreams.close(engine.client.base_url)
-
-    def replaced(self, engine: Engine, old_url: Optional[str]) -> None:
-        if old_url is not None:  # its process is gone, and so are the pooled connections to it
-            self.upstreams.close(old_url)
 
 
 def build_app(router: Router) -> web.Application:

@@ -86,9 +86,7 @@ class RosterChanges:
         engine.restarts["roster"] += 1
         engine.observer.restarted(engine, "roster")
         await engine.stop()
-        old_url = engine.client.base_url if engine.client else None
         engine.respec(spec)
-        self.events.replaced(engine, old_url)
         self.residuals.pop(engine.name, None)
         self.costs.forget(engine.name)  # they were another model's, or other flags'
         self.handled.discard(engine.name)

@@ -176,7 +176,7 @@ class Pool:
             opener.cancel()
         for turn in self._line:
             if not turn.done():
-                turn.set_exception(Unreachable("the engine was removed"))
+                turn.set_exception(Unreachable("the engine was stopped"))
         self._line.clear()
         for conn in list(self.idle):
             conn.abort()

@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from config.schema import ModelSpec
+from engines.states import State
 from router.app import Router
 from router.relay import Relay
 from router.exchange import UpstreamError
@@ -333,8 +334,9 @@ uvloop.run(main())
 
 @pytest.mark.parametrize("change", ["removed", "changed"])
 async def test_an_engine_that_leaves_the_roster_or_restarts_from_a_changed_entry_has_its_pooled_connections_closed(change, tmp_path):
-    """An attached engine (`url:`) outlives its roster entry: without this, the router would hold
-    keep-alive connections to it until the engine's own idle timeout, however long that is."""
+    """An engine's pool is closed when the engine stops. An attached engine (`url:`) outlives its
+    roster entry: otherwise the router would hold keep-alive connections to it until the
+    engine's own idle timeout, however long that is."""
     async def answer(n, reader, writer):
         writer.write(ANSWER)
         return True
@@ -349,6 +351,8 @@ async def test_an_engine_that_leaves_the_roster_or_restarts_from_a_changed_entry
         exchange.end()
         assert len(router.upstreams.pool(url).idle) == 1
         engine = router.engines["ext"]
+        engine._enter(State.BOOTING)  # as if booted: the connection above is one a request left behind
+        engine._enter(State.AWAKE)
         if change == "removed":
             router.placement.retire(engine)
             await router.placement._retire(engine)
