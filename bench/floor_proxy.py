@@ -21,10 +21,10 @@ import httptools
 import uvloop
 from bare_proxy import cli  # bench/bare_proxy.py: the same command line
 
-from router.exchange import UpstreamError
-from router.proxy import request_bytes
-from router.relay import Relay
-from router.upstream import Pool
+from router.proxy.exchange import UpstreamError
+from router.proxy.forward import request_bytes
+from router.proxy.relay import Relay
+from router.proxy.upstream import Pool
 
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")

@@ -214,9 +214,9 @@ async def run_policy(policy: str, trace: list[Req], args: argparse.Namespace, tm
 
     from config import parse_roster
     from engines.engine import State
-    from router import costs
+    from router.scheduling import costs
     from router.app import Router, build_app
-    from router.estimates import DEMAND_TAU_S, Demand
+    from router.scheduling.estimates import DEMAND_TAU_S, Demand
 
     scale = args.time_scale
     costs.REUSE_HORIZON_S = 60.0 * scale  # module constants, read at call time; same for every policy

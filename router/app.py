@@ -1,6 +1,6 @@
 """The roster made live (the composition root): engines, the scheduler that places them, the name ->
 engine table, the observer that turns what engines do into metrics and logs, and the aiohttp
-app that serves it all (routes in `router.handlers`, keys in `router.auth`).
+app that serves it all (routes in `router.admin.handlers`, keys in `router.auth`).
 """
 
 from __future__ import annotations
@@ -19,17 +19,19 @@ from engines import watch
 from engines.client import EngineError
 from engines.engine import Engine, Observer, State
 from engines.gate import Verdict
-from router import endpoints, handlers, routes, sizing
+from router.admin import handlers
+from router.proxy import endpoint, routes
+from router.scheduling import sizing
 from router.auth import auth_middleware
 from router.errors import APIError
 from router.keys import EVERYTHING, Grant, KeyTable
-from router.actions import Events, SwapRecord
+from router.scheduling.actions import Events, SwapRecord
 from router.metrics import Metrics
-from router.reload import Reloads
-from router.responses import ResponseIds
-from router.scheduler import Scheduler
+from router.admin.reload import Reloads
+from router.proxy.responses import ResponseIds
+from router.scheduling.scheduler import Scheduler
 from router.tasks import spawn
-from router.upstream import Upstreams
+from router.proxy.upstream import Upstreams
 
 log = logging.getLogger("hotswap")
 
@@ -198,11 +200,11 @@ def build_app(router: Router) -> web.Application:
         client_max_size=int(roster.listen.max_body_mb * 1024 * 1024),
     )
     app[handlers.ROUTER_KEY] = router
-    app[endpoints.RESPONSE_IDS_KEY] = ResponseIds()
+    app[endpoint.RESPONSE_IDS_KEY] = ResponseIds()
     for route in routes.PROXIED:
-        app.router.add_post(route.path, endpoints.proxy_endpoint)
-    app.router.add_get("/v1/responses/{response_id}", endpoints.response_pinned)
-    app.router.add_post("/v1/responses/{response_id}/cancel", endpoints.response_pinned)
+        app.router.add_post(route.path, endpoint.proxy_endpoint)
+    app.router.add_get("/v1/responses/{response_id}", endpoint.response_pinned)
+    app.router.add_post("/v1/responses/{response_id}/cancel", endpoint.response_pinned)
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/v1/models/{model_id:.+}", handlers.get_model)
     app.router.add_get("/health", handlers.health)

@@ -1,4 +1,4 @@
-"""Who may call what: client keys on /v1/* and every proxied route (`router.routes`), the admin
+"""Who may call what: client keys on /v1/* and every proxied route (`router.proxy.routes`), the admin
 key on /admin/* and /ui (loopback-only without one). Each client key's scope (`router.keys`) is
 left on the request for the handlers: a model outside it is answered as one that does not exist.
 
@@ -17,7 +17,7 @@ from aiohttp import web
 
 from router.errors import APIError, anthropic_path, error_response
 from router.keys import EVERYTHING, Grant, KeyTable
-from router.routes import CLIENT_PATHS
+from router.proxy.routes import CLIENT_PATHS
 
 
 GRANT = "hotswap.grant"  # request[GRANT]: the Grant of the client key on /v1/* and the proxied routes

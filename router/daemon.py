@@ -1,5 +1,5 @@
 """`hotswap serve`: listen, boot the engines, serve until SIGTERM/SIGINT, then drain and stop;
-SIGHUP re-reads the roster (`router.reload`)."""
+SIGHUP re-reads the roster (`router.admin.reload`)."""
 
 from __future__ import annotations
 

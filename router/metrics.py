@@ -15,8 +15,8 @@ from prometheus_client.registry import Collector
 
 from engines.engine import Engine, Observer, State
 from engines.gate import Verdict
-from router import placement
-from router.actions import Events, SwapRecord
+from router.scheduling import placement
+from router.scheduling.actions import Events, SwapRecord
 
 if TYPE_CHECKING:
     from router.app import Router

@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from router.status_cli import render
+from router.cli.status import render
 from tests.support import RouterProcess, ask, client, eventually, http, pid_alive, roster_dict, sim_model
 
 

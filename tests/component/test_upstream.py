@@ -1,4 +1,4 @@
-"""The router's upstream connections (router.upstream, router.relay) against scripted HTTP
+"""The router's upstream connections (router.proxy.upstream, router.proxy.relay) against scripted HTTP
 servers on loopback: the behaviours an engine cannot be made to show on demand (a silent
 answer, an idle close racing a reuse, a client that stops reading)."""
 
@@ -14,9 +14,9 @@ import pytest
 from config.schema import ModelSpec
 from engines.states import State
 from router.app import Router
-from router.relay import Relay
-from router.exchange import UpstreamError
-from router.upstream import CONNECTS_AT_ONCE, Pool
+from router.proxy.relay import Relay
+from router.proxy.exchange import UpstreamError
+from router.proxy.upstream import CONNECTS_AT_ONCE, Pool
 from tests.support import eventually, sim_roster
 
 REQUEST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -281,7 +281,7 @@ async def test_a_connection_given_back_goes_to_the_request_that_waited_longest_n
 async def test_many_new_connections_to_an_engine_slow_to_accept_are_all_answered():
     """An engine whose loop is busy (it accepts late) and whose listen backlog is short, while the
     router opens connections for hundreds of concurrent requests: every request gets its answer,
-    none sits unread in the engine's kernel (router.upstream.CONNECTS_AT_ONCE says how one would)."""
+    none sits unread in the engine's kernel (router.proxy.upstream.CONNECTS_AT_ONCE says how one would)."""
     backlog, clients = 32, 1000
     assert backlog > CONNECTS_AT_ONCE
     engine = await asyncio.create_subprocess_exec(sys.executable, "-c", BUSY_ENGINE, str(backlog), stdout=asyncio.subprocess.PIPE)

@@ -15,9 +15,9 @@ import httptools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.relay import Relay
-from router.exchange import Connection, Exchange, UpstreamError
-from router.upstream import Pool
+from router.proxy.relay import Relay
+from router.proxy.exchange import Connection, Exchange, UpstreamError
+from router.proxy.upstream import Pool
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 CLIENT_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from router.responses import ResponseIds, StreamSniffer, id_in_answer
+from router.proxy.responses import ResponseIds, StreamSniffer, id_in_answer
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""The proxied routes (see `router.routes`): pick the engine, take a lease, forward, release.
+"""The proxied routes (see `router.proxy.routes`): pick the engine, take a lease, forward, release.
 
 Every route goes through the same queue, lease and gate as chat completions: a request for
 a parked model wakes it. The engine comes from `router.lookup` (roster names and aliases),
@@ -17,14 +17,14 @@ from urllib.parse import quote
 from aiohttp import web
 
 from engines.engine import Engine
-from router import keepalive, multipart, routes
+from router.proxy import keepalive, multipart, routes
 from router.auth import grant_of
 from router.errors import APIError, sse_error
-from router.handlers import ROUTER_KEY, max_wait
+from router.admin.handlers import ROUTER_KEY, max_wait
 from router.keys import Grant
 from router.metrics import UNKNOWN_MODEL
-from router.proxy import forward, json_for
-from router.responses import ResponseIds, StreamSniffer, id_in_answer
+from router.proxy.forward import forward, json_for
+from router.proxy.responses import ResponseIds, StreamSniffer, id_in_answer
 
 RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
 

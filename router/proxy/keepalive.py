@@ -17,7 +17,7 @@ from aiohttp import web
 from engines import wake
 from engines.engine import Engine, State
 from router.errors import APIError, sse_error
-from router.proxy import SSE_HEADERS
+from router.proxy.forward import SSE_HEADERS
 
 
 class AnsweredInStream(Exception):

@@ -1,7 +1,7 @@
 """Forward one request to the engine that holds its lease.
 
-The request goes out as raw bytes on a pooled keep-alive connection (router.upstream, router.exchange); a
-stream's bytes pass through as the engine framed them (router.relay), with back-pressure; other
+The request goes out as raw bytes on a pooled keep-alive connection (router.proxy.upstream, router.proxy.exchange); a
+stream's bytes pass through as the engine framed them (router.proxy.relay), with back-pressure; other
 answers are read whole. If the client goes away, the upstream connection is cut at once, which
 makes vLLM abort the generation. When the router has
 already sent a stream's headers (keep-alive comments while the request waited for a swap),
@@ -19,10 +19,10 @@ from aiohttp import web
 from engines import watch
 from engines.engine import Engine
 from router.errors import APIError, sse_error
-from router.relay import Relay
-from router.responses import StreamSniffer
-from router.exchange import ClientGone, Exchange, Unreachable, UpstreamError
-from router.upstream import Pool, Upstreams
+from router.proxy.relay import Relay
+from router.proxy.responses import StreamSniffer
+from router.proxy.exchange import ClientGone, Exchange, Unreachable, UpstreamError
+from router.proxy.upstream import Pool, Upstreams
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -170,16 +170,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from router.status_cli import show
+    from router.cli.status import show
 
     return show(args.url, args.admin_key)
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    from router.reload_cli import reload
+    from router.cli.reload import reload
 
     return reload(args.url, args.admin_key)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

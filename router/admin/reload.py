@@ -5,7 +5,7 @@ included); if anything is wrong nothing changes, and every error is logged and r
 `file:line:col: field: message`. Otherwise the difference (`config.diff`) is applied in one
 step with no await in it, so no request sees half of a reload: names resolve to the new table,
 keys and limits are the new ones, and the scheduler is told which engines join, leave or
-restart (`router.roster_changes`), which it then does in the background.
+restart (`router.scheduling.roster_changes`), which it then does in the background.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from config import RosterError, load_roster
 from config.diff import RosterDiff, diff
 from config.schema import Roster
-from router import sizing
+from router.scheduling import sizing
 from router.errors import APIError
 from router.keys import KeyTable
 from router.tasks import spawn

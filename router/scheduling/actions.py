@@ -2,7 +2,7 @@
 restart, and the bookkeeping of failures. Each action runs as its own task, owns its engine
 until it ends, and contains whatever goes wrong to that engine.
 
-`Actions` is the action half of `router.scheduler.Scheduler`; the policy half is there.
+`Actions` is the action half of `router.scheduling.scheduler.Scheduler`; the policy half is there.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from engines.engine import Engine, EngineFailed, State
 from router.errors import APIError
 
 if TYPE_CHECKING:
-    from router.scheduler import Decision, Scheduler
+    from router.scheduling.scheduler import Decision, Scheduler
 
 log = logging.getLogger("hotswap")
 
@@ -294,7 +294,7 @@ class Actions:
     async def _defect(self: "Scheduler", what: str, exc: Exception, engine: Engine) -> None:
         """After an unexpected exception (its traceback already logged): `engine`, and any engine
         left mid-transition with no action driving it, end FAILED, and their waiters get a 503."""
-        from router.scheduler import MID_TRANSITION
+        from router.scheduling.scheduler import MID_TRANSITION
 
         cause = f"internal error during {what}: {exc!r} (traceback in the router log)"
         for e in self.engines:

@@ -3,7 +3,7 @@ bytes out, the answer parsed by httptools (llhttp) in the connection's `data_rec
 
 aiohttp's client put a StreamReader, a future and a task wake-up between every chunk the engine
 sent and the client (and re-encoded the chunked framing on the way out); here a response's bytes
-are handed to a `Relay` from the protocol callback itself (`router.relay`), and a waiting handler
+are handed to a `Relay` from the protocol callback itself (`router.proxy.relay`), and a waiting handler
 is woken once per answer, not once per chunk. bench/parser_choice.py chose the parser: on the
 bytes of a 64-chunk stream, httptools costs 0.4x aiohttp's C HttpResponseParser and 0.04x h11.
 """
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 import httptools
 
 if TYPE_CHECKING:
-    from router.upstream import Pool
+    from router.proxy.upstream import Pool
 
 READ_TIMEOUT_S = 600.0  # the longest silence while an answer is awaited (a long prefill counts)
 PENDING_MAX = 64 * 1024  # a stream's bytes held before the client's head is out: then stop reading
@@ -36,7 +36,7 @@ class ClientGone(UpstreamError):
 
 
 class Relay(Protocol):
-    """Where a streamed answer goes as it arrives (router.relay.Relay)."""
+    """Where a streamed answer goes as it arrives (router.proxy.relay.Relay)."""
 
     def forward(self, raw: bytes, pieces: list[bytes], at_boundary: bool) -> bool:
         """Write a received block (`raw`: as the engine framed it; `pieces`: its body bytes);

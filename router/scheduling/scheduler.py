@@ -5,9 +5,9 @@ queue while the scheduler makes room: `decide` (pure policy, no awaiting) looks 
 engine and returns what to start now, and the loop starts each as its own task, so a wake
 on one GPU never waits for a swap on another. An engine has at most one action at a time.
 
-Room is GPU memory (`router.placement`): a model wakes when its share fits on each of its
+Room is GPU memory (`router.scheduling.placement`): a model wakes when its share fits on each of its
 devices beside the awake shares and the sleepers' residuals. To make room the scheduler parks
-idle engines, the cheapest by expected cost first (`router.estimates`: predicted wake time ×
+idle engines, the cheapest by expected cost first (`router.scheduling.estimates`: predicted wake time ×
 likelihood of reuse); a busy one only once the oldest waiter has waited `max_hold_s`; none
 before it has been awake `min_active_s`; a pinned one never. A `group` is exclusive: its
 models are never awake together. Whatever goes wrong inside an action is contained to the
@@ -25,11 +25,11 @@ from typing import Callable, Optional
 
 from config.schema import ModelSpec, Queue, Swap
 from engines.engine import Engine, EngineFailed, State
-from router import actions, costs, placement, roster_changes
-from router.backoff import Backoff
+from router.scheduling import actions, costs, placement, roster_changes
+from router.scheduling.backoff import Backoff
 from router.errors import APIError
-from router.estimates import Demand, WakeCosts
-from router.placement import Capacity, Ledger, Victim
+from router.scheduling.estimates import Demand, WakeCosts
+from router.scheduling.placement import Capacity, Ledger, Victim
 from router.tasks import spawn
 
 log = logging.getLogger("hotswap")

@@ -6,7 +6,7 @@ it only from idle engines, never by cutting into requests. A removed one takes n
 it has none in flight. A changed one is stopped at its next idle moment and boots from its new
 entry the way a new one does. The decisions are taken in `Scheduler.decide`, like every other.
 
-`RosterChanges` is a part of `router.scheduler.Scheduler`, as `router.actions` is.
+`RosterChanges` is a part of `router.scheduling.scheduler.Scheduler`, as `router.scheduling.actions` is.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from config.schema import ModelSpec
 from engines.engine import Engine, State
 
 if TYPE_CHECKING:
-    from router.scheduler import Decision, Scheduler
+    from router.scheduling.scheduler import Decision, Scheduler
 
 log = logging.getLogger("hotswap")
 
@@ -52,7 +52,7 @@ class RosterChanges:
         self.poke()
 
     def roster_decisions(self: "Scheduler") -> list["Decision"]:
-        from router.scheduler import Decision
+        from router.scheduling.scheduler import Decision
 
         out = []
         for engine in self.engines:

@@ -1,5 +1,5 @@
 """A streamed answer on its way to the client: the engine's bytes written to the client's socket
-from the upstream connection's callback (router.exchange), framed once.
+from the upstream connection's callback (router.proxy.exchange), framed once.
 
 When the engine chunks its answer and the client speaks HTTP/1.1 (always, in practice), the
 engine's chunked bytes are already valid framing for the client: they go out as received,
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Optional
 
-from router.responses import StreamSniffer
+from router.proxy.responses import StreamSniffer
 
 TERMINATOR = b"0\r\n\r\n"
 

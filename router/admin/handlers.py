@@ -1,5 +1,5 @@
 """The router's own request handlers: models, health, readiness, metrics, admin, /ui, and the
-error middleware. The proxied routes are in `router.endpoints` (table: `router.routes`).
+error middleware. The proxied routes are in `router.proxy.endpoint` (table: `router.proxy.routes`).
 
 Nothing but the routes in `app.build_app` exists. The engines' dev endpoints (`/sleep`,
 `/wake_up`, `/collective_rpc`, ...) are never forwarded, whatever the path spelling: there
@@ -14,12 +14,13 @@ from typing import Optional
 
 from aiohttp import web
 
-from router import lora, node, ui
+from router import node
+from router.admin import lora, ui
 from router.auth import grant_of
 from config import RosterError
 from router.errors import APIError, anthropic_path, error_body, error_response
 from router.keys import Grant
-from router.status import engine_status, router_status
+from router.admin.status import engine_status, router_status
 
 log = logging.getLogger("hotswap")
 

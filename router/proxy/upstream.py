@@ -1,5 +1,5 @@
 """The engines' connections: one pool of keep-alive connections per engine URL (the exchanges on
-them are `router.exchange`'s).
+them are `router.proxy.exchange`'s).
 
 Pools are keyed by the engine's base URL and made on first use, so engines that appear at run
 time get one, and `Upstreams.close(url)` drops the pool of one that went away.
@@ -13,7 +13,7 @@ import time
 from typing import Optional
 from urllib.parse import urlsplit
 
-from router.exchange import READ_TIMEOUT_S, Connection, Exchange, Unreachable, UpstreamError
+from router.proxy.exchange import READ_TIMEOUT_S, Connection, Exchange, Unreachable, UpstreamError
 
 CONNECT_TIMEOUT_S = 10.0
 # vLLM (uvicorn) closes a connection idle for 5 s; a pooled one older than this is not offered,

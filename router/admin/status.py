@@ -6,8 +6,8 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from engines.engine import Engine
-from router import placement
-from router.actions import SwapRecord
+from router.scheduling import placement
+from router.scheduling.actions import SwapRecord
 
 if TYPE_CHECKING:
     from router.app import Router

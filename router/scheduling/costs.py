@@ -1,8 +1,8 @@
 """What moving an engine out of the way costs, and the level it would sleep at.
 
-The cost half of `router.scheduler.Scheduler`: an engine's expected cost is the waiting its
+The cost half of `router.scheduling.scheduler.Scheduler`: an engine's expected cost is the waiting its
 absence is likely to cause (predicted wake seconds × likelihood of reuse, from
-`router.estimates`); `sleep_level: auto` picks Level 1 while the host-RAM budget holds the
+`router.scheduling.estimates`); `sleep_level: auto` picks Level 1 while the host-RAM budget holds the
 weights, and makes RAM for a more valuable engine by demoting a Level-1 sleeper.
 """
 
@@ -12,10 +12,10 @@ import math
 from typing import TYPE_CHECKING, Collection, Optional
 
 from engines.engine import Engine, State
-from router.placement import Ledger
+from router.scheduling.placement import Ledger
 
 if TYPE_CHECKING:
-    from router.scheduler import Scheduler
+    from router.scheduling.scheduler import Scheduler
 
 REUSE_HORIZON_S = 60.0  # "needed again soon" means within this long
 

@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 
 from config.schema import ModelSpec, Roster
 from engines import hardware, weights
-from router.placement import Capacity
+from router.scheduling.placement import Capacity
 
 log = logging.getLogger("hotswap")
 
