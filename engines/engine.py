@@ -23,13 +23,27 @@ from config.schema import ModelSpec, Swap
 from engines import gate, reaper, wake
 from engines.client import EngineError, EngineRefused, VLLMClient
 from engines.process import EngineProcess, free_port
-from engines.states import TRANSITIONS, EngineFailed, Observer, State
+from engines.states import TRANSITIONS, EngineFailed, State
 
 __all__ = ["Engine", "EngineFailed", "Observer", "State", "TRANSITIONS"]
 
 HEALTH_POLL_S = 0.25  # how often a booting engine is asked; not a limit
 HEALTH_CALL_S = 5.0  # one /health call; the boot as a whole is bounded by swap.boot_timeout_s
 log = logging.getLogger("hotswap")
+
+
+class Observer:
+    """Receives what an engine does (the router's metrics and logs implement this)."""
+
+    def state_changed(self, engine: Engine, old: State, new: State) -> None: ...
+
+    def step_done(self, engine: Engine, phase: str, seconds: float, ok: bool) -> None: ...
+
+    def verdict(self, engine: Engine, verdict: gate.Verdict) -> None: ...
+
+    def restarted(self, engine: Engine, reason: str) -> None: ...
+
+    def midlife_collapse(self, engine: Engine, observed_mal: float, reason: str) -> None: ...
 
 
 class Engine:

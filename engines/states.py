@@ -1,4 +1,4 @@
-"""An engine's states, the one table of transitions between them, and what an engine reports.
+"""An engine's states and the one table of transitions between them.
 
 See DESIGN.md, "Engine states"; `engines.engine.Engine._enter` refuses any transition the
 table does not list.
@@ -7,11 +7,6 @@ table does not list.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from engines import gate
-    from engines.engine import Engine
 
 
 class State(str, enum.Enum):
@@ -41,17 +36,3 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 
 class EngineFailed(Exception):
     """A lifecycle step failed; the engine is FAILED. The message names engine, step and cause."""
-
-
-class Observer:
-    """Receives what an engine does (the router's metrics and logs implement this)."""
-
-    def state_changed(self, engine: "Engine", old: State, new: State) -> None: ...
-
-    def step_done(self, engine: "Engine", phase: str, seconds: float, ok: bool) -> None: ...
-
-    def verdict(self, engine: "Engine", verdict: gate.Verdict) -> None: ...
-
-    def restarted(self, engine: "Engine", reason: str) -> None: ...
-
-    def midlife_collapse(self, engine: "Engine", observed_mal: float, reason: str) -> None: ...

@@ -229,6 +229,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
     # Imported here so that argv errors answer before the heavier imports.
     from aiohttp import web
 
+    from .app import build_app
     from .lora import Adapters, parse_module
     from .server import SimServer, UvicornAccessLogger
     from .state import EngineConfig, SimEngine, SpecConfig
@@ -304,7 +305,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
     if server.dev_mode:
         log.warning("SECURITY WARNING: Development endpoints are enabled! This should NOT be used in production!")
     runner = web.AppRunner(
-        server.build_app(),
+        build_app(server),
         access_log_class=UvicornAccessLogger,
         access_log=logging.getLogger("uvicorn.access"),
         # A client that disconnects aborts its request, as in vLLM.

@@ -22,7 +22,7 @@ from typing import NoReturn
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from . import lm, lora
+from . import lm
 from .lora import Adapters
 from .control import Control, InjectedFault, crash, hang_forever
 from .memory import EngineMemory
@@ -130,27 +130,6 @@ class SimServer:
         self.names = engine.cfg.served_names
         self.adapters = adapters or Adapters({}, self.names[0])
         self.lose_lora_on_level2 = False
-
-    def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self.errors_mw, self.auth_mw])
-        r = app.router
-        r.add_get("/health", self.health)
-        r.add_get("/v1/models", self.models)
-        r.add_post("/v1/completions", self.completions)
-        r.add_post("/v1/chat/completions", self.chat_completions)
-        r.add_post("/v1/embeddings", self.embeddings)
-        r.add_get("/metrics", self.metrics)
-        # Route families beyond the three generation routes live in their own modules.
-        from . import routes_anthropic, routes_audio, routes_dev, routes_pooling, routes_responses, routes_sim
-
-        for family in (routes_responses, routes_anthropic, routes_pooling, routes_audio):
-            family.add_routes(app, self)
-        if lora.runtime_updates_allowed():
-            lora.add_routes(app, self.adapters, self.names, read_json, error_response)
-        if self.dev_mode:
-            routes_dev.add_routes(app, self)
-        routes_sim.add_routes(app, self)
-        return app
 
     # ---- middleware -------------------------------------------------------------
 

@@ -1,0 +1,29 @@
+"""The simulated engine's aiohttp app: `SimServer`'s own routes (generation, /health, /v1/models,
+/metrics) and the route families that live in their own modules, each given the server."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from . import lora, routes_anthropic, routes_audio, routes_dev, routes_pooling, routes_responses, routes_sim
+from .server import SimServer, error_response, read_json
+
+
+def build_app(server: SimServer) -> web.Application:
+    app = web.Application(middlewares=[server.errors_mw, server.auth_mw])
+    r = app.router
+    r.add_get("/health", server.health)
+    r.add_get("/v1/models", server.models)
+    r.add_post("/v1/completions", server.completions)
+    r.add_post("/v1/chat/completions", server.chat_completions)
+    r.add_post("/v1/embeddings", server.embeddings)
+    r.add_get("/metrics", server.metrics)
+    # Route families beyond the three generation routes live in their own modules.
+    for family in (routes_responses, routes_anthropic, routes_pooling, routes_audio):
+        family.add_routes(app, server)
+    if lora.runtime_updates_allowed():
+        lora.add_routes(app, server.adapters, server.names, read_json, error_response)
+    if server.dev_mode:
+        routes_dev.add_routes(app, server)
+    routes_sim.add_routes(app, server)
+    return app
