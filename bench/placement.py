@@ -28,7 +28,7 @@ same trace is replayed against a fresh router and fresh engines for each policy:
 The router runs in this process (`router.app.Router` + `build_app` on a loopback port, as
 `router/daemon.py` does), so its scheduler's cost function can be swapped; the engines are real
 processes it launches. The scheduler's own time constants (the demand decay `DEMAND_TAU_S`,
-the reuse horizon `REUSE_HORIZON_S`) and the roster's (`min_active_s`, `max_hold_s`,
+the reuse horizon `reuse_horizon_s`) and the roster's (`min_active_s`, `max_hold_s`,
 `queue.max_wait_s`) are scaled by `--time-scale` as well, so the policy sees the trace as it
 would in real time.
 
@@ -214,12 +214,10 @@ async def run_policy(policy: str, trace: list[Req], args: argparse.Namespace, tm
 
     from config import parse_roster
     from engines.engine import State
-    from router.scheduling import costs
     from router.app import Router, build_app
-    from router.scheduling.estimates import DEMAND_TAU_S, Demand
+    from router.scheduling import DEMAND_TAU_S, Demand
 
     scale = args.time_scale
-    costs.REUSE_HORIZON_S = 60.0 * scale  # module constants, read at call time; same for every policy
     port = h.free_port()
     default = args.popularity[0]
     text = roster(policy, port, scale, args.ram_budget_gb, tmp / f"ledger-{policy}.json", default)
@@ -234,6 +232,7 @@ async def run_policy(policy: str, trace: list[Req], args: argparse.Namespace, tm
         router = Router(spec, log_dir, session)
         scheduler = router.placement
         scheduler.demand = Demand(DEMAND_TAU_S * scale)
+        scheduler.reuse_horizon_s *= scale  # the same for every policy
         if policy == "lru":
             scheduler.cost = lru_cost(scheduler)
         recorder = Recorder(scheduler.events)

@@ -25,11 +25,11 @@ from router.scheduling import sizing
 from router.auth import auth_middleware
 from router.errors import APIError
 from router.keys import EVERYTHING, Grant, KeyTable
-from router.scheduling.actions import Events, SwapRecord
+from router.scheduling import Events, SwapRecord
 from router.metrics import Metrics
 from router.admin.reload import Reloads
 from router.proxy.responses import ResponseIds
-from router.scheduling.scheduler import Scheduler
+from router.scheduling import Scheduler
 from router.tasks import spawn
 from router.proxy.upstream import Upstreams
 

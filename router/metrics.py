@@ -15,8 +15,7 @@ from prometheus_client.registry import Collector
 
 from engines.engine import Engine, Observer, State
 from engines.gate import Verdict
-from router.scheduling import placement
-from router.scheduling.actions import Events, SwapRecord
+from router.scheduling import Events, SwapRecord, devices_view
 
 if TYPE_CHECKING:
     from router.app import Router
@@ -189,7 +188,7 @@ class _LiveState(Collector):
                                     "(and those waking, booting or draining), as placement counts it.", labels=["device"])
         residual = GaugeMetricFamily("hotswap_gpu_memory_residual_ratio", "Share of each GPU held by sleeping engines' "
                                      "residuals (CUDA context, allocator pools).", labels=["device"])
-        for view in placement.devices_view(scheduler.ledger()):
+        for view in devices_view(scheduler.ledger()):
             planned.add_metric([str(view.index)], view.planned)
             residual.add_metric([str(view.index)], view.residual)
         ram = GaugeMetricFamily("hotswap_host_ram_level1_bytes", "Host RAM held by Level-1 sleepers' weights.",

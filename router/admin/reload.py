@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from config import RosterError, load_roster
 from config.diff import RosterDiff, diff
 from config.schema import Roster
-from router.scheduling import sizing
+from router.scheduling import capacity, level1_weights
 from router.errors import APIError
 from router.keys import KeyTable
 from router.tasks import spawn
@@ -64,7 +64,7 @@ class Reloads:
             changes = diff(router.roster, current, new)
             # An engine an earlier reload removed is still in `current` (so adding it back revives it), but not removed again.
             changes = dataclasses.replace(changes, removed=tuple(n for n in changes.removed if not router.engines[n].retiring))
-            weights = await asyncio.to_thread(sizing.level1_weights, [*changes.added, *(c.spec for c in changes.changed)])
+            weights = await asyncio.to_thread(level1_weights, [*changes.added, *(c.spec for c in changes.changed)])
             apply(router, new, changes, weights)
             for line in changes.summary():
                 (log.warning if line.startswith("!") else log.info)("roster reload (%s): %s", trigger, line)
@@ -98,7 +98,7 @@ def apply(router: "Router", new: Roster, changes: RosterDiff, weights: dict[str,
     router.keys = KeyTable(new.auth)
     scheduler.swap, scheduler.limits = new.swap, new.queue
     if "gpus" in changes.sections or "host" in changes.sections:
-        scheduler.capacity = sizing.capacity(new)
+        scheduler.capacity = capacity(new)
     for engine in router.engines.values():
         engine.swap = new.swap
     for name in changes.removed:

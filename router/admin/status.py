@@ -6,8 +6,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from engines.engine import Engine
-from router.scheduling import placement
-from router.scheduling.actions import SwapRecord
+from router.scheduling import SwapRecord, devices_view
 
 if TYPE_CHECKING:
     from router.app import Router
@@ -29,7 +28,7 @@ def router_status(router: "Router") -> dict[str, Any]:
 def placement_status(router: "Router") -> dict[str, Any]:
     scheduler = router.placement
     devices = []
-    for view in placement.devices_view(scheduler.ledger()):
+    for view in devices_view(scheduler.ledger()):
         devices.append({"index": view.index, "memory_gb": view.memory_gb, "planned": round(view.planned, 4),
                         "residual": round(view.residual, 4), "free": round(max(0.0, 1.0 - view.planned - view.residual), 4),
                         "engines": view.engines})

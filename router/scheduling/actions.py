@@ -2,7 +2,7 @@
 restart, and the bookkeeping of failures. Each action runs as its own task, owns its engine
 until it ends, and contains whatever goes wrong to that engine.
 
-`Actions` is the action half of `router.scheduling.scheduler.Scheduler`; the policy half is there.
+`Actions` is the action part of `Scheduler` (see `router.scheduling.state`); the policy is in `scheduler.py`.
 """
 
 from __future__ import annotations
@@ -10,49 +10,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 from engines import hardware
 from engines.engine import Engine, EngineFailed, State
 from router.errors import APIError
-
-if TYPE_CHECKING:
-    from router.scheduling.scheduler import Decision, Scheduler
+from router.scheduling.costs import Costs
+from router.scheduling.events import SwapRecord
+from router.scheduling.roster_changes import RosterChanges
+from router.scheduling.state import MID_TRANSITION, Decision
 
 log = logging.getLogger("hotswap")
 
 
-@dataclass
-class SwapRecord:
-    """One wake (or boot) that a request or an operator asked for, with what was moved for it."""
-
-    to_model: str
-    from_models: list[str]  # parked (or stopped) to make room
-    result: str  # "ok" | "failed"
-    seconds: float  # from the first move for it to promotion
-    phases: dict[str, float]
-    predicted_s: float
-    group: str = ""
-    at: float = field(default_factory=time.time)
-    error: Optional[str] = None
-
-
-class Events:
-    """What the scheduler reports (the router's metrics implement this)."""
-
-    def swap_done(self, record: SwapRecord) -> None: ...
-
-    def evicted(self, engine: Engine, reason: str) -> None: ...
-
-    def retired(self, engine: Engine) -> None:
-        """An engine that left the roster has stopped and is no longer scheduled."""
-
-
-class Actions:
+class Actions(Costs, RosterChanges):
     # -- boot --------------------------------------------------------------------------------
 
-    async def boot_all(self: "Scheduler") -> None:
+    async def boot_all(self) -> None:
         """Boot one engine at a time, each seeing the memory the others left: pinned ones first,
         default ones last, so those are the ones left awake. An engine that would not fit beside
         those already awake makes room the way a request would: the latest booted is parked."""
@@ -78,7 +52,7 @@ class Actions:
         self.boot_done.set()
         self.poke()
 
-    async def _room_at_boot(self: "Scheduler", engine: Engine, booted: list[Engine]) -> None:
+    async def _room_at_boot(self, engine: Engine, booted: list[Engine]) -> None:
         # Park the latest booted first, default ones last: they are the ones meant to stay awake.
         for other in sorted(reversed(booted), key=lambda e: e.spec.default):
             ledger = self.ledger()
@@ -94,7 +68,7 @@ class Actions:
 
     # -- one action ----------------------------------------------------------------------------
 
-    async def _act(self: "Scheduler", decision: "Decision") -> None:
+    async def _act(self, decision: Decision) -> None:
         engine = decision.engine
         try:
             if decision.action == "wake":
@@ -122,7 +96,7 @@ class Actions:
         finally:
             self._done(engine)
 
-    def _done(self: "Scheduler", engine: Engine) -> None:
+    def _done(self, engine: Engine) -> None:
         self.doing.pop(engine.name, None)
         self.parking_level.pop(engine.name, None)
         future = self.busy.pop(engine.name, None)
@@ -130,7 +104,7 @@ class Actions:
             future.set_result(None)
         self.poke()
 
-    async def _wake(self: "Scheduler", target: Engine) -> None:
+    async def _wake(self, target: Engine) -> None:
         moved, since = self.making_room.pop(target.name, ([], time.monotonic()))
         started = min(since, time.monotonic())
         level = target.sleep_level if target.state is State.SLEEPING else None
@@ -167,7 +141,7 @@ class Actions:
         self._grant(target)
         self._record(target, moved, "ok", started, {**phases, **target.last_phases}, predicted)
 
-    async def _park(self: "Scheduler", engine: Engine, why: str, level: int) -> None:
+    async def _park(self, engine: Engine, why: str, level: int) -> None:
         log.info("parking %s at level %d (%s)", engine.name, level, why)
         self.events.evicted(engine, _reason(why))
         started = time.monotonic()
@@ -176,24 +150,24 @@ class Actions:
         if self.capacity.nvml:
             await asyncio.to_thread(self._measure_residual, engine)
 
-    async def _stop(self: "Scheduler", engine: Engine, why: str) -> None:
+    async def _stop(self, engine: Engine, why: str) -> None:
         log.info("stopping %s (asleep at level %s): %s; it boots cold when next needed", engine.name, engine.sleep_level, why)
         self.events.evicted(engine, "stop")
         await engine.stop()
 
-    async def _demote(self: "Scheduler", engine: Engine, why: str) -> None:
+    async def _demote(self, engine: Engine, why: str) -> None:
         log.info("demoting %s from level 1 to level 2 (%s)", engine.name, why)
         self.events.evicted(engine, "demote")
         await engine.demote()
 
-    async def _restart_in_place(self: "Scheduler", engine: Engine, reason: str) -> None:
+    async def _restart_in_place(self, engine: Engine, reason: str) -> None:
         self.handled.discard(engine.name)
         started = time.monotonic()
         await engine.restart(reason)
         self.costs.observe_boot(engine.name, time.monotonic() - started)
         self._grant(engine)
 
-    def _measure_residual(self: "Scheduler", engine: Engine) -> None:
+    def _measure_residual(self, engine: Engine) -> None:
         """What a parked engine's processes still hold on each device, through NVML (in a thread:
         NVML and the /proc walk block)."""
         if engine.process is None or engine.process.pid is None:
@@ -204,7 +178,7 @@ class Actions:
         if measured:
             self.residuals[engine.name] = measured
 
-    def _record(self: "Scheduler", target: Engine, moved: list[str], result: str, started: float,
+    def _record(self, target: Engine, moved: list[str], result: str, started: float,
                 phases: dict[str, float], predicted: float, error: Optional[str] = None) -> None:
         record = SwapRecord(target.name, moved, result, time.monotonic() - started, phases, predicted,
                             target.spec.group or "", error=error)
@@ -217,12 +191,12 @@ class Actions:
             log.error("waking %s failed after %.2f s: %s", target.name, record.seconds, (error or "").splitlines()[0])
         self.events.swap_done(record)
 
-    def _engine(self: "Scheduler", name: str) -> Engine:
+    def _engine(self, name: str) -> Engine:
         return next(e for e in self.engines if e.name == name)
 
     # -- admin actions ------------------------------------------------------------------------
 
-    async def swap_in(self: "Scheduler", engine: Engine) -> str:
+    async def swap_in(self, engine: Engine) -> str:
         """Wake `engine` the way a request would (making room), without leasing it to anyone."""
         if engine.state is State.AWAKE and engine.name not in self.busy:
             return "already awake"
@@ -230,7 +204,7 @@ class Actions:
         self.release(engine)
         return self._outcome(engine)
 
-    async def sleep(self: "Scheduler", engine: Engine) -> str:
+    async def sleep(self, engine: Engine) -> str:
         async def action() -> str:
             if engine.state is not State.AWAKE:
                 return f"not awake ({engine.state.value})"
@@ -238,7 +212,7 @@ class Actions:
             return self._outcome(engine)
         return await self._exclusively(engine, "sleep", action)
 
-    async def restart(self: "Scheduler", engine: Engine) -> str:
+    async def restart(self, engine: Engine) -> str:
         if engine.state is not State.AWAKE:  # a cold boot needs room like any wake
             self.pending_restart[engine.name] = "admin"
             return await self.swap_in(engine)
@@ -248,7 +222,7 @@ class Actions:
             return self._outcome(engine)
         return await self._exclusively(engine, "restart", action)
 
-    async def _exclusively(self: "Scheduler", engine: Engine, name: str, action: Callable[[], Awaitable[str]]) -> str:
+    async def _exclusively(self, engine: Engine, name: str, action: Callable[[], Awaitable[str]]) -> str:
         """Run an admin action once no other action holds `engine`, holding it meanwhile."""
         while engine.name in self.busy:
             await asyncio.shield(self.busy[engine.name])
@@ -277,11 +251,11 @@ class Actions:
 
     # -- failures ------------------------------------------------------------------------------
 
-    async def _handle_failure(self: "Scheduler", engine: Engine, reason: str) -> None:
+    async def _handle_failure(self, engine: Engine, reason: str) -> None:
         self._count_failure(engine, reason)
         await engine.stop_after_failure()  # a broken engine must not keep holding the GPU
 
-    def _count_failure(self: "Scheduler", engine: Engine, reason: str) -> None:
+    def _count_failure(self, engine: Engine, reason: str) -> None:
         """One failure, counted once: its waiters hear why at once, and it backs off."""
         if engine.name in self.handled:
             return
@@ -291,11 +265,9 @@ class Actions:
         self._fail_waiters(engine, APIError(503, f"model '{engine.name}' is unavailable: {reason}", "engine_failed",
                                             retry_after=max(1.0, delay)))
 
-    async def _defect(self: "Scheduler", what: str, exc: Exception, engine: Engine) -> None:
+    async def _defect(self, what: str, exc: Exception, engine: Engine) -> None:
         """After an unexpected exception (its traceback already logged): `engine`, and any engine
         left mid-transition with no action driving it, end FAILED, and their waiters get a 503."""
-        from router.scheduling.scheduler import MID_TRANSITION
-
         cause = f"internal error during {what}: {exc!r} (traceback in the router log)"
         for e in self.engines:
             orphaned = e.state in MID_TRANSITION and e.name not in self.busy

@@ -1,6 +1,6 @@
 """What moving an engine out of the way costs, and the level it would sleep at.
 
-The cost half of `router.scheduling.scheduler.Scheduler`: an engine's expected cost is the waiting its
+The cost part of `Scheduler` (see `router.scheduling.state`): an engine's expected cost is the waiting its
 absence is likely to cause (predicted wake seconds × likelihood of reuse, from
 `router.scheduling.estimates`); `sleep_level: auto` picks Level 1 while the host-RAM budget holds the
 weights, and makes RAM for a more valuable engine by demoting a Level-1 sleeper.
@@ -9,24 +9,26 @@ weights, and makes RAM for a more valuable engine by demoting a Level-1 sleeper.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Collection, Optional
+from typing import Collection, Optional
 
 from engines.engine import Engine, State
 from router.scheduling.placement import Ledger
-
-if TYPE_CHECKING:
-    from router.scheduling.scheduler import Scheduler
-
-REUSE_HORIZON_S = 60.0  # "needed again soon" means within this long
+from router.scheduling.state import SchedulerState
 
 
-class Costs:
-    def _level_alone(self: "Scheduler", engine: Engine) -> int:
+class Costs(SchedulerState):
+    reuse_horizon_s = 60.0  # "needed again soon" means within this long (a benchmark running time faster scales it)
+
+    def cost(self, engine: Engine, action: str, now: float) -> float:
+        """What placement ranks victims by. bench/placement.py replaces it on the instance (LRU)."""
+        return self.expected_cost(engine, action, now)
+
+    def _level_alone(self, engine: Engine) -> int:
         """The level for a park outside the loop's planning (boot, admin): Level 1 only if it fits
         in host RAM as it is, without demoting anyone."""
         return self._choose_level(engine, self.clock())[0]
 
-    def _choose_level(self: "Scheduler", engine: Engine, now: float, waking: Collection[str] = (),
+    def _choose_level(self, engine: Engine, now: float, waking: Collection[str] = (),
                       ledger: Optional[Ledger] = None) -> tuple[int, list[Engine]]:
         """The level to park `engine` at, and the Level-1 sleepers to demote to make RAM for it.
         `waking`: engines about to wake, whose host copy of the weights is about to go. `ledger`:
@@ -62,7 +64,7 @@ class Costs:
                 return 1, chosen
         return 2, []
 
-    def level1_gb(self: "Scheduler", exclude: Collection[str] = ()) -> float:
+    def level1_gb(self, exclude: Collection[str] = ()) -> float:
         """Host RAM held (or about to be) by Level-1 sleepers' weights."""
         total = 0.0
         for engine in self.engines:
@@ -75,17 +77,17 @@ class Costs:
                 total += self.weights.get(engine.name) or 0.0
         return total
 
-    def _level1_value(self: "Scheduler", engine: Engine, now: float, passes: bool) -> float:
+    def _level1_value(self, engine: Engine, now: float, passes: bool) -> float:
         """Expected seconds of waiting that keeping `engine` at Level 1 saves: over a Level-2 wake
         when it can pass through the GPU to Level 2 (`passes`), else over the cold boot a stop costs."""
         instead = self.costs.wake_s(engine.name, 2) if passes else self.costs.boot_s(engine.name)
         return self._reuse(engine, now) * max(instead - self.costs.wake_s(engine.name, 1), 0.0)
 
-    def _reuse(self: "Scheduler", engine: Engine, now: float) -> float:
-        """How likely `engine` is to be asked for within REUSE_HORIZON_S."""
-        return 1.0 - math.exp(-self.demand.rate(engine.name, now) * REUSE_HORIZON_S)
+    def _reuse(self, engine: Engine, now: float) -> float:
+        """How likely `engine` is to be asked for within reuse_horizon_s."""
+        return 1.0 - math.exp(-self.demand.rate(engine.name, now) * self.reuse_horizon_s)
 
-    def expected_cost(self: "Scheduler", engine: Engine, action: str, now: float) -> float:
+    def expected_cost(self, engine: Engine, action: str, now: float) -> float:
         """Seconds of waiting that moving `engine` out of the way is expected to cost later:
         its predicted wake (or, stopped, the boot beyond its wake) times the chance it is needed
         again soon. Ties go to the least recently used."""

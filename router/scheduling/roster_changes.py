@@ -6,54 +6,48 @@ it only from idle engines, never by cutting into requests. A removed one takes n
 it has none in flight. A changed one is stopped at its next idle moment and boots from its new
 entry the way a new one does. The decisions are taken in `Scheduler.decide`, like every other.
 
-`RosterChanges` is a part of `router.scheduling.scheduler.Scheduler`, as `router.scheduling.actions` is.
+`RosterChanges` is a part of `Scheduler` (see `router.scheduling.state`), as `Actions` is.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from typing import TYPE_CHECKING
-
 from config.diff import router_side
 from config.schema import ModelSpec
 from engines.engine import Engine, State
-
-if TYPE_CHECKING:
-    from router.scheduling.scheduler import Decision, Scheduler
+from router.scheduling.state import Decision, SchedulerState
 
 log = logging.getLogger("hotswap")
 
 
-class RosterChanges:
-    def add(self: "Scheduler", engine: Engine) -> None:
+class RosterChanges(SchedulerState):
+    def add(self, engine: Engine) -> None:
         self.engines.append(engine)
         self.waiting[engine.name] = collections.deque()
         self.backoff.failures[engine.name] = 0
         self.to_boot.add(engine.name)
         self.poke()
 
-    def retire(self: "Scheduler", engine: Engine) -> None:
+    def retire(self, engine: Engine) -> None:
         engine.retiring = True
         self.pending_spec.pop(engine.name, None)
         self.to_boot.discard(engine.name)
         self.poke()
 
-    def revive(self: "Scheduler", engine: Engine) -> None:
+    def revive(self, engine: Engine) -> None:
         """Back in the roster before it was stopped: it serves again as it is."""
         log.info("%s is back in the roster before it stopped: it serves on", engine.name)
         engine.retiring = False
         self.poke()
 
-    def respec(self: "Scheduler", engine: Engine, spec: ModelSpec) -> None:
+    def respec(self, engine: Engine, spec: ModelSpec) -> None:
         """Restart `engine` from `spec` at its next idle moment; the router-side keys apply now."""
         self.pending_spec[engine.name] = spec
         engine.adopt(router_side(engine.spec, spec))
         self.poke()
 
-    def roster_decisions(self: "Scheduler") -> list["Decision"]:
-        from router.scheduling.scheduler import Decision
-
+    def roster_decisions(self) -> list["Decision"]:
         out = []
         for engine in self.engines:
             idle = engine.name not in self.busy and not self.waiting[engine.name] and not engine.in_flight
@@ -65,7 +59,7 @@ class RosterChanges:
                 out.append(Decision("respec", engine, "its roster entry changed"))
         return out
 
-    async def _retire(self: "Scheduler", engine: Engine) -> None:
+    async def _retire(self, engine: Engine) -> None:
         log.info("stopping %s: it left the roster and has no requests left", engine.name)
         await engine.stop()
         if not engine.retiring:  # back in the roster while it stopped
@@ -78,7 +72,7 @@ class RosterChanges:
         self.events.retired(engine)
         log.info("%s stopped and removed", engine.name)
 
-    async def _respec(self: "Scheduler", engine: Engine) -> None:
+    async def _respec(self, engine: Engine) -> None:
         spec = self.pending_spec.pop(engine.name, None)
         if spec is None or engine.retiring:  # a later reload removed it, or changed it back
             return

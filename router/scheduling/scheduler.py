@@ -17,167 +17,18 @@ engine it concerns: that engine is FAILED, its waiters get a 503, the others car
 from __future__ import annotations
 
 import asyncio
-import collections
-import logging
-import time
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
-from config.schema import ModelSpec, Queue, Swap
-from engines.engine import Engine, EngineFailed, State
-from router.scheduling import actions, costs, placement, roster_changes
-from router.scheduling.backoff import Backoff
+from engines.engine import Engine, State
 from router.errors import APIError
-from router.scheduling.estimates import Demand, WakeCosts
-from router.scheduling.placement import Capacity, Ledger, Victim
+from router.scheduling import placement
+from router.scheduling.actions import Actions
+from router.scheduling.placement import Ledger, Victim
+from router.scheduling.state import Decision, Plan
 from router.tasks import spawn
 
-log = logging.getLogger("hotswap")
 
-# States an engine is only in while an action drives it.
-MID_TRANSITION = frozenset({State.BOOTING, State.DRAINING, State.WAKING, State.VERIFYING})
-# Actions that need the engine's full share while they run (a restart passes through COLD:
-# its memory must not be handed to another engine in that moment).
-RESERVING = frozenset({"wake", "demote", "restart"})
-
-
-@dataclass
-class Waiter:
-    engine: Engine
-    since: float
-    future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One action to start now: wake, park, stop, demote, restart, failed."""
-
-    action: str
-    engine: Engine
-    why: str = ""
-    level: Optional[int] = None  # park: the sleep level chosen
-
-
-@dataclass(frozen=True)
-class Plan:
-    decisions: tuple[Decision, ...] = ()
-    wait_s: Optional[float] = None  # nothing to start: look again after this long (None: when poked)
-
-
-class Scheduler(costs.Costs, actions.Actions, roster_changes.RosterChanges):
-    def __init__(self, engines: list[Engine], swap: Swap, limits: Queue, capacity: Capacity,
-                 weights: Optional[dict[str, Optional[float]]] = None, observer: Optional[actions.Events] = None,
-                 clock: Callable[[], float] = time.monotonic, victim_cost: Optional[placement.CostFn] = None):
-        self.engines = engines
-        self.swap = swap
-        self.limits = limits
-        self.capacity = capacity
-        self.weights = weights or {}
-        self.events = observer or actions.Events()
-        self.clock = clock
-        self.cost = victim_cost or self.expected_cost
-        self.waiting: dict[str, collections.deque[Waiter]] = {e.name: collections.deque() for e in engines}
-        self.backoff = Backoff([e.name for e in engines], clock)
-        self.costs = WakeCosts()
-        self.demand = Demand()
-        self.busy: dict[str, asyncio.Future[None]] = {}  # engine -> done when its action ends
-        self.doing: dict[str, tuple[str, float, float]] = {}  # engine -> (action, started, predicted seconds)
-        self.parking_level: dict[str, int] = {}  # engine being parked -> the level it goes to
-        self.making_room: dict[str, tuple[list[str], float]] = {}  # target -> (victims being moved, since)
-        self.handled: set[str] = set()  # FAILED engines whose failure has been counted and stopped
-        self.pending_restart: dict[str, str] = {}  # engine -> reason, for its next wake
-        self.residuals: dict[str, dict[int, float]] = {}  # measured per engine and device, GB
-        self.to_boot: set[str] = set()  # new in a reload (or restarted from a changed entry): boot in the background
-        self.pending_spec: dict[str, ModelSpec] = {}  # engine -> its changed roster entry, applied at its next idle moment
-        self.booted = False
-        self.boot_done = asyncio.Event()
-        self.history: collections.deque[actions.SwapRecord] = collections.deque(maxlen=20)
-        self._poke = asyncio.Event()
-        self._closing = False  # shutting down: no new requests; the queued ones are still served
-        self._stopping = False
-        self._task: Optional[asyncio.Task[None]] = None
-        self._actions: set[asyncio.Task[None]] = set()
-
-    # -- what handlers call ----------------------------------------------------------------
-
-    async def acquire(self, engine: Engine, *, max_wait_s: Optional[float] = None, admin: bool = False) -> None:
-        """Return with a lease on `engine` (AWAKE, promoted), or raise an APIError.
-
-        `max_wait_s`: the client's own limit (X-Hotswap-Max-Wait); a predicted wait beyond it is
-        refused at once. `admin`: an operator's swap, which neither backs off nor counts as demand."""
-        if self._closing:
-            raise APIError(503, "the router is shutting down; retry on another instance", "shutting_down", retry_after=5)
-        now = self.clock()
-        if not admin:
-            self.demand.arrived(engine.name, now)
-        if engine.name not in self.busy and engine.try_lease():
-            return
-        if not admin and self.backoff.waiting(engine, now):
-            raise self.backoff.unavailable(engine)
-        predicted = self.predicted_wait(engine, now)
-        if max_wait_s is not None and predicted > max_wait_s:
-            raise APIError(503, f"model '{engine.name}' is {engine.state.value}; its predicted wait of {predicted:.1f} s "
-                           f"exceeds X-Hotswap-Max-Wait: {max_wait_s:g}", "model_not_ready", retry_after=predicted)
-        queue = self.waiting[engine.name]
-        if not admin and len(queue) >= self.limits.max_waiting:
-            raise APIError(429, f"model '{engine.name}' has {len(queue)} requests waiting (queue.max_waiting); retry later",
-                           "queue_full", retry_after=predicted)
-        waiter = Waiter(engine, now)
-        queue.append(waiter)
-        self.poke()
-        try:
-            await asyncio.wait({waiter.future}, timeout=self.limits.max_wait_s)
-        except asyncio.CancelledError:  # the client went away while waiting
-            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                self.release(engine)
-            self._forget(waiter)
-            raise
-        if not waiter.future.done():
-            self._forget(waiter)
-            raise APIError(503, f"model '{engine.name}' did not become ready within queue.max_wait_s={self.limits.max_wait_s:g} s "
-                           f"(engine state: {engine.state.value})", "model_not_ready",
-                           retry_after=self.predicted_wait(engine, self.clock()))
-        waiter.future.result()  # raises the APIError a failed engine left for its waiters
-
-    def release(self, engine: Engine) -> None:
-        engine.release()
-        if engine.in_flight == 0:
-            self.poke()
-
-    def poke(self) -> None:
-        self._poke.set()
-
-    def queued(self, engine: Engine) -> int:
-        return len(self.waiting[engine.name])
-
-    @property
-    def last_swap(self) -> Optional[actions.SwapRecord]:
-        return self.history[-1] if self.history else None
-
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
-    def close(self) -> None:
-        """Refuse new requests (they may still arrive over kept-alive connections); serve those queued."""
-        self._closing = True
-
-    def predicted_wait(self, engine: Engine, now: float) -> float:
-        """Seconds until `engine` is likely to take a request: its wake (or boot) still to come,
-        plus a park when it does not fit yet."""
-        if engine.state is State.AWAKE and engine.name not in self.busy:
-            return 0.0
-        if engine.name in self.doing:
-            action, started, predicted = self.doing[engine.name]
-            if action == "wake":
-                return max(0.0, started + predicted - now)
-        wake_s = self.costs.wake_s(engine.name, engine.sleep_level if engine.state is State.SLEEPING else None)
-        if self.ledger().fits(engine):
-            return wake_s
-        parks = [self.costs.sleep_s(e.name) for e in self.engines if e.state is State.AWAKE
-                 and set(e.spec.devices) & set(engine.spec.devices)]
-        return wake_s + max(parks, default=0.0)
-
+class Scheduler(Actions):
     # -- the loop ----------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -223,10 +74,6 @@ class Scheduler(costs.Costs, actions.Actions, roster_changes.RosterChanges):
         task = spawn(self._act(decision), f"{decision.action}:{name}")
         self._actions.add(task)
         task.add_done_callback(self._actions.discard)
-
-    def ledger(self) -> Ledger:
-        reserved = [e for e in self.engines if self.doing.get(e.name, ("",))[0] in RESERVING]
-        return Ledger(self.engines, self.capacity, reserved, self.residuals)
 
     # -- the policy --------------------------------------------------------------------------
 
@@ -360,34 +207,3 @@ class Scheduler(costs.Costs, actions.Actions, roster_changes.RosterChanges):
             out.append(Decision("demote" if passes else "stop", sleeper, f"host RAM for {engine.name} at level 1"))
         return out
 
-    def _grant(self, engine: Engine) -> None:
-        queue = self.waiting[engine.name]
-        while queue and engine.try_lease():
-            waiter = queue.popleft()
-            if waiter.future.done():  # its client left; give the lease back
-                engine.release()
-            else:
-                waiter.future.set_result(None)
-
-    # -- failures (the actions themselves are in router.actions) ---------------------------------
-
-    def _fail_waiters(self, engine: Engine, error: APIError) -> None:
-        queue = self.waiting[engine.name]
-        while queue:
-            self._fail(queue.popleft(), error)
-
-    @staticmethod
-    def _fail(waiter: Waiter, error: APIError) -> None:
-        if not waiter.future.done():
-            waiter.future.set_exception(error)
-
-    def _forget(self, waiter: Waiter) -> None:
-        if not waiter.future.done():
-            waiter.future.cancel()
-        try:
-            self.waiting[waiter.engine.name].remove(waiter)
-        except ValueError:
-            pass
-
-
-__all__ = ["Decision", "EngineFailed", "MID_TRANSITION", "Plan", "Scheduler", "Waiter"]

@@ -12,8 +12,7 @@ from config.schema import ModelSpec, Queue, Swap
 from engines.engine import EngineFailed, State
 from router.scheduling.backoff import MAX_BACKOFF_S
 from router.errors import APIError
-from router.scheduling.placement import Capacity
-from router.scheduling.scheduler import Decision, Plan, Scheduler, Waiter
+from router.scheduling import Capacity, Decision, Plan, Scheduler, Waiter
 
 
 class Clock:
@@ -436,7 +435,7 @@ async def test_the_demotions_for_one_level1_park_are_weighed_together(clock):
 async def test_a_parked_engines_residual_is_measured_through_nvml_when_it_sees_the_gpus(clock, monkeypatch):
     from types import SimpleNamespace
 
-    import router.scheduling.actions
+    from engines import hardware
 
     a = FakeEngine("a", devices=[0, 1])
     a.process = SimpleNamespace(pid=4242, group_pids=lambda: {4242, 4243})
@@ -446,7 +445,7 @@ async def test_a_parked_engines_residual_is_measured_through_nvml_when_it_sees_t
         seen[index] = pids
         return {0: 6.0, 1: None}[index]  # GPU 1: NVML could not say
 
-    monkeypatch.setattr(router.scheduling.actions.hardware, "process_gpu_memory_gb", nvml)
+    monkeypatch.setattr(hardware, "process_gpu_memory_gb", nvml)
     s = scheduler(a, clock=clock, gpus={0: 80.0, 1: 80.0})
     s._measure_residual(a)
     assert s.residuals == {"a": {0: 6.0}} and seen == {0: {4242, 4243}, 1: {4242, 4243}}
