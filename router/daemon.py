@@ -18,7 +18,7 @@ import uvloop
 from aiohttp import web
 
 from config.schema import Roster
-from router.app import Router, build_app
+from router.live import Router, build_app
 
 # Clients that open hundreds of connections at once (an agent fleet, a load balancer's warm-up)
 # overflow a short accept queue; past it Linux answers with SYN cookies, the client's request is

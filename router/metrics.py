@@ -18,7 +18,7 @@ from engines.gate import Verdict
 from router.scheduling import Events, SwapRecord, devices_view
 
 if TYPE_CHECKING:
-    from router.app import Router
+    from router.live import Router
 
 UNKNOWN_MODEL = "_unknown"  # requests naming no roster model share one label value
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

@@ -25,7 +25,7 @@ from router.keys import KeyTable
 from router.tasks import spawn
 
 if TYPE_CHECKING:
-    from router.app import Router
+    from router.live import Router
 
 log = logging.getLogger("hotswap")
 

@@ -9,7 +9,7 @@ from engines.engine import Engine
 from router.scheduling import SwapRecord, devices_view
 
 if TYPE_CHECKING:
-    from router.app import Router
+    from router.live import Router
 
 
 def router_status(router: "Router") -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pytest
 
 from config.schema import ModelSpec
 from engines.states import State
-from router.app import Router
+from router.live import Router
 from router.proxy.relay import Relay
 from router.proxy.exchange import UpstreamError
 from router.proxy.upstream import CONNECTS_AT_ONCE, Pool
