@@ -21,10 +21,7 @@ import httptools
 import uvloop
 from bare_proxy import cli  # bench/bare_proxy.py: the same command line
 
-from router.proxy.exchange import UpstreamError
-from router.proxy.forward import request_bytes
-from router.proxy.relay import Relay
-from router.proxy.upstream import Pool
+from router.proxy import Pool, Relay, UpstreamError, request_bytes
 
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")

@@ -25,7 +25,7 @@ same trace is replayed against a fresh router and fresh engines for each policy:
              set as the scheduler's `cost`
   cost-aware placement by memory, the default `Scheduler.expected_cost`
 
-The router runs in this process (`router.live.Router` + `build_app` on a loopback port, as
+The router runs in this process (`router.app.build_router` + `build_app` on a loopback port, as
 `router/daemon.py` does), so its scheduler's cost function can be swapped; the engines are real
 processes it launches. The scheduler's own time constants (the demand decay `DEMAND_TAU_S`,
 the reuse horizon `reuse_horizon_s`) and the roster's (`min_active_s`, `max_hold_s`,
@@ -214,7 +214,7 @@ async def run_policy(policy: str, trace: list[Req], args: argparse.Namespace, tm
 
     from config import parse_roster
     from engines.engine import State
-    from router.live import Router, build_app
+    from router.app import build_app, build_router
     from router.scheduling import DEMAND_TAU_S, Demand
 
     scale = args.time_scale
@@ -229,7 +229,7 @@ async def run_policy(policy: str, trace: list[Req], args: argparse.Namespace, tm
     async with aiohttp.ClientSession() as session, \
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                   timeout=aiohttp.ClientTimeout(total=MAX_WAIT_S * scale + 60)) as client:
-        router = Router(spec, log_dir, session)
+        router = build_router(spec, log_dir, session)
         scheduler = router.placement
         scheduler.demand = Demand(DEMAND_TAU_S * scale)
         scheduler.reuse_horizon_s *= scale  # the same for every policy

@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import base64
 import ipaddress
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 from aiohttp import web
 
 from router.errors import APIError, anthropic_path, error_response
 from router.keys import EVERYTHING, Grant, KeyTable
-from router.proxy.routes import CLIENT_PATHS
 
 
 GRANT = "hotswap.grant"  # request[GRANT]: the Grant of the client key on /v1/* and the proxied routes
 
 
-def auth_middleware(keys: Callable[[], KeyTable]):
-    """`keys` returns the table in force (a roster reload replaces it between two requests)."""
+def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str]):
+    """`keys` returns the table in force (a roster reload replaces it between two requests); `client_paths`
+    are the proxied routes outside /v1/ (`router.proxy.CLIENT_PATHS`), which take a client key too."""
 
     def presented(request: web.Request) -> bytes:
         scheme, _, value = request.headers.get("Authorization", "").partition(" ")
@@ -46,7 +46,7 @@ def auth_middleware(keys: Callable[[], KeyTable]):
     async def auth(request: web.Request, handler) -> web.StreamResponse:
         table = keys()
         path = request.path
-        if path.startswith("/v1/") or path in CLIENT_PATHS:
+        if path.startswith("/v1/") or path in client_paths:
             grant = table.identify(client_key(request)) if table.client_auth else EVERYTHING
             if grant is None or not grant.models:  # an admin-only key is no client key
                 how = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if anthropic_path(path) else "'Authorization: Bearer <key>'"

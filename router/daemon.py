@@ -18,7 +18,9 @@ import uvloop
 from aiohttp import web
 
 from config.schema import Roster
-from router.live import Router, build_app
+from router import admin
+from router.app import build_app, build_router
+from router.live import Router
 
 # Clients that open hundreds of connections at once (an agent fleet, a load balancer's warm-up)
 # overflow a short accept queue; past it Linux answers with SYN cookies, the client's request is
@@ -75,8 +77,9 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
 
     # Control calls carry their own per-call timeouts; proxied requests go through router.upstream.
     async with aiohttp.ClientSession() as session:
-        router = Router(roster, log_dir, session)
-        runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
+        router = build_router(roster, log_dir, session)
+        app = build_app(router)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port, backlog=BACKLOG)
         try:
@@ -87,7 +90,7 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
             return 1
         log.info("hotswap: listening on http://%s:%d (roster %s)", host, port, roster.source)
         router.start()
-        loop.add_signal_handler(signal.SIGHUP, router.reloads.on_signal)
+        loop.add_signal_handler(signal.SIGHUP, app[admin.RELOADS_KEY].on_signal)
         await stop.wait()
 
         log.info("hotswap: draining: /ready and new requests answer 503 (Retry-After); in-flight and queued ones finish "

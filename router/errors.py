@@ -8,11 +8,15 @@ exception classes, so a client sees our message under the class it expects.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 from typing import Optional
 
 from aiohttp import web
+
+log = logging.getLogger("hotswap")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -90,3 +94,28 @@ def sse_error(message: str, code: str, status: int = 502, anthropic: bool = Fals
     the openai SDK raises a `data: {"error": ...}` event, the anthropic SDK an `event: error`."""
     body = json.dumps(error_body(status, message, code, anthropic=anthropic)).encode()
     return (b"event: error\ndata: " if anthropic else b"data: ") + body + b"\n\n"
+
+
+@web.middleware
+async def api_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error the router produces, in the shape of the route (Anthropic's on /v1/messages*)."""
+    anthropic = anthropic_path(request.path)
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return exc.response(anthropic)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(413, f"The request body is larger than listen.max_body_mb ({exc.text}).", "body_too_large", anthropic=anthropic)
+    except web.HTTPNotFound:
+        return error_response(404, f"No route {request.method} {request.path}. See README's HTTP surface table for the routes "
+                                   "hotswap serves.", "not_found", anthropic=anthropic)
+    except web.HTTPMethodNotAllowed as exc:
+        return error_response(405, f"{request.method} is not allowed on {request.path} (allowed: {', '.join(sorted(exc.allowed_methods))}).",
+                              "method_not_allowed", anthropic=anthropic)
+    except web.HTTPException as exc:
+        return error_response(exc.status, exc.reason, "http_error", anthropic=anthropic)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return error_response(500, "Internal error in the router (logged).", "internal_error", anthropic=anthropic)

@@ -1,6 +1,6 @@
-"""The roster made live (the composition root): engines, the scheduler that places them, the name ->
-engine table, the observer that turns what engines do into metrics and logs, and the aiohttp
-app that serves it all (routes in `router.admin.handlers`, keys in `router.auth`).
+"""The roster made live: engines, the scheduler that places them, the name -> engine table, and
+the observer that turns what engines do into metrics and logs. `router.app` builds it and the
+aiohttp app around it; the wings' handlers find it under `ROUTER_KEY`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import collections
 import logging
 import time
 from pathlib import Path
+from typing import Optional, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -19,41 +20,40 @@ from engines import watch
 from engines.client import EngineError
 from engines.engine import Engine, Observer, State
 from engines.gate import Verdict
-from router.admin import handlers
-from router.proxy import endpoint, routes
-from router.scheduling import sizing
-from router.auth import auth_middleware
 from router.errors import APIError
 from router.keys import EVERYTHING, Grant, KeyTable
-from router.scheduling import Events, SwapRecord
 from router.metrics import Metrics
-from router.admin.reload import Reloads
-from router.proxy.responses import ResponseIds
-from router.scheduling import Scheduler
+from router.scheduling import Events, Scheduler, SwapRecord, capacity, level1_weights
 from router.tasks import spawn
-from router.proxy.upstream import Upstreams
 
 log = logging.getLogger("hotswap")
+
+
+class ConnectionPools(Protocol):
+    """The proxied requests' connections, a pool per engine URL (`router.proxy.Upstreams`)."""
+
+    def close(self, base_url: str) -> None: ...
+
+    def close_all(self) -> None: ...
 
 
 class Router(Observer, Events):
     """The roster made live: engines, their scheduler, and the name -> engine table."""
 
-    def __init__(self, roster: Roster, log_dir: Path, session: aiohttp.ClientSession):
+    def __init__(self, roster: Roster, log_dir: Path, session: aiohttp.ClientSession, upstreams: ConnectionPools):
         self.roster = roster
         self.log_dir = log_dir
         self.session = session
-        self.upstreams = Upstreams()  # the proxied requests' connections, a pool per engine URL
+        self.upstreams = upstreams
         self.metrics = Metrics()
         self.started = int(time.time())
         self.engines: dict[str, Engine] = {m.name: self.new_engine(m) for m in roster.models}
         self.by_name: dict[str, Engine] = {n: self.engines[m.name] for m in roster.models for n in m.names}
         self.keys = KeyTable(roster.auth)
-        self.placement = Scheduler(list(self.engines.values()), roster.swap, roster.queue, sizing.capacity(roster),
-                                   weights=sizing.level1_weights(roster.models), observer=self)
+        self.placement = Scheduler(list(self.engines.values()), roster.swap, roster.queue, capacity(roster),
+                                   weights=level1_weights(roster.models), observer=self)
         self.metrics.attach(self)
         self.verdicts: dict[str, collections.deque[Verdict]] = {name: collections.deque(maxlen=10) for name in self.engines}
-        self.reloads = Reloads(self)
         self._tasks: list[asyncio.Task[None]] = []
         self.draining = False  # SIGTERM seen: /ready says 503 while in-flight work finishes
 
@@ -84,6 +84,21 @@ class Router(Observer, Events):
     def unknown_model(self, model: str, grant: Grant) -> APIError:
         known = self.usable_names(grant)
         return APIError(404, f"The model '{model}' does not exist. Available: {known}", "model_not_found", param="model")
+
+    def adapters(self) -> list[tuple[str, Engine, Optional[str]]]:
+        """(adapter, engine, root) for every LoRA adapter an engine reported in its /v1/models (a card
+        with a `parent`), as read at boot or after an admin load/unload. Other served names (an
+        attached engine's extra --served-model-name) still route to their engine but are not adapters."""
+        out = []
+        for engine in self.engines.values():
+            if engine.retiring:
+                continue
+            cards = engine.client.model_cards if engine.client is not None else {}
+            for name in sorted(engine.served_names):
+                card = cards.get(name, {})
+                if card.get("parent") and name != engine.served_name and name not in self.by_name:
+                    out.append((name, engine, card.get("root")))
+        return out
 
     @property
     def ready(self) -> bool:
@@ -193,26 +208,4 @@ class Router(Observer, Events):
         self.verdicts.pop(engine.name, None)
 
 
-def build_app(router: Router) -> web.Application:
-    roster = router.roster
-    app = web.Application(
-        middlewares=[handlers.api_errors, auth_middleware(lambda: router.keys)],
-        client_max_size=int(roster.listen.max_body_mb * 1024 * 1024),
-    )
-    app[handlers.ROUTER_KEY] = router
-    app[endpoint.RESPONSE_IDS_KEY] = ResponseIds()
-    for route in routes.PROXIED:
-        app.router.add_post(route.path, endpoint.proxy_endpoint)
-    app.router.add_get("/v1/responses/{response_id}", endpoint.response_pinned)
-    app.router.add_post("/v1/responses/{response_id}/cancel", endpoint.response_pinned)
-    app.router.add_get("/v1/models", handlers.list_models)
-    app.router.add_get("/v1/models/{model_id:.+}", handlers.get_model)
-    app.router.add_get("/health", handlers.health)
-    app.router.add_get("/ready", handlers.ready)
-    app.router.add_get("/metrics", handlers.metrics)
-    app.router.add_get("/admin/status", handlers.admin_status)
-    app.router.add_post(r"/admin/{action:swap|sleep|restart}", handlers.admin_action)
-    app.router.add_post("/admin/reload", handlers.admin_reload)
-    app.router.add_post(r"/admin/lora/{action:load|unload}", handlers.admin_lora)
-    app.router.add_get("/ui", handlers.status_page)
-    return app
+ROUTER_KEY = web.AppKey("router", Router)

@@ -7,18 +7,26 @@ scrape time, so they can never drift from what the router actually holds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Protocol
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engines.engine import Engine, Observer, State
 from engines.gate import Verdict
-from router.scheduling import Events, SwapRecord, devices_view
+from router.scheduling import Events, Scheduler, SwapRecord, devices_view
 
-if TYPE_CHECKING:
-    from router.live import Router
+
+class Served(Protocol):
+    """What the gauges read at scrape time (`router.live.Router`)."""
+
+    engines: dict[str, Engine]
+    placement: Scheduler
+
+    def scheduler(self, engine: Engine) -> Scheduler: ...
+
 
 UNKNOWN_MODEL = "_unknown"  # requests naming no roster model share one label value
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -96,7 +104,7 @@ class Metrics(Observer, Events):
         if queued_s is not None:
             queue_wait.observe(queued_s)
 
-    def attach(self, router: "Router") -> None:
+    def attach(self, router: Served) -> None:
         self.registry.register(_LiveState(router))
         for engine in router.engines.values():
             self.engine_added(engine)
@@ -153,7 +161,7 @@ class Metrics(Observer, Events):
 class _LiveState(Collector):
     """Gauges read at scrape time from the engines themselves."""
 
-    def __init__(self, router: "Router"):
+    def __init__(self, router: Served):
         self.router = router
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
@@ -196,3 +204,11 @@ class _LiveState(Collector):
         budget = GaugeMetricFamily("hotswap_host_ram_budget_bytes", "Host RAM Level-1 sleepers may hold (host.ram_budget_gb).",
                                    value=scheduler.capacity.ram_budget_gb * 1e9)
         return [planned, residual, ram, budget]
+
+
+METRICS_KEY = web.AppKey("metrics", Metrics)
+
+
+async def serve_metrics(request: web.Request) -> web.Response:
+    """GET /metrics, in Prometheus' text format."""
+    return web.Response(body=request.app[METRICS_KEY].render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

@@ -7,32 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from aiohttp import web
 
 from engines.client import EngineError, EngineHTTPError
-from engines.engine import Engine
 from router.errors import APIError
 
 log = logging.getLogger("hotswap")
 ADMIN_TIMEOUT_S = 120
-
-
-def adapters(router) -> list[tuple[str, Engine, Optional[str]]]:
-    """(adapter, engine, root) for every LoRA adapter an engine reported in its /v1/models (a card
-    with a `parent`), as read at boot or after an admin load/unload. Other served names (an
-    attached engine's extra --served-model-name) still route to their engine but are not adapters."""
-    out = []
-    for engine in router.engines.values():
-        if engine.retiring:
-            continue
-        cards = engine.client.model_cards if engine.client is not None else {}
-        for name in sorted(engine.served_names):
-            card = cards.get(name, {})
-            if card.get("parent") and name != engine.served_name and name not in router.by_name:
-                out.append((name, engine, card.get("root")))
-    return out
 
 
 async def admin_lora(request: web.Request, router) -> web.Response:
@@ -67,4 +50,4 @@ async def admin_lora(request: web.Request, router) -> web.Response:
         scheduler.release(engine)
     log.info("admin: lora %s %s on %s", action, name, engine.name)
     return web.json_response({"model": engine.name, "action": f"lora_{action}", "lora_name": name,
-                              "adapters": sorted(a for a, e, _ in adapters(router) if e is engine)})
+                              "adapters": sorted(a for a, e, _ in router.adapters() if e is engine)})

@@ -14,24 +14,22 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from config import RosterError, load_roster
 from config.diff import RosterDiff, diff
 from config.schema import Roster
-from router.scheduling import capacity, level1_weights
 from router.errors import APIError
 from router.keys import KeyTable
+from router.live import Router
+from router.scheduling import capacity, level1_weights
 from router.tasks import spawn
-
-if TYPE_CHECKING:
-    from router.live import Router
 
 log = logging.getLogger("hotswap")
 
 
 class Reloads:
-    def __init__(self, router: "Router"):
+    def __init__(self, router: Router):
         self.router = router
         self.lock = asyncio.Lock()  # one reload at a time: each diffs against what the last applied
         self.last: Optional[dict[str, Any]] = None  # for /admin/status
@@ -91,7 +89,7 @@ class Reloads:
             log.exception("roster reload (SIGHUP): internal error (traceback above); see /admin/status for what is in force")
 
 
-def apply(router: "Router", new: Roster, changes: RosterDiff, weights: dict[str, Optional[float]]) -> None:
+def apply(router: Router, new: Roster, changes: RosterDiff, weights: dict[str, Optional[float]]) -> None:
     """Put `new` in force at once (no await in here). The listener stays as it is: changing it needs a restart."""
     scheduler = router.placement
     router.roster = new.model_copy(update={"listen": router.roster.listen})

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from engines.engine import Engine
+from router.admin.reload import Reloads
+from router.live import Router
 from router.scheduling import SwapRecord, devices_view
 
-if TYPE_CHECKING:
-    from router.live import Router
 
-
-def router_status(router: "Router") -> dict[str, Any]:
+def router_status(router: Router, reloads: Reloads) -> dict[str, Any]:
     scheduler = router.placement
     return {
         "ready": router.ready,
@@ -21,11 +20,11 @@ def router_status(router: "Router") -> dict[str, Any]:
         "engines": [engine_status(router, e) for e in router.engines.values()],
         "last_swap": _swap_dict(scheduler.last_swap),
         "swaps": [_swap_dict(r) for r in reversed(scheduler.history)],
-        "roster": {"source": router.roster.source, "last_reload": router.reloads.last},
+        "roster": {"source": router.roster.source, "last_reload": reloads.last},
     }
 
 
-def placement_status(router: "Router") -> dict[str, Any]:
+def placement_status(router: Router) -> dict[str, Any]:
     scheduler = router.placement
     devices = []
     for view in devices_view(scheduler.ledger()):
@@ -36,7 +35,7 @@ def placement_status(router: "Router") -> dict[str, Any]:
                                          "level1_gb": round(scheduler.level1_gb(), 2)}}
 
 
-def engine_status(router: "Router", e: Engine) -> dict[str, Any]:
+def engine_status(router: Router, e: Engine) -> dict[str, Any]:
     now = time.monotonic()
     scheduler = router.scheduler(e)
     doing = scheduler.doing.get(e.name)

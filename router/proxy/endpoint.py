@@ -20,13 +20,28 @@ from engines.engine import Engine
 from router.proxy import keepalive, multipart, routes
 from router.auth import grant_of
 from router.errors import APIError, sse_error
-from router.admin.handlers import ROUTER_KEY, max_wait
 from router.keys import Grant
+from router.live import ROUTER_KEY
 from router.metrics import UNKNOWN_MODEL
 from router.proxy.forward import forward, json_for
 from router.proxy.responses import ResponseIds, StreamSniffer, id_in_answer
 
 RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
+MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
+
+
+def max_wait(request: web.Request) -> Optional[float]:
+    """The client's X-Hotswap-Max-Wait: answer 503 at once rather than wait longer than this for a wake."""
+    text = request.headers.get(MAX_WAIT_HEADER)
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise APIError(400, f"{MAX_WAIT_HEADER} must be a number of seconds >= 0 (found {text[:40]!r})", "invalid_header")
+    return seconds
 
 
 def default_model(router, grant: Grant) -> str:

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import Optional, Protocol
 
 import httptools
-
-if TYPE_CHECKING:
-    from router.proxy.upstream import Pool
 
 READ_TIMEOUT_S = 600.0  # the longest silence while an answer is awaited (a long prefill counts)
 PENDING_MAX = 64 * 1024  # a stream's bytes held before the client's head is out: then stop reading
@@ -46,10 +43,20 @@ class Relay(Protocol):
         """The client is behind: stop reading the engine until it catches up."""
 
 
+class Pool(Protocol):
+    """Where a connection goes back to, or leaves (router.proxy.upstream.Pool)."""
+
+    def put(self, conn: Connection) -> None:
+        """Keep `conn` for the next request (its answer completed)."""
+
+    def discard(self, conn: Connection) -> None:
+        """Forget `conn`: it closed while idle."""
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive connection; at most one exchange at a time."""
 
-    def __init__(self, pool: "Pool") -> None:
+    def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.transport: Optional[asyncio.Transport] = None
         self.closed = False

@@ -13,7 +13,7 @@ import pytest
 
 from config.schema import ModelSpec
 from engines.states import State
-from router.live import Router
+from router.app import build_router
 from router.proxy.relay import Relay
 from router.proxy.exchange import UpstreamError
 from router.proxy.upstream import CONNECTS_AT_ONCE, Pool
@@ -345,7 +345,7 @@ async def test_an_engine_that_leaves_the_roster_or_restarts_from_a_changed_entry
     url = f"http://{probe.netloc}"
     roster = sim_roster({"name": "ext", "url": url})
     async with aiohttp.ClientSession() as session:
-        router = Router(roster, tmp_path, session)
+        router = build_router(roster, tmp_path, session)
         exchange = await router.upstreams.pool(url).request(REQUEST)
         await exchange.body()
         exchange.end()

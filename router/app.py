@@ -1,0 +1,55 @@
+"""The composition root: builds the parts of a router and connects them, nothing else.
+
+`build_router` makes the roster live (engines, their scheduler, and the connection pools the
+proxy forwards on); `build_app` puts it behind aiohttp: the middlewares, the objects each
+wing's handlers read from the app, and the routes.
+
+Nothing but the routes listed here exists. The engines' dev endpoints (`/sleep`, `/wake_up`,
+`/collective_rpc`, ...) are never forwarded, whatever the path spelling: there is no
+catch-all route, and the upstream path is the route's own constant, not the client's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from config.schema import Roster
+from router import admin, proxy
+from router.auth import auth_middleware
+from router.errors import api_errors
+from router.live import ROUTER_KEY, Router
+from router.metrics import METRICS_KEY, serve_metrics
+
+
+def build_router(roster: Roster, log_dir: Path, session: aiohttp.ClientSession) -> Router:
+    return Router(roster, log_dir, session, proxy.Upstreams())
+
+
+def build_app(router: Router) -> web.Application:
+    app = web.Application(
+        middlewares=[api_errors, auth_middleware(lambda: router.keys, proxy.CLIENT_PATHS)],
+        client_max_size=int(router.roster.listen.max_body_mb * 1024 * 1024),
+    )
+    app[ROUTER_KEY] = router
+    app[METRICS_KEY] = router.metrics
+    app[proxy.RESPONSE_IDS_KEY] = proxy.ResponseIds()
+    app[admin.RELOADS_KEY] = admin.Reloads(router)
+    add = app.router
+    for route in proxy.PROXIED:
+        add.add_post(route.path, proxy.proxy_endpoint)
+    add.add_get("/v1/responses/{response_id}", proxy.response_pinned)
+    add.add_post("/v1/responses/{response_id}/cancel", proxy.response_pinned)
+    add.add_get("/v1/models", proxy.list_models)
+    add.add_get("/v1/models/{model_id:.+}", proxy.get_model)
+    add.add_get("/health", proxy.health)
+    add.add_get("/ready", proxy.ready)
+    add.add_get("/metrics", serve_metrics)
+    add.add_get("/admin/status", admin.admin_status)
+    add.add_post(r"/admin/{action:swap|sleep|restart}", admin.admin_action)
+    add.add_post("/admin/reload", admin.admin_reload)
+    add.add_post(r"/admin/lora/{action:load|unload}", admin.admin_lora)
+    add.add_get("/ui", admin.status_page)
+    return app

@@ -1,0 +1,60 @@
+"""What a client (or a front over several nodes) reads without being proxied: the models it may
+use (`/v1/models`, with each one's state and node), `/health` and `/ready`."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from router import node
+from router.auth import grant_of
+from router.errors import APIError
+from router.keys import Grant
+from router.live import ROUTER_KEY, Router
+
+DRAINING_RETRY_AFTER_S = 5  # what the scheduler tells refused requests while shutting down, too
+
+
+def _model_cards(router: Router, grant: Grant) -> list[dict]:
+    """Every name `grant` may use: roster names and aliases, then the engines' LoRA adapters."""
+    scheduler = router.placement
+    now = scheduler.clock()
+    where = node.card(router.roster)
+
+    def card(name: str, engine, parent, root) -> dict:
+        return {"id": name, "object": "model", "created": router.started, "owned_by": "hotswap", "root": root,
+                "parent": parent, "state": engine.state.value, "group": engine.spec.group,
+                "wake_estimate_s": round(scheduler.predicted_wait(engine, now), 2), "node": where}
+
+    cards = [card(name, engine, None if name == engine.name else engine.name, engine.spec.model or engine.spec.url or engine.name)
+             for name, engine in router.by_name.items() if grant.may_use(engine.spec.names)]
+    # An adapter's parent is its engine's roster name: the name clients use (vLLM's card says the served name).
+    return cards + [card(name, engine, engine.name, root) for name, engine, root in router.adapters()
+                    if grant.may_use([name]) or grant.may_use(engine.spec.names)]
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": _model_cards(request.app[ROUTER_KEY], grant_of(request))})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    model_id = request.match_info["model_id"]
+    for card in _model_cards(request.app[ROUTER_KEY], grant_of(request)):
+        if card["id"] == model_id:
+            return web.json_response(card)
+    raise APIError(404, f"The model '{model_id}' does not exist.", "model_not_found", param="model")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    promoted = [e.name for e in router.engines.values() if e.promoted]
+    serviceable = [e.name for e in router.engines.values() if e.serviceable]
+    body = {"ready": router.ready and not router.draining, "draining": router.draining, "promoted": promoted,
+            "serviceable": serviceable}
+    # Draining for shutdown: a front that polls /ready takes the node out of rotation now,
+    # while it still answers (new work gets 503 + Retry-After, in-flight work finishes).
+    headers = {"Retry-After": str(DRAINING_RETRY_AFTER_S)} if router.draining else None
+    return web.json_response(body, status=200 if body["ready"] else 503, headers=headers)
