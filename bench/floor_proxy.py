@@ -2,8 +2,8 @@
 
 `python bench/floor_proxy.py --upstream http://127.0.0.1:8001 --port 8002`
 
-hotswap's engine side as it is (router.upstream's pool, router.exchange's httptools parsing,
-router.relay's pass-through) behind a client side with no web framework: an asyncio protocol
+hotswap's engine side as it is (router.proxy.upstream's pool, router.proxy.exchange's httptools parsing,
+router.proxy.relay's pass-through) behind a client side with no web framework: an asyncio protocol
 on uvloop, requests parsed by httptools, answers' heads written as bytes. No auth, routing,
 scheduler, metrics or logging, no pipelining, no request bodies beyond one buffer. It is not a
 server anyone should run: it answers one question, how close to nginx a Python proxy on this

@@ -1,4 +1,4 @@
-"""Which HTTP/1.1 response parser for router/exchange.py: CPU per 64-chunk SSE stream and per
+"""Which HTTP/1.1 response parser for router/proxy/exchange.py: CPU per 64-chunk SSE stream and per
 non-stream answer, each parser fed the bytes the way they arrive from an engine (one recv per
 event), with the work the relay needs done in its callbacks (body bytes collected).
 

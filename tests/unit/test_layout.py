@@ -142,6 +142,14 @@ def test_a_wing_imports_none_of_the_wings_above_it(wing):
     assert not bad, f"router.{wing} must not import router.{', router.'.join(sorted(FORBIDDEN[wing]))}:\n" + "\n".join(bad)
 
 
+def test_the_top_of_the_router_imports_only_scheduling_and_only_app_and_daemon_wire_proxy_and_admin():
+    wiring = {"router.app", "router.daemon"}
+    bad = [f"{i.where}: {i.source} imports {i.target}" for i in ALL_IMPORTS
+           if i.source.startswith("router") and wing_of(i.source) is None and i.source != "router"
+           and wing_of(i.target) not in (None, "scheduling") and not (i.source in wiring and wing_of(i.target) in ("proxy", "admin"))]
+    assert not bad, "router/*.py shares what the wings use; only app.py and daemon.py wire proxy and admin in:\n" + "\n".join(bad)
+
+
 def test_engines_and_config_import_nothing_of_the_router_and_config_nothing_of_engines():
     bad = [f"{i.where}: {i.source} imports {i.target}" for i in ALL_IMPORTS
            if (i.source.split(".")[0] in ("engines", "config") and i.target.split(".")[0] == "router")
