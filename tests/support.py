@@ -121,6 +121,14 @@ class RouterProcess:
         if self.proc.poll() is not None:
             raise Hopeless(f"the router exited with {self.proc.returncode}:\n{self.log()}")
 
+    async def wait_listening(self, timeout: float = 30) -> None:
+        async def health() -> bool:
+            self.check_alive()
+            async with aiohttp.ClientSession() as s, s.get(self.url + "/health") as r:
+                return r.status == 200
+
+        await eventually(health, timeout, interval=0.05, what=f"router listening at {self.url}")
+
     async def wait_ready(self, timeout: float = 30, session=None) -> None:
         async def ready() -> bool:
             self.check_alive()

@@ -15,6 +15,7 @@ from typing import Awaitable, Callable, Optional
 from engines import hardware
 from engines.engine import Engine, EngineFailed, State
 from router.errors import APIError
+from router.scheduling import placement
 from router.scheduling.costs import Costs
 from router.scheduling.events import SwapRecord
 from router.scheduling.roster_changes import RosterChanges
@@ -26,52 +27,41 @@ log = logging.getLogger("hotswap")
 class Actions(Costs, RosterChanges):
     # -- boot --------------------------------------------------------------------------------
 
-    async def boot_all(self) -> None:
-        """Boot one engine at a time, each seeing the memory the others left: pinned ones first,
-        default ones last, so those are the ones left awake. An engine that would not fit beside
-        those already awake makes room the way a request would: the latest booted is parked."""
-        order = sorted(self.engines, key=lambda e: (not e.spec.pin, e.spec.default))
-        booted: list[Engine] = []
-        for i, engine in enumerate(order, 1):
-            log.info("booting %s (%d/%d)", engine.name, i, len(order))
-            try:
-                await self._room_at_boot(engine, booted)
-                started = time.monotonic()
-                await engine.boot()
-                self.costs.observe_boot(engine.name, time.monotonic() - started)
-            except EngineFailed as exc:
-                await self._handle_failure(engine, str(exc))
-                continue
-            except Exception as exc:  # a defect: this engine fails, the others still boot
-                log.exception("internal error while booting %s", engine.name)
-                await self._defect("boot", exc, engine)
-                continue
-            booted.append(engine)
-            log.info("%s booted in %.1f s", engine.name, time.monotonic() - started)
+    async def _boot(self, engine: Engine) -> None:
+        """A first boot since the router started. No swap: nobody waited for it to be moved, and a
+        request for it only moves it up the line. Once booted (baseline recorded) it serves, while
+        the others may still boot."""
+        self.making_room.pop(engine.name, None)
+        self.boots_begun += 1
+        log.info("booting %s (%d/%d)", engine.name, self.boots_begun, self.startup_total)
+        why = placement.never_fits(self.engines, engine)
+        if why is not None:
+            raise engine.fail(f"boot failed: it cannot be placed: {why}")
+        started = time.monotonic()
+        await engine.boot()
+        self.costs.observe_boot(engine.name, time.monotonic() - started)
+        self.backoff.succeeded(engine.name)
+        log.info("%s booted in %.1f s", engine.name, time.monotonic() - started)
+        self._grant(engine)
+
+    def _boot_ended(self, engine: Engine) -> None:
+        self.startup.discard(engine.name)
+        if not self.startup and not self.booted:
+            self._booted()
+
+    def _booted(self) -> None:
+        """Every engine has had its first boot (booted or failed): `router.live` says how it went."""
         self.booted = True
         self.boot_done.set()
-        self.poke()
-
-    async def _room_at_boot(self, engine: Engine, booted: list[Engine]) -> None:
-        # Park the latest booted first, default ones last: they are the ones meant to stay awake.
-        for other in sorted(reversed(booted), key=lambda e: e.spec.default):
-            ledger = self.ledger()
-            rival = engine.spec.group is not None and other.spec.group == engine.spec.group
-            if ledger.fits(engine) and not rival:
-                continue
-            if other.state is State.AWAKE and not other.spec.pin:
-                await self._park(other, f"room to boot {engine.name}", self._level_alone(other))
-        ledger = self.ledger()
-        if not ledger.fits(engine):
-            short = ", ".join(f"GPU {d}: {v:.3g} short" for d, v in ledger.shortfall(engine).items())
-            raise engine.fail(f"boot failed: does not fit beside the pinned and sleeping engines ({short})")
 
     # -- one action ----------------------------------------------------------------------------
 
     async def _act(self, decision: Decision) -> None:
         engine = decision.engine
         try:
-            if decision.action == "wake":
+            if decision.action == "boot":
+                await self._boot(engine)
+            elif decision.action == "wake":
                 await self._wake(engine)
             elif decision.action == "park":
                 await self._park(engine, decision.why, decision.level or 2)
@@ -94,10 +84,13 @@ class Actions(Costs, RosterChanges):
             log.exception("internal error during %s %s", decision.action, engine.name)
             await self._defect(decision.action, exc, engine)
         finally:
+            if decision.action == "boot":
+                self._boot_ended(engine)
             self._done(engine)
 
     def _done(self, engine: Engine) -> None:
         self.doing.pop(engine.name, None)
+        self.boots.discard(engine.name)
         self.parking_level.pop(engine.name, None)
         future = self.busy.pop(engine.name, None)
         if future is not None and not future.done():

@@ -24,7 +24,7 @@ from router.errors import APIError
 from router.scheduling import placement
 from router.scheduling.actions import Actions
 from router.scheduling.placement import Ledger, Victim
-from router.scheduling.state import Decision, Plan
+from router.scheduling.state import BOOTING_ACTIONS, Decision, Plan
 from router.tasks import spawn
 
 
@@ -32,6 +32,12 @@ class Scheduler(Actions):
     # -- the loop ----------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Serve at once: every engine boots as an action of the loop, so one that has booted serves
+        while the others still boot."""
+        self.startup = {e.name for e in self.engines if e.state is State.COLD}
+        self.startup_total = len(self.startup)
+        if not self.startup:
+            self._booted()
         self._task = spawn(self._run(), "scheduler")
 
     async def stop(self) -> None:
@@ -46,7 +52,6 @@ class Scheduler(Actions):
                                                      "shutting_down", retry_after=5))
 
     async def _run(self) -> None:
-        await self.boot_all()
         while not self._stopping:
             self._poke.clear()
             plan = self.decide(self.clock())
@@ -67,8 +72,10 @@ class Scheduler(Actions):
         self.busy[name] = asyncio.get_running_loop().create_future()
         engine = decision.engine
         level = engine.sleep_level if engine.state is State.SLEEPING else None
-        predicted = self.costs.wake_s(name, level) if decision.action == "wake" else 0.0
+        predicted = self.costs.wake_s(name, level) if decision.action in ("boot", "wake") else 0.0
         self.doing[name] = (decision.action, self.clock(), predicted)
+        if decision.action in BOOTING_ACTIONS and (decision.action == "restart" or engine.state in (State.COLD, State.FAILED)):
+            self.boots.add(name)
         if decision.action == "park" and decision.level is not None:
             self.parking_level[name] = decision.level
         task = spawn(self._act(decision), f"{decision.action}:{name}")
@@ -78,41 +85,75 @@ class Scheduler(Actions):
     # -- the policy --------------------------------------------------------------------------
 
     def decide(self, now: float) -> Plan:
-        """What to start now. Grants leases to awake engines' waiters on the way (no awaiting)."""
+        """What to start now. Grants leases to awake engines' waiters on the way (no awaiting).
+
+        A boot has its devices to itself (`boot_devices`): it starts only where no action is
+        running, and nothing else starts on its devices until it ends (its end pokes the loop)."""
         decisions: list[Decision] = []
+        booting = self.boot_devices()
+        changing = {d for e in self.engines if e.name in self.busy for d in e.spec.devices}  # an action moves memory there
+
+        def clear(engine: Engine, boots: bool = False) -> bool:
+            devices = set(engine.spec.devices)
+            return not devices & booting and not (boots and devices & changing)
+
+        def started(engine: Engine, boots: bool = False) -> None:
+            changing.update(engine.spec.devices)
+            if boots:
+                booting.update(engine.spec.devices)
+
         for engine in self.engines:
             if engine.name in self.busy:
                 continue
             if engine.state is State.FAILED and engine.name not in self.handled:
                 decisions.append(Decision("failed", engine, engine.failure or f"engine {engine.name} failed"))
             elif engine.state is State.AWAKE and engine.needs_restart:
-                decisions.append(Decision("restart", engine, engine.needs_restart))
+                if clear(engine, boots=True):
+                    decisions.append(Decision("restart", engine, engine.needs_restart))
+                    started(engine, boots=True)
             elif engine.state is State.AWAKE:
                 self._grant(engine)
         moving = {d.engine.name for d in decisions}
-        decisions += [d for d in self.roster_decisions() if d.engine.name not in moving]
+        for decision in self.roster_decisions():
+            if decision.engine.name not in moving and clear(decision.engine):
+                decisions.append(decision)
+                started(decision.engine)
         ledger = self.ledger()
         moving = {d.engine.name for d in decisions}
         waits: list[float] = []
         for target, oldest in self._targets(now, moving):
+            boots = target.state in (State.COLD, State.FAILED)
+            first = target.name in self.startup  # a first boot is no swap, and makes room only from idle engines
+            if not clear(target, boots):
+                continue
+            if first and placement.never_fits(self.engines, target) is not None:
+                decisions.append(Decision("boot", target, "it can never fit"))  # the boot fails, saying why
+                moving.add(target.name)
+                continue
             victims, wait_s = self._make_room(ledger, target, oldest, now, moving)
             if victims is None:
                 if wait_s is not None:
                     waits.append(wait_s)
                 continue
-            moving.add(target.name)
             ledger.reserve(target)  # first: a demotion passing through the GPU must not take its room
-            if victims:
+            moves = [d for victim in victims for d in self._move(victim, f"room {'to boot' if first else 'for'} {target.name}",
+                                                                   ledger, now)]
+            if not all(clear(d.engine) for d in moves):
+                continue
+            moving.add(target.name)
+            if moves:
                 self.making_room[target.name] = ([v.engine.name for v in victims], self.clock())
-                for victim in victims:
-                    decisions += self._move(victim, f"room for {target.name}", ledger, now)
-                    moving.add(victim.engine.name)
+                decisions += moves
+                for move in moves:
+                    moving.add(move.engine.name)
+                    started(move.engine)
             else:
-                decisions.append(Decision("wake", target, f"{self.queued(target)} waiting"))
+                decisions.append(Decision("boot" if first else "wake", target, f"{self.queued(target)} waiting"))
+                started(target, boots)
         idle = self.swap.idle_sleep_s
         for engine in self.engines:
             if idle is None or engine.name in moving or engine.name in self.busy or engine.state is not State.AWAKE \
-                    or engine.spec.pin or engine.in_flight:
+                    or engine.spec.pin or engine.in_flight or not clear(engine):
                 continue
             idle_for, awake_for = now - engine.last_used, now - engine.since
             if idle_for >= idle and awake_for >= self.swap.min_active_s:
@@ -123,18 +164,20 @@ class Scheduler(Actions):
 
     def _targets(self, now: float, moving: set[str]) -> list[tuple[Engine, float]]:
         """Engines with waiters that are not awake, oldest waiter first; then those to boot in the
-        background, as if asked for just now (so no busy engine is ever parked for them)."""
+        background (at start, or new in a reload), as if asked for just now (so no busy engine is
+        ever parked for them), in `boot_order`."""
         out = []
         for engine in self.engines:
             queue = self.waiting[engine.name]
-            background = engine.name in self.to_boot and engine.state is State.COLD
+            background = engine.state is State.COLD and (engine.name in self.to_boot or engine.name in self.startup)
             if not (queue or background) or engine.name in self.busy or engine.name in moving or engine.state is State.AWAKE:
                 continue
             if self.backoff.waiting(engine, now):
                 self._fail_waiters(engine, self.backoff.unavailable(engine))
                 continue
             out.append((engine, queue[0].since if queue else now))
-        return sorted(out, key=lambda pair: pair[1])
+        order = {e.name: i for i, e in enumerate(sorted(self.engines, key=boot_order))}
+        return sorted(out, key=lambda pair: (not self.waiting[pair[0].name], pair[1], order[pair[0].name]))
 
     def _make_room(self, ledger: Ledger, target: Engine, oldest: float, now: float,
                    moving: set[str]) -> tuple[Optional[list[Victim]], Optional[float]]:
@@ -154,7 +197,7 @@ class Scheduler(Actions):
             rival = target.spec.group is not None and engine.spec.group == target.spec.group
             if engine.name in self.busy or engine.name in moving:
                 blocked |= rival and (engine.state in placement.HOLDS_SHARE or engine.name in ledger.reserved)
-                if not rival and self.doing.get(engine.name, ("",))[0] == "wake":  # parkable once awake a while
+                if not rival and self.doing.get(engine.name, ("",))[0] in ("boot", "wake"):  # parkable once awake a while
                     _, started, predicted = self.doing[engine.name]
                     ready_in = max(0.0, started + predicted - now) + self.swap.min_active_s
                     candidates.append(Victim(engine, "park", ledger.parked_frees(engine), self.cost(engine, "park", now),
@@ -174,9 +217,10 @@ class Scheduler(Actions):
             return None, min(waits, default=None)
         now_idle = [v for v in candidates if not v.ready_in and not v.busy]
         now_any = [v for v in candidates if not v.ready_in]
-        chosen = placement.cheapest(ledger, target, now_idle, forced)
-        if chosen is None:
-            chosen = placement.cheapest(ledger, target, now_any, forced)
+        tiers = [now_idle, now_any]
+        if not self.queued(target):  # a boot nobody asked for parks the roster's defaults last: they are meant to stay awake
+            tiers.insert(0, [v for v in now_idle if not v.engine.spec.default])
+        chosen = next((c for c in (placement.cheapest(ledger, target, tier, forced) for tier in tiers) if c is not None), None)
         # Parks that become possible soon (min_active_s, max_hold_s) may beat what is possible now:
         # stopping sleepers turns their next wake into a cold boot, while a wait costs its waiters.
         later = placement.cheapest(ledger, target, [v for v in candidates if v.action == "park"], forced)
@@ -188,8 +232,11 @@ class Scheduler(Actions):
         return None, later_wait if later else min(waits, default=None)
 
     def _evictable_in(self, engine: Engine, oldest: float, now: float) -> float:
-        """Seconds until an awake engine may be parked for a waiter that arrived at `oldest` (0: now)."""
-        wait = self.swap.min_active_s - (now - engine.since)
+        """Seconds until an awake engine may be parked for a waiter that arrived at `oldest` (0: now).
+        min_active_s protects a wake someone asked for: an engine booted in the background and not
+        used since is parked at once (as the latest booted was while the roster booted)."""
+        unclaimed = engine.last_used < engine.since and not engine.in_flight
+        wait = 0.0 if unclaimed else self.swap.min_active_s - (now - engine.since)
         if engine.in_flight:
             wait = max(wait, oldest + self.swap.max_hold_s - now)
         return max(wait, 0.0)
@@ -207,3 +254,8 @@ class Scheduler(Actions):
             out.append(Decision("demote" if passes else "stop", sleeper, f"host RAM for {engine.name} at level 1"))
         return out
 
+
+def boot_order(engine: Engine) -> tuple[bool, bool]:
+    """The order engines boot in when none is asked for: pinned ones first, `default` ones last (so
+    those are the ones left awake when not all fit), else the roster's order."""
+    return (not engine.spec.pin, engine.spec.default)

@@ -27,7 +27,9 @@ from router.scheduling.placement import Capacity, Ledger
 MID_TRANSITION = frozenset({State.BOOTING, State.DRAINING, State.WAKING, State.VERIFYING})
 # Actions that need the engine's full share while they run (a restart passes through COLD:
 # its memory must not be handed to another engine in that moment).
-RESERVING = frozenset({"wake", "demote", "restart"})
+RESERVING = frozenset({"boot", "wake", "demote", "restart"})
+# Actions whose engine is (or becomes) BOOTING when it starts COLD or FAILED; a restart always is.
+BOOTING_ACTIONS = frozenset({"boot", "wake", "restart"})
 
 
 @dataclass
@@ -39,7 +41,7 @@ class Waiter:
 
 @dataclass(frozen=True)
 class Decision:
-    """One action to start now: wake, park, stop, demote, restart, failed."""
+    """One action to start now: boot, wake, park, stop, demote, restart, retire, respec, failed."""
 
     action: str
     engine: Engine
@@ -76,6 +78,10 @@ class SchedulerState:
         self.pending_restart: dict[str, str] = {}  # engine -> reason, for its next wake
         self.residuals: dict[str, dict[int, float]] = {}  # measured per engine and device, GB
         self.to_boot: set[str] = set()  # new in a reload (or restarted from a changed entry): boot in the background
+        self.startup: set[str] = set()  # not booted yet since the router started (first boots are not swaps)
+        self.startup_total = 0
+        self.boots_begun = 0
+        self.boots: set[str] = set()  # engines whose running action boots them: their devices are theirs alone
         self.pending_spec: dict[str, ModelSpec] = {}  # engine -> its changed roster entry, applied at its next idle moment
         self.booted = False
         self.boot_done = asyncio.Event()
@@ -157,7 +163,7 @@ class SchedulerState:
             return 0.0
         if engine.name in self.doing:
             action, started, predicted = self.doing[engine.name]
-            if action == "wake":
+            if action in ("boot", "wake"):
                 return max(0.0, started + predicted - now)
         wake_s = self.costs.wake_s(engine.name, engine.sleep_level if engine.state is State.SLEEPING else None)
         if self.ledger().fits(engine):
@@ -165,6 +171,16 @@ class SchedulerState:
         parks = [self.costs.sleep_s(e.name) for e in self.engines if e.state is State.AWAKE
                  and set(e.spec.devices) & set(engine.spec.devices)]
         return wake_s + max(parks, default=0.0)
+
+    def boot_devices(self) -> set[int]:
+        """The devices a boot has to itself right now. vLLM sizes its KV cache at boot from the
+        device's free memory and from what its own process added while it profiled
+        (vllm/v1/worker/utils.py:716 `request_memory`, vllm/utils/mem_utils.py:230
+        `memory_profiling`, read in vLLM 0.32): anything else that allocates or frees on that
+        device meanwhile is counted as the booting engine's, so it starts with a wrong KV cache,
+        or not at all. So a boot starts only when nothing moves on its devices, and nothing else
+        starts there until it ends."""
+        return {d for e in self.engines if e.name in self.boots or e.state is State.BOOTING for d in e.spec.devices}
 
     def ledger(self) -> Ledger:
         reserved = [e for e in self.engines if self.doing.get(e.name, ("",))[0] in RESERVING]

@@ -140,7 +140,9 @@ async def close_clients():
 async def start_router(tmp_path):
     routers: list[RouterProcess] = []
 
-    async def start(roster: dict, env=None, subdir: str = "r", admin_key=None, timeout_s: float = 30) -> RouterProcess:
+    async def start(roster: dict, env=None, subdir: str = "r", admin_key=None, timeout_s: float = 30,
+                    booted: bool = True) -> RouterProcess:
+        """`booted=False`: return once the router listens, while its engines may still boot."""
         path = tmp_path / f"{subdir}{len(routers)}"
         path.mkdir()
         # The simulated engines share one GPU-memory ledger: if the router's placement is wrong,
@@ -148,7 +150,7 @@ async def start_router(tmp_path):
         env = {"HOTSWAP_SIM_GPU_LEDGER": str(path / "gpu-ledger.json"), **(env or {})}
         router = RouterProcess(roster, path, env, admin_key)
         routers.append(router)
-        await router.wait_ready(timeout_s)
+        await (router.wait_ready(timeout_s) if booted else router.wait_listening(timeout_s))
         return router
 
     yield start

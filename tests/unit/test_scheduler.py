@@ -450,3 +450,98 @@ async def test_a_parked_engines_residual_is_measured_through_nvml_when_it_sees_t
     s._measure_residual(a)
     assert s.residuals == {"a": {0: 6.0}} and seen == {0: {4242, 4243}, 1: {4242, 4243}}
     assert s.ledger().use == {0: pytest.approx(6 / 80), 1: pytest.approx(1 / 80)}, "GPU 1 keeps the configured residual"
+
+
+# -- boot while serving: boots are the loop's actions, one per GPU at a time ----------------------
+
+def starting(s: Scheduler) -> Scheduler:
+    """The scheduler as `start()` leaves it, without its loop: every cold engine still to boot."""
+    s.startup = {e.name for e in s.engines if e.state is State.COLD}
+    s.startup_total = len(s.startup)
+    return s
+
+
+def running(s: Scheduler, engine: FakeEngine, action: str, clock: Clock, state: Optional[State] = None) -> None:
+    """`engine`'s action has started (as `Scheduler._start` records it)."""
+    s.busy[engine.name], s.doing[engine.name] = asyncio.get_running_loop().create_future(), (action, clock.now, 1.0)
+    if action in ("boot", "restart") or engine.state is State.COLD:
+        s.boots.add(engine.name)
+    if state is not None:
+        engine.state = state
+
+
+async def test_at_start_engines_boot_pinned_first_and_defaults_last_one_gpu_at_a_time(clock):
+    d = FakeEngine("d", State.COLD, share=0.3, default=True)
+    a = FakeEngine("a", State.COLD, share=0.3)
+    p = FakeEngine("p", State.COLD, share=0.3, pin=True)
+    other_gpu = FakeEngine("g1", State.COLD, share=0.3, devices=[1])
+    s = starting(scheduler(d, a, p, other_gpu, clock=clock, gpus={0: 80.0, 1: 80.0}))
+    assert actions(s.decide(clock.now)) == [("boot", "p"), ("boot", "g1")], "one boot per GPU, the pinned one first"
+    running(s, p, "boot", clock, State.BOOTING)
+    running(s, other_gpu, "boot", clock, State.BOOTING)
+    assert s.decide(clock.now) == Plan(), "GPU 0 is p's until its boot ends (the end pokes the loop)"
+    s.busy.clear(), s.doing.clear(), s.boots.clear()
+    p.state = other_gpu.state = State.AWAKE
+    s.startup -= {"p", "g1"}
+    assert actions(s.decide(clock.now)) == [("boot", "a")], "then roster order, the default last"
+
+
+async def test_a_request_for_a_model_not_booted_yet_moves_its_boot_to_the_front(clock):
+    a, b, c = (FakeEngine(n, State.COLD, share=0.3) for n in "abc")
+    s = starting(scheduler(a, b, c, clock=clock))
+    assert actions(s.decide(clock.now)) == [("boot", "a")]
+    running(s, a, "boot", clock, State.BOOTING)
+    waiter = wait_for(s, c, clock.now)
+    assert s.decide(clock.now) == Plan(), "a boot is never cut short: c waits for a's to end"
+    s.busy.clear(), s.doing.clear(), s.boots.clear()
+    a.state = State.AWAKE
+    s.startup.discard("a")
+    assert actions(s.decide(clock.now)) == [("boot", "c")], "c, asked for, boots before b"
+    assert not waiter.future.done()
+
+
+async def test_while_a_model_boots_its_gpu_serves_the_awake_ones_but_no_wake_or_park_starts_there(clock):
+    served, sleeper = awake("served", clock, share=0.3), FakeEngine("sleeper", share=0.3)
+    elsewhere = FakeEngine("elsewhere", share=0.3, devices=[1])
+    booting = FakeEngine("booting", State.BOOTING, share=0.3)
+    s = scheduler(served, sleeper, elsewhere, booting, clock=clock, gpus={0: 80.0, 1: 80.0}, idle_sleep_s=1)
+    running(s, booting, "boot", clock)
+    lease = wait_for(s, served, clock.now)
+    wait_for(s, sleeper, clock.now)
+    wait_for(s, elsewhere, clock.now)
+    plan = s.decide(clock.now)
+    assert lease.future.done(), "an awake engine on the booting GPU still takes requests"
+    assert actions(plan) == [("wake", "elsewhere")], \
+        "vLLM sizes its KV cache from what moves on the device while it boots: nothing else starts there, not even an idle park"
+
+
+async def test_a_boot_waits_until_nothing_else_moves_on_its_gpu(clock):
+    parking = awake("parking", clock, share=0.3)
+    cold = FakeEngine("cold", State.COLD, share=0.3)
+    s = scheduler(parking, cold, clock=clock)
+    running(s, parking, "park", clock, State.DRAINING)
+    wait_for(s, cold, clock.now)
+    assert s.decide(clock.now) == Plan(), "the park's memory is still moving"
+    s.busy.clear(), s.doing.clear()
+    parking.state, parking.sleep_level = State.SLEEPING, 1
+    assert actions(s.decide(clock.now)) == [("wake", "cold")]
+    assert "cold" not in s.boots, "decide records nothing: _start does"
+
+
+async def test_room_for_a_first_boot_is_made_from_engines_nobody_used_yet_and_the_defaults_stay_awake(clock):
+    # Booted a moment ago in the background and not used since: min_active_s does not hold them.
+    fresh = FakeEngine("fresh", State.AWAKE, share=0.5, since=clock.now - 1)
+    fresh.last_used = clock.now - 2
+    default = FakeEngine("default", State.AWAKE, share=0.3, since=clock.now - 1, default=True)
+    default.last_used = clock.now - 2
+    last = FakeEngine("last", State.COLD, share=0.3)
+    s = starting(scheduler(fresh, default, last, clock=clock, min_active_s=30))
+    assert actions(s.decide(clock.now)) == [("park", "fresh")], "the default one is parked last"
+    assert s.decide(clock.now).decisions[0].why == "room to boot last"
+
+
+async def test_a_first_boot_that_can_never_fit_is_started_so_it_fails_saying_why(clock):
+    pinned = FakeEngine("pinned", State.AWAKE, share=0.8, since=clock.now - 100, pin=True)
+    big = FakeEngine("big", State.COLD, share=0.5)
+    s = starting(scheduler(pinned, big, clock=clock))
+    assert actions(s.decide(clock.now)) == [("boot", "big")], "the first boot ends (failed), so the roster's boot finishes"
