@@ -259,6 +259,24 @@ async def test_a_crash_during_boot(start_router, tmp_path):
     tally.report()
 
 
+async def test_a_slow_boot_under_load_from_the_start(start_router):
+    """b takes 4 s to boot and the load starts as soon as the router listens: the models that
+    have booted are served meanwhile, b's requests wait for its boot, and none of them errs."""
+    router = await start_router(chaos_roster(b_extra=("--sim-boot-s", "4")), booted=False)
+    tally = Tally("slow boot (b takes 4 s), load from the start")
+    served_while_booting = []
+
+    async def note():
+        status = await router.status()
+        served_while_booting.append(not status["booted"] and any(e["state"] == "awake" for e in status["engines"]))
+
+    await mixed_load(router, tally, during=note)
+    tally.check(victims=set())
+    assert tally.errored == 0, tally
+    assert served_while_booting == [True], "half-way through the load, b still booted while another engine served"
+    tally.report()
+
+
 async def test_router_sigterm_under_load(start_router):
     router = await start_router(chaos_roster())
 
