@@ -123,7 +123,7 @@ class Scheduler(Actions):
         waits: list[float] = []
         for target, oldest in self._targets(now, moving):
             boots = target.state in (State.COLD, State.FAILED)
-            first = target.name in self.startup  # a first boot is no swap, and makes room only from idle engines
+            first = target.name in self.startup  # its first boot since start: no swap, so not in the swap history
             if not clear(target, boots):
                 continue
             if first and placement.never_fits(self.engines, target) is not None:
@@ -157,7 +157,11 @@ class Scheduler(Actions):
                 continue
             idle_for, awake_for = now - engine.last_used, now - engine.since
             if idle_for >= idle and awake_for >= self.swap.min_active_s:
-                decisions += self._move(Victim(engine, "park", {}, 0.0), f"idle for {idle_for:.0f} s", ledger, now)
+                moves = self._move(Victim(engine, "park", {}, 0.0), f"idle for {idle_for:.0f} s", ledger, now)
+                if all(clear(d.engine) for d in moves):
+                    decisions += moves
+                    for move in moves:
+                        started(move.engine)
             else:
                 waits.append(max(idle - idle_for, self.swap.min_active_s - awake_for, 0.01))
         return Plan(tuple(decisions), min(waits) if waits and not decisions else None)
