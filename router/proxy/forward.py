@@ -11,6 +11,7 @@ the engine's answer must travel inside that stream, errors included.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any, Callable, Optional
 
@@ -23,6 +24,8 @@ from router.proxy.relay import Relay
 from router.proxy.responses import StreamSniffer
 from router.proxy.exchange import ClientGone, Exchange, Unreachable, UpstreamError
 from router.proxy.upstream import Pool, Upstreams
+
+log = logging.getLogger("hotswap")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -71,6 +74,10 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
             on_answer(payload)
         return web.Response(status=exchange.status, body=payload, headers={"Content-Type": exchange.content_type})
     finally:
+        if exchange.trailing:
+            log.warning("engine %s sent %d bytes after a complete answer to %s %s (a second response on the same "
+                        "connection?): the client got the first answer alone; the bytes were dropped and the "
+                        "connection closed", engine.name, exchange.trailing, method, path)
         exchange.end()
 
 

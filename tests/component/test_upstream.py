@@ -156,6 +156,51 @@ async def test_no_retry_once_the_engine_began_to_answer_or_on_a_new_connection()
     script.close()
 
 
+EVIL = b"HTTP/1.1 418 I'm a teapot\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n{\"id\":\"EVIL\"}"
+
+
+async def test_a_second_response_written_with_the_first_is_dropped_with_its_connection():
+    first = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 10\r\n\r\n{\"id\":\"a\"}"
+
+    async def two_answers_at_once(n, reader, writer):
+        writer.write(first + EVIL if n == 0 else ANSWER)
+        return True
+
+    script, pool = await scripted(two_answers_at_once)
+    exchange = await pool.request(REQUEST)
+    assert await exchange.body() == b'{"id":"a"}'
+    assert (exchange.status, exchange.headers[b"content-length"]) == (200, b"10")  # its own, not the second's
+    assert exchange.trailing == len(EVIL)
+    exchange.end()
+    assert not pool.idle  # never offered to another request, which would read the rest as its answer
+    again = await pool.request(REQUEST)
+    assert await again.body() == b'{"a":1}'
+    again.end()
+    assert (script.requests, script.connections) == (2, 2)  # the next request opened a new connection
+    script.close()
+
+
+async def test_a_second_response_written_with_the_end_of_a_stream_never_reaches_the_client():
+    events = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in (b'data: {"a":1}\n\n', b"data: [DONE]\n\n")) + b"0\r\n\r\n"
+
+    async def stream_then_another_answer(n, reader, writer):
+        writer.write(SSE_HEAD + events + EVIL)
+        return True
+
+    script, pool = await scripted(stream_then_another_answer)
+    exchange = await pool.request(REQUEST)
+    reader_side, sink = await _sink_pair()
+    relay = Relay(sink.transport, True, exchange.chunked)
+    await asyncio.wait_for(exchange.relay(relay, sink.drain), 5)
+    relay.end()
+    exchange.end()
+    sink.close()
+    received = await asyncio.wait_for(reader_side.read_all(), 5)
+    assert received == events  # the engine's stream as it framed it, and nothing after its last chunk
+    assert exchange.trailing == len(EVIL) and not pool.idle
+    script.close()
+
+
 async def test_a_client_that_stops_reading_stops_the_engine_and_nothing_piles_up_in_between():
     chunk = b"data: " + b"x" * 65_000 + b"\n\n"
     framed = b"%x\r\n%s\r\n" % (len(chunk), chunk)
