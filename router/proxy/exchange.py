@@ -66,7 +66,6 @@ class Connection(asyncio.Protocol):
         self.transport: Optional[asyncio.Transport] = None
         self.closed = False
         self.idle_since = 0.0
-        self.reused = False
         self._exchange: Optional[Exchange] = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -118,8 +117,7 @@ class Exchange:
         self.complete = False
         self.got_bytes = False  # any byte of the answer: after one, the request is never sent again
         self.trailing = 0  # bytes the engine sent after its complete answer: dropped, and the connection with them
-        self.lost_early = False  # the engine closed the connection before any byte of the answer
-        self.unsent = False  # the connection was lost before the request was written
+        self.unsent = False  # the connection was seen closed before the request was written: safe to send again
         self.error: Optional[UpstreamError] = None
         self.first_body_at: Optional[float] = None
         self._head_done = False
@@ -273,12 +271,16 @@ class Exchange:
     def lost(self, exc: Optional[Exception]) -> None:
         if self.complete:
             return
-        self.lost_early = not self.got_bytes
         if self._head_done and not self.chunked and b"content-length" not in self.headers:
             self.complete = True  # an answer delimited by the connection's close
             self._finish()
             return
-        self._fail(UpstreamError(f"the engine closed the connection{f' ({exc})' if exc else ''}"))
+        cause = f" ({exc})" if exc else ""
+        if not self.got_bytes:  # it may have read the request and begun it: never sent again (Pool.request)
+            self._fail(UpstreamError(f"the engine closed the connection without answering{cause}; the request "
+                                     "was not sent again, as the engine may have begun it"))
+        else:
+            self._fail(UpstreamError(f"the engine closed the connection{cause}"))
 
     def _check_timeout(self) -> None:
         if self.complete or self.error is not None:
@@ -312,17 +314,12 @@ class Exchange:
     # -- what the handler calls ----------------------------------------------------------------
 
     def send(self, data: bytes) -> None:
-        if self.conn.closed:  # reset between the handshake and this write: connection_lost has passed
+        transport = self.conn.transport
+        if self.conn.closed or transport is None or transport.is_closing():  # the engine never got a byte of it
             self.unsent = True
             self._fail(UpstreamError("the engine closed the connection before the request was sent"))
             return
-        self.conn.transport.write(data)  # type: ignore[union-attr]
-
-    @property
-    def retryable(self) -> bool:
-        """Sending once more is safe: nothing of the request was written, or the engine closed a
-        pooled connection before reading it (its idle close raced our reuse)."""
-        return self.unsent or (self.conn.reused and self.lost_early)
+        transport.write(data)
 
     @property
     def content_type(self) -> str:

@@ -16,8 +16,11 @@ from urllib.parse import urlsplit
 from router.proxy.exchange import READ_TIMEOUT_S, Connection, Exchange, Unreachable, UpstreamError
 
 CONNECT_TIMEOUT_S = 10.0
-# vLLM (uvicorn) closes a connection idle for 5 s; a pooled one older than this is not offered,
-# so the engine's close and our reuse rarely race (when they do, see `Exchange.retryable`).
+# vLLM (uvicorn) closes a connection idle for 5 s (`--timeout-keep-alive`, VLLM_HTTP_TIMEOUT_KEEP_ALIVE);
+# a pooled one idle this long is retired instead of reused, so the engine's idle close and our
+# reuse rarely race. When they do, the request fails (a 502) rather than being sent twice: from
+# a connection closed after the write, nothing tells an idle close from an engine that read
+# the request, began it and died.
 IDLE_S = 4.0
 MAX_IDLE = 256  # connections kept per engine beyond this are closed as they come back
 # Connections being opened to one engine at a time; the rest wait in line for one (Pool._get).
@@ -46,11 +49,11 @@ class Pool:
         self._openers: set[asyncio.Task[None]] = set()
 
     async def request(self, data: bytes) -> Exchange:
-        """Send a request and wait for its answer's head. Once more on a new connection when a
-        pooled one turns out to have been closed by the engine before it answered a byte (the
-        engine's idle close raced our reuse, so it never took the request), or when a connection
-        was lost before a byte of the request went out. Never after a new connection's request
-        was written: the engine may have read it, and a generation must not run twice."""
+        """Send a request and wait for its answer's head. Once more, on a new connection, only
+        when the request provably never reached the engine: its connection was seen closed
+        before the write. Never once it was written, whatever happened next: the engine may
+        have read it and begun a generation, which must not run twice. (A connect that fails
+        raises `Unreachable`; nothing was sent, and nothing is tried again.)"""
         for fresh in (False, True):
             conn = await (self._open_in_turn() if fresh else self._get())
             exchange = Exchange(conn, self.read_timeout)
@@ -60,7 +63,7 @@ class Pool:
                 return exchange
             except UpstreamError:
                 exchange.end()
-                if not exchange.retryable or fresh:
+                if not exchange.unsent or fresh:
                     raise
             except BaseException:  # cancelled (the client went away): cut the connection, so vLLM aborts
                 exchange.end()
@@ -108,7 +111,6 @@ class Pool:
                 if self._line:
                     self._line.popleft().set_exception(exc)
                 return
-        conn.reused = False
         if not self._hand(conn):
             self.put(conn)
 
@@ -136,10 +138,14 @@ class Pool:
         now = time.monotonic()
         while self.idle:
             conn = self.idle.pop()  # the most recently used: the least likely to be closed by now
-            if not conn.closed and now - conn.idle_since < IDLE_S:
-                conn.reused = True
+            if conn.closed:
+                continue
+            if now - conn.idle_since < IDLE_S:
                 return conn
-            conn.abort()
+            # Too close to the engine's idle close to trust, and so is every one below it (older): retired.
+            for old in (conn, *self.idle):
+                old.abort()
+            self.idle.clear()
         return None
 
     def _prune(self) -> None:
@@ -157,7 +163,6 @@ class Pool:
 
     def put(self, conn: Connection) -> None:
         """A connection free again: to the first in line, else idle."""
-        conn.reused = True
         if self._hand(conn):
             return
         if len(self.idle) >= MAX_IDLE:
