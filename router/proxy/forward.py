@@ -40,7 +40,7 @@ def json_for(engine: Engine, body: dict[str, Any], raw: bytes) -> bytes:
 
 def request_bytes(method: str, path: str, pool: Pool, headers: dict[str, str], content_type: Optional[str],
                   body: bytes) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {pool.netloc}"]
+    lines = [f"{method} {pool.prefix}{path} HTTP/1.1", f"Host: {pool.netloc}"]
     # The client's Authorization is never forwarded; the engine gets its own key, if it has one.
     lines += [f"{k}: {v}" for k, v in headers.items()]
     if content_type:
@@ -57,7 +57,7 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
     client = engine.client
     if client is None:  # a lease implies a started engine; say so rather than crash if that ever breaks
         raise APIError(502, f"engine '{engine.name}' has no address yet", "engine_unreachable")
-    pool = upstreams.pool(client.base_url)
+    pool = upstreams.pool(client.base_url, client.tls)
     exchange = await _send(pool, engine, request_bytes(method, path, pool, client.headers, content_type, body))
     try:
         if exchange.stream:

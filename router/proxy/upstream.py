@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 import time
 from typing import Optional
 from urllib.parse import urlsplit
@@ -38,10 +39,14 @@ class Pool:
     connection that comes free (opened, or given back by a finished answer) goes to the first in
     line: a newcomer never takes a connection ahead of a request that was already waiting."""
 
-    def __init__(self, base_url: str, read_timeout: float = READ_TIMEOUT_S) -> None:
+    def __init__(self, base_url: str, read_timeout: float = READ_TIMEOUT_S, tls: Optional[ssl.SSLContext] = None) -> None:
         url = urlsplit(base_url)
-        self.host, self.port = url.hostname or "127.0.0.1", url.port or 80
-        self.netloc = url.netloc
+        # https: TLS on every connection, verified as the engine's control client verifies it (the
+        # same context: engines.client.tls_context); the system store when none is given.
+        self.tls = (tls or ssl.create_default_context()) if url.scheme == "https" else None
+        self.host, self.port = url.hostname or "127.0.0.1", url.port or (443 if self.tls else 80)
+        self.netloc = url.netloc  # the Host header
+        self.prefix = url.path.rstrip("/")  # `https://host/team-a`: every path goes under /team-a
         self.read_timeout = read_timeout
         self.idle: list[Connection] = []
         self._line: collections.deque[asyncio.Future[Connection]] = collections.deque()
@@ -127,9 +132,14 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                _, conn = await loop.create_connection(lambda: Connection(self), self.host, self.port)
+                _, conn = await loop.create_connection(
+                    lambda: Connection(self), self.host, self.port, ssl=self.tls,
+                    server_hostname=self.host if self.tls else None, ssl_handshake_timeout=CONNECT_TIMEOUT_S if self.tls else None)
         except TimeoutError:
             raise Unreachable(f"no connection within {CONNECT_TIMEOUT_S:g} s") from None
+        except ssl.SSLError as exc:  # before OSError, its base: say it is the TLS handshake
+            why = ": ".join(filter(None, [exc.reason, getattr(exc, "verify_message", None)])) or str(exc)
+            raise Unreachable(f"TLS with {self.netloc} failed: {why}") from None
         except OSError as exc:
             raise Unreachable(exc.strerror or str(exc)) from None
         return conn
@@ -195,10 +205,10 @@ class Upstreams:
         self.read_timeout = read_timeout
         self._pools: dict[str, Pool] = {}
 
-    def pool(self, base_url: str) -> Pool:
+    def pool(self, base_url: str, tls: Optional[ssl.SSLContext] = None) -> Pool:
         pool = self._pools.get(base_url)
         if pool is None:
-            pool = self._pools[base_url] = Pool(base_url, self.read_timeout)
+            pool = self._pools[base_url] = Pool(base_url, self.read_timeout, tls)
         return pool
 
     def close(self, base_url: str) -> None:
