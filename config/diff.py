@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional
 
 from config.schema import ModelSpec, Roster
 
-ENGINE_KEYS = ("model", "url", "port", "command", "launcher", "args", "env", "speculative", "devices", "draft_restore")
+ENGINE_KEYS = ("model", "url", "tls_ca_file", "port", "command", "launcher", "args", "env", "speculative", "devices", "draft_restore")
 CANARY_KEYS = ("enabled", "prompt", "max_tokens", "lora_canary")  # gate keys that make the canary another one
 SECTIONS = ("auth", "queue", "swap", "gpus", "host", "node")  # router-wide, changed in place
 RESTART_SECTIONS = ("listen",)  # the listener is bound once: a change needs a router restart

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import ssl
 import string
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
@@ -173,6 +174,9 @@ class ModelSpec(Section):
         1.0, ge=0, description="GPU memory a sleeping engine still holds per device (CUDA context, pools).")
     model: Optional[NonEmptyStr] = Field(None, description="Path or id given to `vllm serve`.")
     url: Optional[NonEmptyStr] = Field(None, description="Attach to an engine something else runs.")
+    tls_ca_file: Optional[NonEmptyStr] = Field(
+        None, description="For an `https://` url: a PEM file of the CA certificate(s) the engine's certificate is "
+        "verified against, instead of the system store (a private CA). Read at load: it must exist and hold a certificate.")
     port: Optional[int] = Field(None, ge=1, le=65535, description="Engine port; picked free when unset.")
     command: Optional[Argv] = Field(None, description="Full argv; {port}, {model}, {name} are filled in.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine process.")
@@ -199,6 +203,25 @@ class ModelSpec(Section):
         if url is not None and not re.match(r"https?://[^/]+", url):
             raise ValueError("must be an http:// or https:// URL, e.g. http://127.0.0.1:8001")
         return url
+
+    @field_validator("tls_ca_file")
+    @classmethod
+    def _ca_file_usable(cls, path: Optional[str], info: ValidationInfo) -> Optional[str]:
+        if path is None:
+            return None
+        if "url" in info.data and not (info.data["url"] or "").startswith("https://"):  # (a bad url has its own error)
+            url = info.data["url"]
+            raise ValueError("applies only to an engine attached by an https:// url "
+                             f"({f'url is {url}' if url else 'this model has no url'})")
+        try:  # what the engine's TLS will do with it, so a file that passes here works there
+            ssl.create_default_context(cafile=path)
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such file") from None
+        except ssl.SSLError as exc:
+            raise ValueError(f"{path}: no PEM certificate in it ({exc.reason or exc})") from None
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+        return path
 
     @field_validator("devices")
     @classmethod

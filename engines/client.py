@@ -8,9 +8,13 @@ error (`EngineHTTPError`, with status and body) apart.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import Any, Optional, Sequence
+from urllib.parse import urlsplit
 
 import aiohttp
+
+from config.schema import ModelSpec
 
 
 class EngineError(Exception):
@@ -30,6 +34,19 @@ class EngineTimeout(EngineError):
     """No answer within the call's timeout."""
 
 
+class EngineTLSError(EngineError):
+    """The TLS handshake failed (an untrusted or mismatched certificate): no retry mends it."""
+
+
+def tls_context(url: str, ca_file: Optional[str] = None) -> Optional[ssl.SSLContext]:
+    """How to verify an `https://` engine: against `ca_file` (`tls_ca_file:`) if given, else the
+    system store; the host name is checked. None for `http://`. One context per engine, shared by
+    its control client and its proxied connections (router.proxy.upstream), so both trust the same."""
+    if urlsplit(url).scheme != "https":
+        return None
+    return ssl.create_default_context(cafile=ca_file)
+
+
 class EngineHTTPError(EngineError):
     def __init__(self, endpoint: str, status: int, body: str):
         self.status = status
@@ -40,9 +57,11 @@ class EngineHTTPError(EngineError):
 class VLLMClient:
     """Talks to one engine at `base_url`, on a session the caller owns and shares."""
 
-    def __init__(self, base_url: str, session: aiohttp.ClientSession, api_key: Optional[str] = None):
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, api_key: Optional[str] = None,
+                 tls: Optional[ssl.SSLContext] = None):
         self.base_url = base_url.rstrip("/")
         self.session = session
+        self.tls = tls  # for https: what verifies the engine's certificate (tls_context)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model_cards: dict[str, dict[str, Any]] = {}  # the last GET /v1/models, by id
 
@@ -65,6 +84,7 @@ class VLLMClient:
                 json=json,
                 headers=self.headers,
                 timeout=aiohttp.ClientTimeout(total=timeout),
+                ssl=self.tls if self.tls is not None else True,
             ) as resp:
                 body = await resp.read()
                 if resp.status >= 400:
@@ -79,6 +99,10 @@ class VLLMClient:
                     raise EngineHTTPError(endpoint, resp.status, "answer is not JSON: " + body[:200].decode("utf-8", "replace")) from None
         except asyncio.TimeoutError:
             raise EngineTimeout(endpoint, f"no answer within {timeout:.3g} s") from None
+        except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError) as exc:
+            cause = getattr(exc, "certificate_error", None) or exc.os_error
+            raise EngineTLSError(endpoint, f"TLS with {self.base_url} failed: {cause} (is tls_ca_file the CA that "
+                                           "signed the engine's certificate, and is the url's host name in it?)") from None
         except aiohttp.ClientConnectorError as exc:
             raise EngineRefused(endpoint, f"cannot connect to {self.base_url} ({exc.os_error or exc})") from None
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as exc:
@@ -123,3 +147,10 @@ class VLLMClient:
         answer = await self.request("POST", "/reset_prefix_cache", timeout=timeout)
         # vLLM 0.33 answers {"success": bool}; older versions answered an empty 200.
         return True if answer is None else bool(answer.get("success", True))
+
+
+def attached_client(spec: ModelSpec, session: aiohttp.ClientSession) -> Optional[VLLMClient]:
+    """The client of an engine attached by `url:` (None for one the router starts)."""
+    if spec.url is None:
+        return None
+    return VLLMClient(spec.url, session, spec.engine_api_key, tls_context(spec.url, spec.tls_ca_file))

@@ -21,7 +21,7 @@ import aiohttp
 
 from config.schema import ModelSpec, Swap
 from engines import gate, reaper, wake
-from engines.client import EngineError, EngineRefused, VLLMClient
+from engines.client import EngineError, EngineRefused, EngineTLSError, VLLMClient, attached_client
 from engines.process import EngineProcess, free_port
 from engines.states import TRANSITIONS, EngineFailed, State
 
@@ -69,7 +69,7 @@ class Engine:
         self.served_names: frozenset[str] = frozenset([spec.name])
         self.boot_names: frozenset[str] = frozenset(spec.names)  # the roster names it was started with (it serves them)
         self.process: Optional[EngineProcess] = None
-        self.client: Optional[VLLMClient] = VLLMClient(spec.url, session, spec.engine_api_key) if spec.url else None
+        self.client: Optional[VLLMClient] = attached_client(spec, session)
         self.port: Optional[int] = spec.port
         self.boot_deadline: Optional[float] = None
         self.last_phases: dict[str, float] = {}
@@ -295,6 +295,8 @@ class Engine:
             try:
                 await client.health(timeout=min(HEALTH_CALL_S, max(0.1, deadline - time.monotonic())))
                 return
+            except EngineTLSError as exc:  # the certificate will not change while we wait
+                raise self.fail(f"boot failed: {exc}") from None
             except EngineError as exc:
                 last_error = str(exc)
             await asyncio.sleep(HEALTH_POLL_S)
@@ -437,7 +439,7 @@ class Engine:
             raise self._refuse_transition(self.state, State.COLD)
         self.spec = spec
         self.port = spec.port
-        self.client = VLLMClient(spec.url, self.session, spec.engine_api_key) if spec.url else None
+        self.client = attached_client(spec, self.session)
         self.served_name, self.served_names = spec.name, frozenset([spec.name])
         self.baseline = self.lora_baseline = self.observed_mal = None
         self.midlife = gate.MidlifeWatch(spec.gate)

@@ -18,6 +18,7 @@ import httptools
 
 READ_TIMEOUT_S = 600.0  # the longest silence while an answer is awaited (a long prefill counts)
 PENDING_MAX = 64 * 1024  # a stream's bytes held before the client's head is out: then stop reading
+END_OF_HEAD = b"\r\n\r\n"  # ends a head, and a chunked body (its last chunk and trailers)
 
 
 class UpstreamError(Exception):
@@ -30,6 +31,10 @@ class Unreachable(UpstreamError):
 
 class ClientGone(UpstreamError):
     """The client went away while its answer was relayed (not the engine's fault)."""
+
+
+class _AfterAnswer(Exception):
+    """Raised from the parser's callback when a second message begins: stop parsing there."""
 
 
 class Relay(Protocol):
@@ -61,7 +66,6 @@ class Connection(asyncio.Protocol):
         self.transport: Optional[asyncio.Transport] = None
         self.closed = False
         self.idle_since = 0.0
-        self.reused = False
         self._exchange: Optional[Exchange] = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -112,12 +116,14 @@ class Exchange:
         self.keep_alive = False
         self.complete = False
         self.got_bytes = False  # any byte of the answer: after one, the request is never sent again
-        self.lost_early = False  # the engine closed the connection before any byte of the answer
-        self.unsent = False  # the connection was lost before the request was written
+        self.trailing = 0  # bytes the engine sent after its complete answer: dropped, and the connection with them
+        self.unsent = False  # the connection was seen closed before the request was written: safe to send again
         self.error: Optional[UpstreamError] = None
         self.first_body_at: Optional[float] = None
         self._head_done = False
         self._head_buf = b""
+        self._tail = b""  # the last block parsed (its last 3 bytes count): a CRLFCRLF may end in the next one
+        self._body_left: Optional[int] = None  # of a body delimited by Content-Length
         self._pieces: list[bytes] = []
         self._raw: list[bytes] = []  # the body's bytes as received, until a relay takes them
         self._boundary = True
@@ -130,6 +136,10 @@ class Exchange:
 
     # -- httptools callbacks --------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer in the same block: never parsed into this one
+            raise _AfterAnswer
+
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._head_done:  # trailers come here too; they are relayed raw, never read
             self.headers[name.lower()] = value
@@ -140,10 +150,17 @@ class Exchange:
         self.chunked = b"chunked" in self.headers.get(b"transfer-encoding", b"").lower()
         self.stream = self.headers.get(b"content-type", b"").startswith(b"text/event-stream")
         self.keep_alive = self.parser.should_keep_alive()
+        if not self.chunked:
+            try:
+                self._body_left = int(self.headers[b"content-length"])
+            except (KeyError, ValueError):
+                pass
         self._wake()
 
     def on_body(self, body: bytes) -> None:
         self._pieces.append(body)
+        if self._body_left is not None:
+            self._body_left -= len(body)
 
     def on_chunk_header(self) -> None:
         self._boundary = False
@@ -161,14 +178,27 @@ class Exchange:
         self.got_bytes = True
         self._rx = self.loop.time()
         if self.complete:  # bytes after a complete answer: the engine broke the protocol
-            self._fail(UpstreamError("the engine sent bytes after its answer"))
+            self._after_answer(len(data))
             return
         head_was_done = self._head_done
+        used = len(data)
         try:
-            self.parser.feed_data(data)
+            # (the cheapest checks that the answer cannot end in this block; most of a stream's blocks)
+            if self._body_left is None and data[0] > 13 and data.find(END_OF_HEAD) == -1:
+                self.parser.feed_data(data)  # at once, whole
+            else:
+                used = self._parse_up_to_end(data)
         except httptools.HttpParserError as exc:
+            if self.complete:  # a second answer began in a piece thought to end this one: no count can be trusted
+                self.complete = False
+                self._fail(UpstreamError("the engine sent bytes after its answer"))
+                return
             self._fail(UpstreamError(f"malformed HTTP answer: {exc}"))
             return
+        if used < len(data):  # the answer ended inside this block: what follows is not part of it
+            self.trailing += len(data) - used
+            data = data[:used]
+        self._tail = data if used >= 3 else self._tail[-3:] + data  # where a CRLFCRLF may have begun
         if not self._head_done:
             self._head_buf += data  # only to find where the body starts in the block that ends the head
             return
@@ -197,17 +227,60 @@ class Exchange:
                 self._paused = True
                 self._wake()
         if self.complete:
+            if self.trailing:
+                self.conn.abort()  # nothing more is read from it, and it never goes back to the pool
             self._finish()
+
+    def _parse_up_to_end(self, data: bytes) -> int:
+        """Feed `data` to the parser in pieces cut wherever the answer may end, up to the piece
+        that completes it: how many bytes of `data` belong to the answer.
+
+        httptools reports where a message ends only by callback, and goes on parsing whatever
+        follows as the next message. The answer may end after a CRLFCRLF (a head; a chunked
+        body's last chunk and trailers) or where a Content-Length body runs out; `received`
+        feeds a block without such a place (a stream's ordinary chunk) whole, at once."""
+        start, size = 0, len(data)
+        while start < size:
+            end = self._end_candidate(data, start)
+            self.parser.feed_data(data if (start, end) == (0, size) else data[start:end])
+            if self.complete:
+                return end
+            start = end
+        return size
+
+    def _end_candidate(self, data: bytes, start: int) -> int:
+        """The first place after `start` where the answer may end (or the end of the block)."""
+        end = len(data)
+        if self._body_left is not None and self._body_left >= 0:
+            end = min(end, start + max(self._body_left, 1))
+        if start == 0 and data[0] <= 13:  # CR or LF: a CRLFCRLF that began in the previous block?
+            tail = self._tail[-3:]
+            at = (tail + data[:3]).find(END_OF_HEAD)
+            if at != -1:
+                return min(end, at + 4 - len(tail))
+        at = data.find(END_OF_HEAD, max(start - 3, 0))
+        while at != -1 and at + 4 <= start:
+            at = data.find(END_OF_HEAD, at + 1)
+        return end if at == -1 else min(end, at + 4)
+
+    def _after_answer(self, count: int) -> None:
+        """Bytes after the complete answer, in a later block: dropped, and the connection cut."""
+        self.trailing += count
+        self.conn.abort()
 
     def lost(self, exc: Optional[Exception]) -> None:
         if self.complete:
             return
-        self.lost_early = not self.got_bytes
         if self._head_done and not self.chunked and b"content-length" not in self.headers:
             self.complete = True  # an answer delimited by the connection's close
             self._finish()
             return
-        self._fail(UpstreamError(f"the engine closed the connection{f' ({exc})' if exc else ''}"))
+        cause = f" ({exc})" if exc else ""
+        if not self.got_bytes:  # it may have read the request and begun it: never sent again (Pool.request)
+            self._fail(UpstreamError(f"the engine closed the connection without answering{cause}; the request "
+                                     "was not sent again, as the engine may have begun it"))
+        else:
+            self._fail(UpstreamError(f"the engine closed the connection{cause}"))
 
     def _check_timeout(self) -> None:
         if self.complete or self.error is not None:
@@ -241,17 +314,12 @@ class Exchange:
     # -- what the handler calls ----------------------------------------------------------------
 
     def send(self, data: bytes) -> None:
-        if self.conn.closed:  # reset between the handshake and this write: connection_lost has passed
+        transport = self.conn.transport
+        if self.conn.closed or transport is None or transport.is_closing():  # the engine never got a byte of it
             self.unsent = True
             self._fail(UpstreamError("the engine closed the connection before the request was sent"))
             return
-        self.conn.transport.write(data)  # type: ignore[union-attr]
-
-    @property
-    def retryable(self) -> bool:
-        """Sending once more is safe: nothing of the request was written, or the engine closed a
-        pooled connection before reading it (its idle close raced our reuse)."""
-        return self.unsent or (self.conn.reused and self.lost_early)
+        transport.write(data)
 
     @property
     def content_type(self) -> str:
@@ -295,10 +363,11 @@ class Exchange:
             raise self.error  # type: ignore[misc]
 
     def end(self) -> None:
-        """Detach from the connection: back to the pool when the answer completed, else cut."""
+        """Detach from the connection: back to the pool when the answer completed (and nothing
+        followed it), else cut."""
         self._timer.cancel()
         self.conn._exchange = None
-        if self.complete and self.error is None and self.keep_alive and not self.conn.closed:
+        if self.complete and self.error is None and self.keep_alive and not self.trailing and not self.conn.closed:
             self.conn.pool.put(self.conn)
         else:
             self.conn.abort()  # never reuse a connection mid-answer; cutting it makes vLLM abort

@@ -11,6 +11,7 @@ the engine's answer must travel inside that stream, errors included.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any, Callable, Optional
 
@@ -23,6 +24,8 @@ from router.proxy.relay import Relay
 from router.proxy.responses import StreamSniffer
 from router.proxy.exchange import ClientGone, Exchange, Unreachable, UpstreamError
 from router.proxy.upstream import Pool, Upstreams
+
+log = logging.getLogger("hotswap")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -37,7 +40,7 @@ def json_for(engine: Engine, body: dict[str, Any], raw: bytes) -> bytes:
 
 def request_bytes(method: str, path: str, pool: Pool, headers: dict[str, str], content_type: Optional[str],
                   body: bytes) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {pool.netloc}"]
+    lines = [f"{method} {pool.prefix}{path} HTTP/1.1", f"Host: {pool.netloc}"]
     # The client's Authorization is never forwarded; the engine gets its own key, if it has one.
     lines += [f"{k}: {v}" for k, v in headers.items()]
     if content_type:
@@ -54,7 +57,7 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
     client = engine.client
     if client is None:  # a lease implies a started engine; say so rather than crash if that ever breaks
         raise APIError(502, f"engine '{engine.name}' has no address yet", "engine_unreachable")
-    pool = upstreams.pool(client.base_url)
+    pool = upstreams.pool(client.base_url, client.tls)
     exchange = await _send(pool, engine, request_bytes(method, path, pool, client.headers, content_type, body))
     try:
         if exchange.stream:
@@ -71,6 +74,10 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
             on_answer(payload)
         return web.Response(status=exchange.status, body=payload, headers={"Content-Type": exchange.content_type})
     finally:
+        if exchange.trailing:
+            log.warning("engine %s sent %d bytes after a complete answer to %s %s (a second response on the same "
+                        "connection?): the client got the first answer alone; the bytes were dropped and the "
+                        "connection closed", engine.name, exchange.trailing, method, path)
         exchange.end()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 import time
 from typing import Optional
 from urllib.parse import urlsplit
@@ -16,8 +17,11 @@ from urllib.parse import urlsplit
 from router.proxy.exchange import READ_TIMEOUT_S, Connection, Exchange, Unreachable, UpstreamError
 
 CONNECT_TIMEOUT_S = 10.0
-# vLLM (uvicorn) closes a connection idle for 5 s; a pooled one older than this is not offered,
-# so the engine's close and our reuse rarely race (when they do, see `Exchange.retryable`).
+# vLLM (uvicorn) closes a connection idle for 5 s (`--timeout-keep-alive`, VLLM_HTTP_TIMEOUT_KEEP_ALIVE);
+# a pooled one idle this long is retired instead of reused, so the engine's idle close and our
+# reuse rarely race. When they do, the request fails (a 502) rather than being sent twice: from
+# a connection closed after the write, nothing tells an idle close from an engine that read
+# the request, began it and died.
 IDLE_S = 4.0
 MAX_IDLE = 256  # connections kept per engine beyond this are closed as they come back
 # Connections being opened to one engine at a time; the rest wait in line for one (Pool._get).
@@ -35,10 +39,14 @@ class Pool:
     connection that comes free (opened, or given back by a finished answer) goes to the first in
     line: a newcomer never takes a connection ahead of a request that was already waiting."""
 
-    def __init__(self, base_url: str, read_timeout: float = READ_TIMEOUT_S) -> None:
+    def __init__(self, base_url: str, read_timeout: float = READ_TIMEOUT_S, tls: Optional[ssl.SSLContext] = None) -> None:
         url = urlsplit(base_url)
-        self.host, self.port = url.hostname or "127.0.0.1", url.port or 80
-        self.netloc = url.netloc
+        # https: TLS on every connection, verified as the engine's control client verifies it (the
+        # same context: engines.client.tls_context); the system store when none is given.
+        self.tls = (tls or ssl.create_default_context()) if url.scheme == "https" else None
+        self.host, self.port = url.hostname or "127.0.0.1", url.port or (443 if self.tls else 80)
+        self.netloc = url.netloc  # the Host header
+        self.prefix = url.path.rstrip("/")  # `https://host/team-a`: every path goes under /team-a
         self.read_timeout = read_timeout
         self.idle: list[Connection] = []
         self._line: collections.deque[asyncio.Future[Connection]] = collections.deque()
@@ -46,11 +54,11 @@ class Pool:
         self._openers: set[asyncio.Task[None]] = set()
 
     async def request(self, data: bytes) -> Exchange:
-        """Send a request and wait for its answer's head. Once more on a new connection when a
-        pooled one turns out to have been closed by the engine before it answered a byte (the
-        engine's idle close raced our reuse, so it never took the request), or when a connection
-        was lost before a byte of the request went out. Never after a new connection's request
-        was written: the engine may have read it, and a generation must not run twice."""
+        """Send a request and wait for its answer's head. Once more, on a new connection, only
+        when the request provably never reached the engine: its connection was seen closed
+        before the write. Never once it was written, whatever happened next: the engine may
+        have read it and begun a generation, which must not run twice. (A connect that fails
+        raises `Unreachable`; nothing was sent, and nothing is tried again.)"""
         for fresh in (False, True):
             conn = await (self._open_in_turn() if fresh else self._get())
             exchange = Exchange(conn, self.read_timeout)
@@ -60,7 +68,7 @@ class Pool:
                 return exchange
             except UpstreamError:
                 exchange.end()
-                if not exchange.retryable or fresh:
+                if not exchange.unsent or fresh:
                     raise
             except BaseException:  # cancelled (the client went away): cut the connection, so vLLM aborts
                 exchange.end()
@@ -108,7 +116,6 @@ class Pool:
                 if self._line:
                     self._line.popleft().set_exception(exc)
                 return
-        conn.reused = False
         if not self._hand(conn):
             self.put(conn)
 
@@ -125,9 +132,14 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                _, conn = await loop.create_connection(lambda: Connection(self), self.host, self.port)
+                _, conn = await loop.create_connection(
+                    lambda: Connection(self), self.host, self.port, ssl=self.tls,
+                    server_hostname=self.host if self.tls else None, ssl_handshake_timeout=CONNECT_TIMEOUT_S if self.tls else None)
         except TimeoutError:
             raise Unreachable(f"no connection within {CONNECT_TIMEOUT_S:g} s") from None
+        except ssl.SSLError as exc:  # before OSError, its base: say it is the TLS handshake
+            why = ": ".join(filter(None, [exc.reason, getattr(exc, "verify_message", None)])) or str(exc)
+            raise Unreachable(f"TLS with {self.netloc} failed: {why}") from None
         except OSError as exc:
             raise Unreachable(exc.strerror or str(exc)) from None
         return conn
@@ -136,10 +148,14 @@ class Pool:
         now = time.monotonic()
         while self.idle:
             conn = self.idle.pop()  # the most recently used: the least likely to be closed by now
-            if not conn.closed and now - conn.idle_since < IDLE_S:
-                conn.reused = True
+            if conn.closed:
+                continue
+            if now - conn.idle_since < IDLE_S:
                 return conn
-            conn.abort()
+            # Too close to the engine's idle close to trust, and so is every one below it (older): retired.
+            for old in (conn, *self.idle):
+                old.abort()
+            self.idle.clear()
         return None
 
     def _prune(self) -> None:
@@ -157,7 +173,6 @@ class Pool:
 
     def put(self, conn: Connection) -> None:
         """A connection free again: to the first in line, else idle."""
-        conn.reused = True
         if self._hand(conn):
             return
         if len(self.idle) >= MAX_IDLE:
@@ -190,10 +205,10 @@ class Upstreams:
         self.read_timeout = read_timeout
         self._pools: dict[str, Pool] = {}
 
-    def pool(self, base_url: str) -> Pool:
+    def pool(self, base_url: str, tls: Optional[ssl.SSLContext] = None) -> Pool:
         pool = self._pools.get(base_url)
         if pool is None:
-            pool = self._pools[base_url] = Pool(base_url, self.read_timeout)
+            pool = self._pools[base_url] = Pool(base_url, self.read_timeout, tls)
         return pool
 
     def close(self, base_url: str) -> None:

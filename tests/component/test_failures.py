@@ -136,3 +136,27 @@ async def test_a_cut_stream_from_an_engine_whose_core_died_fails_it_and_it_recov
     assert await ask(c, "a"), "the next request restarts it"
     engine = await router.engine("a")
     assert engine["pid"] != first_pid and engine["restarts_by_reason"] == {"failed": 1}
+
+
+async def test_a_request_the_engine_reads_and_drops_unanswered_is_a_502_and_is_never_sent_twice(start_router):
+    """A generation never runs twice because of the router: the engine read the request (on a
+    pooled connection, where the router used to send it again on a new one) and closed the
+    connection without a byte of answer. From outside, that cannot be told from an engine that
+    began the generation and died."""
+    router = await start_router(roster_dict(sim_model("a", default=True)))
+    c = client(router)
+    assert await ask(c, "a")  # leaves a keep-alive connection to the engine in the router's pool
+    port = (await router.engine("a"))["port"]
+    async with aiohttp.ClientSession() as s, s.delete(f"http://127.0.0.1:{port}/sim/log") as r:
+        assert r.status == 200
+    await sim_fault(router, "a", "generate", "cut")
+    status, _, body = await http(router, "POST", "/v1/completions", json={"model": "a", "prompt": "once", "max_tokens": 8})
+    assert status == 502
+    assert body == {"error": {
+        "message": "engine 'a' failed before answering: the engine closed the connection without answering; "
+                   "the request was not sent again, as the engine may have begun it",
+        "type": "server_error", "param": None, "code": "engine_error"}}
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/sim/log") as r:
+        generations = [call for call in await r.json() if call["step"] == "generate"]
+    assert [call.get("fault") for call in generations] == ["cut"], "the engine received the request exactly once"
+    assert await ask(c, "a"), "one dropped request is no reason to stop serving"

@@ -16,6 +16,7 @@ from engines.states import State
 from router.app import build_router
 from router.proxy.relay import Relay
 from router.proxy.exchange import UpstreamError
+from router.proxy import upstream
 from router.proxy.upstream import CONNECTS_AT_ONCE, Pool
 from tests.support import eventually, sim_roster
 
@@ -94,9 +95,9 @@ async def test_a_stream_that_goes_silent_mid_way_times_out_without_a_hang():
     script.close()
 
 
-async def test_a_pooled_connection_the_engine_closed_before_reading_is_retried_once_on_a_new_one():
+async def test_a_request_the_engine_read_on_a_pooled_connection_and_closed_on_is_never_sent_again():
     async def close_the_first_reuse(n, reader, writer):
-        if n == 1:  # the second request, on the pooled connection: closed unread, as an idle close that raced
+        if n == 1:  # the second request, on the pooled connection: read, then closed unanswered
             return False
         writer.write(ANSWER)
         return True
@@ -106,10 +107,67 @@ async def test_a_pooled_connection_the_engine_closed_before_reading_is_retried_o
     assert await first.body() == b'{"a":1}'
     first.end()
     assert len(pool.idle) == 1
+    with pytest.raises(UpstreamError, match="closed the connection without answering; the request was not sent again"):
+        await pool.request(REQUEST)
+    assert (script.requests, script.connections) == (2, 1)  # the engine got it once: it may be generating it
+    script.close()
+
+
+async def test_a_connection_seen_closed_before_the_write_is_retried_on_a_new_one():
+    """The one retry that is safe: nothing of the request left the router. Here the engine
+    closes a new connection as it accepts it (as at a connection limit), and the router has
+    seen the close by the time the connection comes to the request."""
+    accepted, requests = [0], [0]
+
+    async def serve(reader, writer):
+        accepted[0] += 1
+        if accepted[0] == 1:
+            writer.close()
+            return
+        while True:
+            try:
+                await reader.readexactly(len(REQUEST))
+            except asyncio.IncompleteReadError:
+                break
+            requests[0] += 1
+            writer.write(ANSWER)
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    pool = Pool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", read_timeout=5)
+    open_now = pool._open
+
+    async def open_and_see_the_close():
+        conn = await open_now()
+        if accepted[0] <= 1:
+            await eventually(lambda: conn.closed, timeout=5, what="the engine's close seen by the router")
+        return conn
+
+    pool._open = open_and_see_the_close  # type: ignore[method-assign]
+    exchange = await pool.request(REQUEST)
+    assert await exchange.body() == b'{"a":1}'
+    exchange.end()
+    assert (accepted[0], requests[0]) == (2, 1)  # sent once, on the second connection
+    pool.close()
+    server.close()
+
+
+async def test_a_pooled_connection_idle_for_longer_than_idle_s_is_retired_not_reused():
+    async def answer(n, reader, writer):
+        writer.write(ANSWER)
+        return True
+
+    script, pool = await scripted(answer)
+    first = await pool.request(REQUEST)
+    await first.body()
+    first.end()
+    (kept,) = pool.idle
+    kept.idle_since -= upstream.IDLE_S  # as if it had sat idle that long: the engine may be closing it now
     second = await pool.request(REQUEST)
     assert await second.body() == b'{"a":1}'
     second.end()
-    assert (script.requests, script.connections) == (3, 2)  # sent twice, answered once
+    assert kept.closed and pool.idle != [kept]
+    assert (script.requests, script.connections) == (2, 2)
     script.close()
 
 
@@ -153,6 +211,51 @@ async def test_no_retry_once_the_engine_began_to_answer_or_on_a_new_connection()
     with pytest.raises(UpstreamError, match="closed the connection"):
         await pool.request(REQUEST)  # a new connection, closed after the answer began: never resent
     assert script.requests == 3
+    script.close()
+
+
+EVIL = b"HTTP/1.1 418 I'm a teapot\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n{\"id\":\"EVIL\"}"
+
+
+async def test_a_second_response_written_with_the_first_is_dropped_with_its_connection():
+    first = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 10\r\n\r\n{\"id\":\"a\"}"
+
+    async def two_answers_at_once(n, reader, writer):
+        writer.write(first + EVIL if n == 0 else ANSWER)
+        return True
+
+    script, pool = await scripted(two_answers_at_once)
+    exchange = await pool.request(REQUEST)
+    assert await exchange.body() == b'{"id":"a"}'
+    assert (exchange.status, exchange.headers[b"content-length"]) == (200, b"10")  # its own, not the second's
+    assert exchange.trailing == len(EVIL)
+    exchange.end()
+    assert not pool.idle  # never offered to another request, which would read the rest as its answer
+    again = await pool.request(REQUEST)
+    assert await again.body() == b'{"a":1}'
+    again.end()
+    assert (script.requests, script.connections) == (2, 2)  # the next request opened a new connection
+    script.close()
+
+
+async def test_a_second_response_written_with_the_end_of_a_stream_never_reaches_the_client():
+    events = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in (b'data: {"a":1}\n\n', b"data: [DONE]\n\n")) + b"0\r\n\r\n"
+
+    async def stream_then_another_answer(n, reader, writer):
+        writer.write(SSE_HEAD + events + EVIL)
+        return True
+
+    script, pool = await scripted(stream_then_another_answer)
+    exchange = await pool.request(REQUEST)
+    reader_side, sink = await _sink_pair()
+    relay = Relay(sink.transport, True, exchange.chunked)
+    await asyncio.wait_for(exchange.relay(relay, sink.drain), 5)
+    relay.end()
+    exchange.end()
+    sink.close()
+    received = await asyncio.wait_for(reader_side.read_all(), 5)
+    assert received == events  # the engine's stream as it framed it, and nothing after its last chunk
+    assert exchange.trailing == len(EVIL) and not pool.idle
     script.close()
 
 

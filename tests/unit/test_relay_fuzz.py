@@ -3,7 +3,9 @@
 An engine's chunked answer (random chunk sizes, chunk extensions, trailers), cut into random
 receive blocks, maybe truncated anywhere: the client's bytes parse (by httptools, the parser
 the router itself uses) to the engine's body, or to what arrived of it plus the error event,
-or the client's connection is cut. Never a hang: every run ends within a deadline.
+or the client's connection is cut. Whatever the engine writes after its complete answer (a
+second response, any bytes) reaches no client and retires the connection. Never a hang: every
+run ends within a deadline.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def chunked(chunks: list[tuple[bytes, bytes]], last_ext: bytes, trailers: list[t
 
 async def relay_blocks(blocks: list[bytes], lost: bool, chunked_in: bool = True):
     """Feed `blocks` to a connection as its receive blocks (the engine closes after them when
-    `lost`), relay the stream to a client; returns the client's transport and the error, if any."""
+    `lost`), relay the stream to a client; returns the client's transport, the error, if any,
+    and the connection."""
     conn = Connection(Pool("http://127.0.0.1:9"))
     conn.connection_made(UpstreamTransport(conn))  # type: ignore[arg-type]
     exchange = Exchange(conn, read_timeout=30)
@@ -133,7 +136,7 @@ async def relay_blocks(blocks: list[bytes], lost: bool, chunked_in: bool = True)
     if lost and not conn.closed:
         conn.connection_lost(None)
     await asyncio.wait_for(task, 2)  # never a hang
-    return client, (error[0] if error else None)
+    return client, (error[0] if error else None), conn
 
 
 def split(wire: bytes, cuts: list[int]) -> list[bytes]:
@@ -149,7 +152,7 @@ SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
        trailers=st.lists(trailer, max_size=2), cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=8))
 def test_a_whole_chunked_answer_reaches_the_client_byte_for_byte(chunks, last_ext, trailers, cuts):
     body = chunked(chunks, last_ext, trailers)
-    client, error = asyncio.run(relay_blocks(split(HEAD + body, cuts), lost=False))
+    client, error, _ = asyncio.run(relay_blocks(split(HEAD + body, cuts), lost=False))
     assert error is None
     assert bytes(client.data) == body  # the engine's framing, extensions and trailers included
     oracle = Oracle(CLIENT_HEAD + bytes(client.data))
@@ -162,7 +165,7 @@ def test_a_whole_chunked_answer_reaches_the_client_byte_for_byte(chunks, last_ex
 def test_a_truncated_answer_ends_in_the_error_event_or_a_cut_connection(chunks, trailers, cuts, keep):
     body = chunked(chunks, b"", trailers)
     wire = (HEAD + body)[: len(HEAD) + int(keep * len(body))]
-    client, error = asyncio.run(relay_blocks(split(wire, cuts), lost=True))
+    client, error, _ = asyncio.run(relay_blocks(split(wire, cuts), lost=True))
     assert error is not None and "closed the connection" in str(error)
     if client.aborted:
         return  # mid-chunk: no event can be framed; the client sees an incomplete body
@@ -177,7 +180,66 @@ def test_a_truncated_answer_ends_in_the_error_event_or_a_cut_connection(chunks, 
 def test_a_stream_delimited_by_length_is_framed_for_the_client(events, cuts):
     payload = b"".join(events)
     head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n" % len(payload)
-    client, error = asyncio.run(relay_blocks(split(head + payload, cuts), lost=False))
+    client, error, _ = asyncio.run(relay_blocks(split(head + payload, cuts), lost=False))
     assert error is None
     oracle = Oracle(CLIENT_HEAD + bytes(client.data))
     assert oracle.complete and bytes(oracle.body) == payload
+
+
+# What an engine might write after its answer: a second response (the reproduced case), or any bytes.
+after = st.one_of(st.sampled_from([b"HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\n{\"id\":\"EVIL\"}",
+                                   b"\r\n", b"0\r\n\r\n", HEAD + b"0\r\n\r\n"]),
+                  st.binary(min_size=1, max_size=40))
+
+
+@SETTINGS
+@given(chunks=st.lists(chunk, max_size=12), last_ext=st.sampled_from([b"", b";end"]),
+       trailers=st.lists(trailer, max_size=2), extra=after, cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=8))
+def test_bytes_after_a_complete_chunked_answer_never_reach_the_client_and_the_connection_is_dropped(
+        chunks, last_ext, trailers, extra, cuts):
+    body = chunked(chunks, last_ext, trailers)
+    client, error, conn = asyncio.run(relay_blocks(split(HEAD + body + extra, cuts), lost=False))
+    assert error is None
+    assert bytes(client.data) == body  # the answer as the engine framed it; not one byte of what followed
+    assert conn.closed and not conn.pool.idle
+
+
+@SETTINGS
+@given(events=st.lists(st.binary(min_size=1, max_size=40), max_size=8), extra=after,
+       cuts=st.lists(st.integers(min_value=0, max_value=1000), max_size=6))
+def test_bytes_after_a_stream_delimited_by_length_never_reach_the_client(events, extra, cuts):
+    payload = b"".join(events)
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n" % len(payload)
+    client, error, conn = asyncio.run(relay_blocks(split(head + payload + extra, cuts), lost=False))
+    assert error is None
+    oracle = Oracle(CLIENT_HEAD + bytes(client.data))
+    assert oracle.complete and bytes(oracle.body) == payload
+    assert conn.closed and not conn.pool.idle
+
+
+async def buffered(blocks: list[bytes]) -> tuple[int, bytes, Connection]:
+    """Feed `blocks` to a connection as its receive blocks; the answer read whole, as for a JSON body."""
+    conn = Connection(Pool("http://127.0.0.1:9"))
+    conn.connection_made(UpstreamTransport(conn))  # type: ignore[arg-type]
+    exchange = Exchange(conn, read_timeout=30)
+    for block in blocks:
+        if conn.closed:
+            break
+        conn.data_received(block)
+    try:
+        return exchange.status, await asyncio.wait_for(exchange.body(), 2), conn
+    finally:
+        exchange.end()
+
+
+@SETTINGS
+@given(payload=st.binary(max_size=200), extra=after, chunked_in=st.booleans(),
+       cuts=st.lists(st.integers(min_value=0, max_value=1000), max_size=6))
+def test_a_buffered_answer_is_exactly_its_own_body_whatever_follows_it(payload, extra, chunked_in, cuts):
+    if chunked_in:
+        wire = b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked([(payload, b"")] if payload else [], b"", [])
+    else:
+        wire = b"HTTP/1.1 201 Created\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload)
+    status, body, conn = asyncio.run(buffered(split(wire + extra, cuts)))
+    assert (status, body) == (201, payload)  # the status is the answer's own, never the next one's
+    assert conn.closed and not conn.pool.idle
