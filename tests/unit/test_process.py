@@ -131,13 +131,14 @@ async def test_engine_process_stop_kills_after_the_configured_grace(tmp_path: Pa
     process = EngineProcess(model, 9, tmp_path, kill_grace_s=0.5)
     await process.start()
     try:
-        with open(f"/proc/{process.pid}/cmdline", "rb") as f:
-            reaper_argv = f.read().decode().split("\0")
-        assert reaper_argv[reaper_argv.index("--grace-s") + 1] == "0.5"
         deadline = time.monotonic() + 30
         while not any(line.startswith("ready ") for line in process.last_lines()):
             assert time.monotonic() < deadline and process.returncode is None, process.last_lines()
             await asyncio.sleep(0.02)
+        # Read once the engine runs: right after the fork, /proc shows the parent's argv until the exec.
+        with open(f"/proc/{process.pid}/cmdline", "rb") as f:
+            reaper_argv = f.read().decode().split("\0")
+        assert reaper_argv[reaper_argv.index("--grace-s") + 1] == "0.5"
         child = int(next(line for line in process.last_lines() if line.startswith("ready ")).split()[1])
         started = time.monotonic()
         code = await process.stop()
