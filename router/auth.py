@@ -29,7 +29,7 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
     def presented(request: web.Request) -> bytes:
         scheme, _, value = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() == "bearer":
-            return value.strip().encode()
+            return _as_sent(value.strip())
         if scheme.lower() == "basic":  # a browser on /ui: any user name, the admin key as password
             try:
                 return base64.b64decode(value.strip(), validate=True).partition(b":")[2]
@@ -39,7 +39,7 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
 
     def client_key(request: web.Request) -> bytes:
         if anthropic_path(request.path) and "x-api-key" in request.headers:
-            return request.headers["x-api-key"].strip().encode()
+            return _as_sent(request.headers["x-api-key"].strip())
         return presented(request)
 
     @web.middleware
@@ -67,6 +67,13 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
         return await handler(request)
 
     return auth
+
+
+def _as_sent(value: str) -> bytes:
+    """A header value as the client's bytes. aiohttp decodes headers as UTF-8 with surrogateescape, so bytes
+    that are not UTF-8 (`Bearer \\xff\\xfe`) arrive as lone surrogates a plain .encode() refuses; given back
+    as sent, they are a key like any other, and no key matches them."""
+    return value.encode("utf-8", "surrogateescape")
 
 
 def grant_of(request: web.Request) -> Grant:

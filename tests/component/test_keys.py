@@ -3,6 +3,9 @@ as unknown), admin is its own grant, requests are counted per key name, and no k
 
 from __future__ import annotations
 
+import json
+import socket
+
 import aiohttp
 import anthropic
 import openai
@@ -107,3 +110,35 @@ async def test_a_reload_changes_what_a_key_may_use_without_a_restart(router):
     with pytest.raises(openai.NotFoundError):
         await ask(client(router, team), "chat-a")
     assert await ask(client(router, team), "secret")
+
+
+def raw_get(router, path: str, header: bytes) -> tuple[int, dict]:
+    """A request whose header carries bytes as given (aiohttp's and the SDKs' clients refuse non-ASCII ones)."""
+    with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
+        sock.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n%s\r\nConnection: close\r\n\r\n" % (path.encode(), header))
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+async def test_a_key_that_is_not_utf8_is_a_wrong_key_not_a_crash(router):
+    for header in (b"Authorization: Bearer \xff\xfe", b"Authorization: Basic \xff", b"Authorization: Bearer " + KEYS["ALL_KEY"].encode() + b"\xe9"):
+        status, body = raw_get(router, "/v1/models", header)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", (header, body)
+        status, body = raw_get(router, "/admin/status", header)
+        assert status == 401 and body["error"]["code"] == "invalid_admin_key", (header, body)
+    status, body = raw_get(router, "/v1/messages/count_tokens", b"x-api-key: \xff\xfe")
+    assert status == 401 and body["type"] == "error" and body["error"]["type"] == "authentication_error", body
+    assert raw_get(router, "/v1/models", b"Authorization: Bearer " + KEYS["ALL_KEY"].encode())[0] == 200
+    assert "internal error" not in router.log() and "Traceback" not in router.log()
+
+
+async def test_without_client_keys_a_non_utf8_header_is_ignored_where_no_key_is_needed(start_router):
+    router = await start_router(roster_dict(sim_model("a"), auth={"admin_key": "${OPS_KEY}"}), env=KEYS, admin_key=KEYS["OPS_KEY"])
+    status, body = raw_get(router, "/v1/models", b"Authorization: Bearer \xff\xfe")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["a"]
+    status, body = raw_get(router, "/admin/status", b"Authorization: Bearer \xff\xfe")
+    assert status == 401 and body["error"]["code"] == "invalid_admin_key"
+    assert "internal error" not in router.log()
