@@ -20,6 +20,14 @@ class Listen(Section):
     host: str = Field("127.0.0.1", description="Address the router binds; loopback unless you mean otherwise.")
     port: int = Field(8080, ge=1, le=65535, description="Port the router listens on (the OpenAI endpoint).")
     max_body_mb: float = Field(32, gt=0, description="Largest request body accepted (413 above).")
+    client_header_timeout_s: float = Field(
+        60, gt=0, description="A client must send a request's whole head within this long of connecting (or of the "
+        "previous answer on a keep-alive connection); past it the connection is closed. Also how long an idle "
+        "keep-alive connection stays open.")
+    client_body_timeout_s: float = Field(
+        60, gt=0, description="Longest pause between two arrivals of a request body's bytes while the router waits "
+        "for them; past it the client gets a 408 and the connection is closed. A slow client that keeps sending is "
+        "never cut.")
     drain_notice_s: float = Field(
         0, ge=0, description="On SIGTERM the router keeps listening at least this long (and until in-flight and queued "
         "requests finish), answering /ready and new requests with 503 and Retry-After, so a load balancer or Kubernetes "

@@ -9,7 +9,6 @@ the response.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Optional
 from urllib.parse import quote
@@ -23,6 +22,7 @@ from router.errors import APIError, sse_error
 from router.keys import Grant
 from router.live import ROUTER_KEY
 from router.metrics import UNKNOWN_MODEL
+from router.proxy.body import read_json
 from router.proxy.forward import forward, json_for
 from router.proxy.responses import ResponseIds, StreamSniffer, id_in_answer
 
@@ -73,11 +73,11 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
     label, group, status, stream, queued_s = UNKNOWN_MODEL, "", 500, "false", None
     try:
         if route.multipart:
-            form = await multipart.read_form(request, int(router.roster.listen.max_body_mb * 1024 * 1024))
+            form = await multipart.read_form(request, router.roster.listen)
             engine = resolve(router, form.value("model"), grant_of(request))
             stream = "true" if (form.value("stream") or "").lower() == "true" else "false"
         else:
-            body = await _json_body(request)
+            body, raw = await read_json(request, router.roster.listen)
             engine = _engine_for(request, router, body, route)
             stream = "true" if body.get("stream") is True else "false"
         label, group = engine.name, engine.spec.group or ""
@@ -98,7 +98,7 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
                                          prepared=prepared)
             else:
                 kw = _pinning(request, engine, body) if route.creates_response else {}
-                response = await forward(request, router.upstreams, engine, route.path, json_for(engine, body, request["raw_body"]),
+                response = await forward(request, router.upstreams, engine, route.path, json_for(engine, body, raw),
                                          prepared=prepared, anthropic=route.anthropic, **kw)
         except APIError as exc:
             if prepared is None:
@@ -184,20 +184,3 @@ async def response_pinned(request: web.Request) -> web.StreamResponse:
         done = time.monotonic()
         router.metrics.request_done(label, group, "responses", "false", status, None, request.get("first_byte_at", done) - started,
                                     done - started, key=grant_of(request).name)
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    # vLLM refuses anything but application/json; saying so here spares a wake for a request it would refuse.
-    if request.content_type != "application/json" and not request.content_type.endswith("+json"):
-        raise APIError(400, f"{request.path} takes a JSON body with Content-Type: application/json "
-                            f"(got {request.headers.get('Content-Type', 'none')!r}).", "invalid_content_type")
-    raw = await request.read()
-    request["raw_body"] = raw
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"The request body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object.", "invalid_request")
-    return body
-
