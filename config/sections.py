@@ -43,12 +43,16 @@ class ApiKey(Section):
     models: list[NonEmptyStr] = Field(
         default_factory=list, description="Globs over model names and aliases this key may use (`chat-*`, `embed`, `*` for all); "
         "any other model answers 404 as if it did not exist. A LoRA adapter: by its own name or its engine's.")
-    admin: bool = Field(False, description="May call /admin/* and open /ui.")
+    admin: bool = Field(False, description="May call /admin/* and open /ui (and read /metrics).")
+    metrics: bool = Field(
+        False, description="May read /metrics, which takes a key once client keys exist (unless auth.open_metrics): "
+        "the key Prometheus sends as its bearer token.")
 
     @model_validator(mode="after")
     def _grants_something(self) -> "ApiKey":
-        if not self.models and not self.admin:
-            raise ValueError("grants nothing: give it models: [...] (globs over model names; '*' for all) and/or admin: true")
+        if not self.models and not self.admin and not self.metrics:
+            raise ValueError("grants nothing: give it models: [...] (globs over model names; '*' for all), admin: true "
+                             "and/or metrics: true")
         return self
 
 
@@ -64,6 +68,9 @@ class Auth(Section):
     )
     keys: list[ApiKey] = Field(
         default_factory=list, description="Scoped keys: each with the models it may use and/or admin (see below).")
+    open_metrics: bool = Field(
+        False, description="Serve /metrics without a key even when client keys exist. Off: with client keys, /metrics "
+        "(which names every model and key) takes an admin key or a key with metrics: true.")
 
     @field_validator("keys")
     @classmethod

@@ -280,7 +280,7 @@ async def test_requests_are_counted_per_route_family(router):
     await post(router, "/tokenize", {"prompt": "x"})
 
     async def counted() -> bool:
-        async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as r:
+        async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics", headers=router.admin_headers) as r:
             text = await r.text()
         return 'endpoint="tokenize",model="chat",status="200"' in text
 

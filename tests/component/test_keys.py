@@ -16,10 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support import ask, client, http, roster_dict, sim_model
 
 SHARE = ("--gpu-memory-utilization", "0.2")
-KEYS = {"TEAM_A_KEY": "team-a-secret-0001", "OPS_KEY": "ops-secret-0002", "ALL_KEY": "all-secret-0003"}
+KEYS = {"TEAM_A_KEY": "team-a-secret-0001", "OPS_KEY": "ops-secret-0002", "ALL_KEY": "all-secret-0003",
+        "PROM_KEY": "prometheus-secret-0004"}
 AUTH = {"api_keys": ["${ALL_KEY}"],
         "keys": [{"key": "${TEAM_A_KEY}", "name": "team-a", "models": ["chat-*", "embed"]},
-                 {"key": "${OPS_KEY}", "name": "ops", "admin": True}]}
+                 {"key": "${OPS_KEY}", "name": "ops", "admin": True},
+                 {"key": "${PROM_KEY}", "name": "prometheus", "metrics": True}]}
 
 
 def roster(auth=AUTH) -> dict:
@@ -87,7 +89,7 @@ async def test_requests_are_counted_per_key_name_and_no_key_appears_anywhere(rou
     await ask(client(router, KEYS["ALL_KEY"]), "secret")
 
     async with aiohttp.ClientSession() as s:
-        async with s.get(router.url + "/metrics") as r:
+        async with s.get(router.url + "/metrics", headers={"Authorization": f"Bearer {KEYS['PROM_KEY']}"}) as r:
             text = await r.text()
         async with s.get(router.url + "/ui", headers={"Authorization": f"Bearer {KEYS['OPS_KEY']}"}) as r:
             page = await r.text()
@@ -98,6 +100,41 @@ async def test_requests_are_counted_per_key_name_and_no_key_appears_anywhere(rou
     status = yaml.safe_dump(await router.status())
     for key in KEYS.values():
         assert key not in text and key not in router.log() and key not in status and key not in page
+
+
+async def test_without_a_key_neither_metrics_nor_ready_names_a_model_or_a_key(router):
+    async def metrics(key=None) -> tuple[int, str]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics", headers=headers) as r:
+            return r.status, await r.text()
+
+    await ask(client(router, KEYS["TEAM_A_KEY"]), "chat-a")  # so a key name is among the series
+    for key in (None, "wrong", KEYS["TEAM_A_KEY"], KEYS["ALL_KEY"]):  # client keys are no metrics keys
+        status, text = await metrics(key)
+        assert status == 401 and json.loads(text)["error"]["code"] == "invalid_metrics_key", (key, text)
+        assert "chat-a" not in text and "team-a" not in text
+    for key in (KEYS["PROM_KEY"], KEYS["OPS_KEY"]):
+        status, text = await metrics(key)
+        assert status == 200 and 'model="chat-a"' in text and 'key_name="team-a"' in text
+    with pytest.raises(openai.AuthenticationError):  # and a metrics key is no client key
+        await ask(client(router, KEYS["PROM_KEY"]), "chat-a")
+
+    # /ready: a probe without a key gets the status alone; a key, the models it may use
+    status, _, body = await http(router, "GET", "/ready")
+    assert status == 200 and body == {"ready": True, "draining": False}
+    _, _, body = await http(router, "GET", "/ready", headers={"Authorization": f"Bearer {KEYS['TEAM_A_KEY']}"})
+    assert set(body["serviceable"]) == {"chat-a", "chat-b", "embed"} and set(body["promoted"]) <= set(body["serviceable"])
+    for key in (KEYS["ALL_KEY"], KEYS["OPS_KEY"], KEYS["PROM_KEY"]):
+        _, _, body = await http(router, "GET", "/ready", headers={"Authorization": f"Bearer {key}"})
+        assert set(body["serviceable"]) == {"chat-a", "chat-b", "embed", "secret"}, key
+
+
+async def test_open_metrics_serves_metrics_without_a_key_while_client_keys_are_on(start_router):
+    auth = {"api_keys": ["${ALL_KEY}"], "open_metrics": True}
+    router = await start_router(roster_dict(sim_model("a", default=True), auth=auth), env=KEYS)
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as r:
+        assert r.status == 200 and 'model="a"' in await r.text()
+    assert (await http(router, "GET", "/ready"))[2] == {"ready": True, "draining": False}  # /ready does not open with it
 
 
 async def test_a_reload_changes_what_a_key_may_use_without_a_restart(router):
