@@ -11,9 +11,12 @@ from __future__ import annotations
 import fnmatch
 import hmac
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from config.sections import Auth
+
+if TYPE_CHECKING:
+    from engines.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,13 @@ class Grant:
 
     def may_use(self, names: Iterable[str]) -> bool:
         return any(fnmatch.fnmatchcase(name, glob) for name in names for glob in self.models)
+
+    def allows(self, engine: Engine, name: str) -> bool:
+        """Whether this key may use `engine` for a request that names it `name`: the one scope check
+        of name resolution, Responses pins and model lists. A glob matching one of the engine's roster
+        names or aliases opens everything it serves; a key scoped to a LoRA adapter (or another name
+        the engine serves besides its roster names) opens that name only."""
+        return self.may_use(engine.spec.names) or (name in engine.other_names and self.may_use([name]))
 
 
 EVERYTHING = Grant("", ("*",))  # no client auth configured: every model, for anyone

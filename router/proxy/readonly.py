@@ -27,10 +27,9 @@ def _model_cards(router: Router, grant: Grant) -> list[dict]:
                 "wake_estimate_s": round(scheduler.predicted_wait(engine, now), 2), "node": where}
 
     cards = [card(name, engine, None if name == engine.name else engine.name, engine.spec.model or engine.spec.url or engine.name)
-             for name, engine in router.by_name.items() if grant.may_use(engine.spec.names)]
+             for name, engine in router.by_name.items() if grant.allows(engine, name)]
     # An adapter's parent is its engine's roster name: the name clients use (vLLM's card says the served name).
-    return cards + [card(name, engine, engine.name, root) for name, engine, root in router.adapters()
-                    if grant.may_use([name]) or grant.may_use(engine.spec.names)]
+    return cards + [card(name, engine, engine.name, root) for name, engine, root in router.adapters() if grant.allows(engine, name)]
 
 
 async def list_models(request: web.Request) -> web.Response:
