@@ -81,6 +81,7 @@ class _Loader:
         self.value_marks: dict[Path_, tuple[int, int]] = {}
         self.key_marks: dict[Path_, tuple[int, int]] = {}
         self.scalar_text: dict[Path_, str] = {}  # non-string scalars as written, e.g. '0.10'
+        self.from_env: set[str] = set()  # values substituted for ${ENV} in models and defaults: masked when shown
 
     # -- reporting -------------------------------------------------------------------
 
@@ -182,9 +183,11 @@ class _Loader:
         def substitute(match: re.Match[str]) -> str:
             name, fallback = match.group(1), match.group(2)
             if name in self.environ:
+                if path[:1] in (("models",), ("defaults",)):  # what ends up in an engine's argv or env
+                    self.from_env.add(self.environ[name])
                 return self.environ[name]
             if fallback is not None:
-                return fallback
+                return fallback  # written in the file: no secret
             self.report(path, f"environment variable {name} is not set (referenced as ${{{name}}})")
             return ""
 
@@ -208,6 +211,8 @@ class _Loader:
         if self.issues:
             return None
         roster = Roster(source=self.source, models=models, gpus=gpus, **sections)
+        for model in roster.models:
+            model._from_env = frozenset(self.from_env)
         roster._located = Locations(self.value_marks, defaults, raw_models)
         return roster
 

@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from config.secrets import mask_argv, mask_env
 from config.sections import ApiKey, Auth, Gpu, Host, Listen, Node, NonEmptyStr, Queue, Section, StepTimeouts, Swap
 
 __all__ = ["ApiKey", "Auth", "Gate", "Gpu", "Host", "Listen", "ModelSpec", "Node", "Queue", "Roster", "RosterFile", "Section", "StepTimeouts", "Swap"]
@@ -43,7 +44,6 @@ ROUTER_OWNED_FLAGS = (
 )
 
 DEFAULT_LAUNCHER = ("vllm", "serve")
-_SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
 DEFAULT_GATE_PROMPT = (
     "Write one paragraph about the history of the printing press, in plain words."
 )
@@ -196,6 +196,13 @@ class ModelSpec(Section):
         default_factory=list,
         description="Extra `vllm serve` flags (not the ones the router sets); a string is split like a shell, "
         "a number or boolean is taken as written (`[--gpu-memory-utilization, 0.85]`).")
+
+    # The values the loader substituted for ${ENV} references in the models and defaults: shown masked.
+    _from_env: frozenset[str] = PrivateAttr(frozenset())
+
+    def masked(self, argv: list[str]) -> list[str]:
+        """`argv` (this engine's, or a part of it) as it may be printed or logged: see `config.secrets`."""
+        return mask_argv(argv, self._from_env)
 
     @field_validator("url")
     @classmethod
@@ -380,6 +387,11 @@ class Roster(Section):
             data["auth"]["admin_key"] = "***"
         for entry in data["auth"]["keys"]:
             entry["key"] = "***"
-        for m in data["models"]:
-            m["env"] = {k: ("***" if _SECRET_NAME.search(k) else v) for k, v in m["env"].items()}
+        for m, spec in zip(data["models"], self.models):
+            m["env"] = mask_env(spec.env, spec._from_env)
+            for key in ("launcher", "args", "command"):
+                if m[key] is not None:
+                    m[key] = spec.masked(m[key])
+            if m["model"] is not None:  # it is in the argv too
+                m["model"] = spec.masked([m["model"]])[0]
         return data

@@ -20,6 +20,14 @@ class Listen(Section):
     host: str = Field("127.0.0.1", description="Address the router binds; loopback unless you mean otherwise.")
     port: int = Field(8080, ge=1, le=65535, description="Port the router listens on (the OpenAI endpoint).")
     max_body_mb: float = Field(32, gt=0, description="Largest request body accepted (413 above).")
+    client_header_timeout_s: float = Field(
+        60, gt=0, description="A client must send a request's whole head within this long of connecting (or of the "
+        "previous answer on a keep-alive connection); past it the connection is closed. Also how long an idle "
+        "keep-alive connection stays open.")
+    client_body_timeout_s: float = Field(
+        60, gt=0, description="Longest pause between two arrivals of a request body's bytes while the router waits "
+        "for them; past it the client gets a 408 and the connection is closed. A slow client that keeps sending is "
+        "never cut.")
     drain_notice_s: float = Field(
         0, ge=0, description="On SIGTERM the router keeps listening at least this long (and until in-flight and queued "
         "requests finish), answering /ready and new requests with 503 and Retry-After, so a load balancer or Kubernetes "
@@ -35,12 +43,16 @@ class ApiKey(Section):
     models: list[NonEmptyStr] = Field(
         default_factory=list, description="Globs over model names and aliases this key may use (`chat-*`, `embed`, `*` for all); "
         "any other model answers 404 as if it did not exist. A LoRA adapter: by its own name or its engine's.")
-    admin: bool = Field(False, description="May call /admin/* and open /ui.")
+    admin: bool = Field(False, description="May call /admin/* and open /ui (and read /metrics).")
+    metrics: bool = Field(
+        False, description="May read /metrics, which takes a key once client keys exist (unless auth.open_metrics): "
+        "the key Prometheus sends as its bearer token.")
 
     @model_validator(mode="after")
     def _grants_something(self) -> "ApiKey":
-        if not self.models and not self.admin:
-            raise ValueError("grants nothing: give it models: [...] (globs over model names; '*' for all) and/or admin: true")
+        if not self.models and not self.admin and not self.metrics:
+            raise ValueError("grants nothing: give it models: [...] (globs over model names; '*' for all), admin: true "
+                             "and/or metrics: true")
         return self
 
 
@@ -56,6 +68,9 @@ class Auth(Section):
     )
     keys: list[ApiKey] = Field(
         default_factory=list, description="Scoped keys: each with the models it may use and/or admin (see below).")
+    open_metrics: bool = Field(
+        False, description="Serve /metrics without a key even when client keys exist. Off: with client keys, /metrics "
+        "(which names every model and key) takes an admin key or a key with metrics: true.")
 
     @field_validator("keys")
     @classmethod

@@ -124,7 +124,8 @@ class EngineProcess:
     async def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "engines.reaper", "--grace-s", str(self.kill_grace_s), "--", *self.argv]
-        header = f"=== hotswap {time.strftime('%Y-%m-%dT%H:%M:%S')}: starting {self.spec.name}: {' '.join(self.argv)}\n"
+        shown = " ".join(self.spec.masked(self.argv))  # the log file is read by more people than the roster
+        header = f"=== hotswap {time.strftime('%Y-%m-%dT%H:%M:%S')}: starting {self.spec.name}: {shown}\n"
         # The engine writes its log file itself: its output never passes through the router's
         # event loop (vLLM logs a line per request), and the file outlives a router crash.
         with self.log_path.open("ab") as log:

@@ -1,6 +1,8 @@
 """Who may call what: client keys on /v1/* and every proxied route (`router.proxy.routes`), the admin
 key on /admin/* and /ui (loopback-only without one). Each client key's scope (`router.keys`) is
 left on the request for the handlers: a model outside it is answered as one that does not exist.
+With client keys, nothing open names models or keys: /metrics takes a metrics or admin key
+(unless auth.open_metrics), and /ready lists only what the caller's key may see.
 
 Clients present their key as `Authorization: Bearer`; on the Anthropic routes (/v1/messages*)
 also as `x-api-key`, which is how the anthropic SDK sends it. Failures raise APIError, so
@@ -16,7 +18,7 @@ from typing import Callable, Collection, Optional
 from aiohttp import web
 
 from router.errors import APIError, anthropic_path, error_response
-from router.keys import EVERYTHING, Grant, KeyTable
+from router.keys import EVERYTHING, NOTHING, Grant, KeyTable
 
 
 GRANT = "hotswap.grant"  # request[GRANT]: the Grant of the client key on /v1/* and the proxied routes
@@ -29,7 +31,7 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
     def presented(request: web.Request) -> bytes:
         scheme, _, value = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() == "bearer":
-            return value.strip().encode()
+            return _as_sent(value.strip())
         if scheme.lower() == "basic":  # a browser on /ui: any user name, the admin key as password
             try:
                 return base64.b64decode(value.strip(), validate=True).partition(b":")[2]
@@ -39,7 +41,7 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
 
     def client_key(request: web.Request) -> bytes:
         if anthropic_path(request.path) and "x-api-key" in request.headers:
-            return request.headers["x-api-key"].strip().encode()
+            return _as_sent(request.headers["x-api-key"].strip())
         return presented(request)
 
     @web.middleware
@@ -64,9 +66,27 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
             elif not _is_loopback(request.remote):
                 return error_response(403, f"{path} is loopback-only until an admin key is set (auth.admin_key, "
                                            "or a key with admin: true).", "admin_loopback_only")
+        if path == "/metrics" and table.metrics_auth:
+            grant = table.identify(presented(request))
+            if grant is None or not grant.metrics:
+                return error_response(401, "Missing or invalid metrics key: with client keys configured, /metrics (it names "
+                                           "every model and key) takes a key with metrics: true or an admin key, as "
+                                           "'Authorization: Bearer <key>' (Prometheus: `authorization:` in its scrape config); "
+                                           "or set auth.open_metrics: true.", "invalid_metrics_key")
+        if path == "/ready" and table.client_auth:
+            # /ready is for probes, which send no key: they get the status; a key gets the names it may see.
+            grant = table.identify(presented(request))
+            request[GRANT] = NOTHING if grant is None else EVERYTHING if grant.metrics else grant
         return await handler(request)
 
     return auth
+
+
+def _as_sent(value: str) -> bytes:
+    """A header value as the client's bytes. aiohttp decodes headers as UTF-8 with surrogateescape, so bytes
+    that are not UTF-8 (`Bearer \\xff\\xfe`) arrive as lone surrogates a plain .encode() refuses; given back
+    as sent, they are a key like any other, and no key matches them."""
+    return value.encode("utf-8", "surrogateescape")
 
 
 def grant_of(request: web.Request) -> Grant:

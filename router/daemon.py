@@ -79,7 +79,10 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
     async with aiohttp.ClientSession() as session:
         router = build_router(roster, log_dir, session)
         app = build_app(router)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # aiohttp's keep-alive timer is armed when a connection opens and after each answer, and closes the
+        # connection if no complete request head has arrived when it fires: that is the header timeout.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                               keepalive_timeout=roster.listen.client_header_timeout_s)
         await runner.setup()
         site = web.TCPSite(runner, host, port, backlog=BACKLOG)
         try:

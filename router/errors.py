@@ -24,6 +24,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -41,6 +42,7 @@ _ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
@@ -59,13 +61,15 @@ def anthropic_path(path: str) -> bool:
 class APIError(Exception):
     """Raised anywhere in request handling; rendered once, by the error middleware."""
 
-    def __init__(self, status: int, message: str, code: str, *, param: Optional[str] = None, retry_after: Optional[float] = None):
+    def __init__(self, status: int, message: str, code: str, *, param: Optional[str] = None, retry_after: Optional[float] = None,
+                 close_connection: bool = False):
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
         self.retry_after = retry_after
+        self.close_connection = close_connection  # the client's connection is closed once this is written
 
     def response(self, anthropic: bool = False) -> web.Response:
         return error_response(self.status, self.message, self.code, param=self.param, retry_after=self.retry_after,
@@ -103,6 +107,8 @@ async def api_errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as exc:
+        if exc.close_connection:
+            return await _then_close(request, exc.response(anthropic))
         return exc.response(anthropic)
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(413, f"The request body is larger than listen.max_body_mb ({exc.text}).", "body_too_large", anthropic=anthropic)
@@ -119,3 +125,14 @@ async def api_errors(request: web.Request, handler) -> web.StreamResponse:
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
         return error_response(500, "Internal error in the router (logged).", "internal_error", anthropic=anthropic)
+
+
+async def _then_close(request: web.Request, response: web.Response) -> web.Response:
+    """Write `response`, then close the connection at once. Left to aiohttp, a request whose body
+    was not read whole is followed by up to 10 s of "lingering" reads of the rest, which is what
+    a client that stopped sending would get."""
+    response.force_close()  # Connection: close
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()  # the transport sends what it holds, then closes
+    return response

@@ -11,9 +11,12 @@ from __future__ import annotations
 import fnmatch
 import hmac
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from config.sections import Auth
+
+if TYPE_CHECKING:
+    from engines.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -23,23 +26,34 @@ class Grant:
     name: str
     models: tuple[str, ...]
     admin: bool = False
+    metrics: bool = False  # may read /metrics (an admin key may too)
 
     def may_use(self, names: Iterable[str]) -> bool:
         return any(fnmatch.fnmatchcase(name, glob) for name in names for glob in self.models)
 
+    def allows(self, engine: Engine, name: str) -> bool:
+        """Whether this key may use `engine` for a request that names it `name`: the one scope check
+        of name resolution, Responses pins and model lists. A glob matching one of the engine's roster
+        names or aliases opens everything it serves; a key scoped to a LoRA adapter (or another name
+        the engine serves besides its roster names) opens that name only."""
+        return self.may_use(engine.spec.names) or (name in engine.other_names and self.may_use([name]))
+
 
 EVERYTHING = Grant("", ("*",))  # no client auth configured: every model, for anyone
+NOTHING = Grant("", ())  # client auth on and no key presented: no model
 
 
 class KeyTable:
     def __init__(self, auth: Auth):
-        entries = [(f"api_keys[{i}]", key, ("*",), False) for i, key in enumerate(auth.api_keys)]
+        grants = [(key, Grant(f"api_keys[{i}]", ("*",))) for i, key in enumerate(auth.api_keys)]
         if auth.admin_key:
-            entries.append(("admin_key", auth.admin_key, (), True))
-        entries += [(k.name or f"keys[{i}]", k.key, tuple(k.models), k.admin) for i, k in enumerate(auth.keys)]
-        self._keys = [(key.encode(), Grant(name, models, admin)) for name, key, models, admin in entries]
+            grants.append((auth.admin_key, Grant("admin_key", (), admin=True, metrics=True)))
+        grants += [(k.key, Grant(k.name or f"keys[{i}]", tuple(k.models), k.admin, k.metrics or k.admin)) for i, k in enumerate(auth.keys)]
+        self._keys = [(key.encode(), grant) for key, grant in grants]
         self.client_auth = any(grant.models for _, grant in self._keys)
         self.admin_auth = any(grant.admin for _, grant in self._keys)
+        # The model and key names /metrics lists are what client auth keeps from a caller without a key.
+        self.metrics_auth = self.client_auth and not auth.open_metrics
 
     def identify(self, presented: bytes) -> Optional[Grant]:
         """The grant of the key presented, or None. Every key is compared, in constant time each,

@@ -73,7 +73,7 @@ class Router(Observer, Events):
         """The engine serving roster name or alias `model`, if `grant` may use it; else the 404 of
         an unknown model, listing only the names `grant` may use."""
         engine = self.by_name.get(model)
-        if engine is None or not grant.may_use(engine.spec.names):
+        if engine is None or not grant.allows(engine, model):
             raise self.unknown_model(model, grant)
         return engine
 

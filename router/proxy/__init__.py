@@ -1,6 +1,6 @@
 """A request's way to an engine and back: the routes table (`routes`), the endpoint handler that
 resolves the model, takes a lease, forwards and releases (`endpoint`), the pooled upstream
-connections (`upstream`, `exchange`, `relay`, `forward`), multipart forms, Responses-id pinning,
+connections (`upstream`, `exchange`, `relay`, `forward`), the client's body (`body`, `multipart`), Responses-id pinning,
 stream keep-alives, and the client-facing read-only routes (`readonly`). The rest of the router
 uses the names exported here.
 

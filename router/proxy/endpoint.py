@@ -23,8 +23,9 @@ from router.errors import APIError, sse_error
 from router.keys import Grant
 from router.live import ROUTER_KEY
 from router.metrics import UNKNOWN_MODEL
+from router.proxy.body import read_json
 from router.proxy.forward import forward, json_for
-from router.proxy.responses import ResponseIds, StreamSniffer, id_in_answer
+from router.proxy.responses import Pin, ResponseIds, StreamSniffer, id_in_answer
 
 RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
@@ -46,23 +47,23 @@ def max_wait(request: web.Request) -> Optional[float]:
 
 def default_model(router, grant: Grant) -> str:
     for m in router.roster.models:
-        if m.default and grant.may_use(m.names):
+        if m.default and m.name in router.engines and grant.allows(router.engines[m.name], m.name):
             return m.name
     raise APIError(400, "The request names no 'model' and the roster has no default model (`default: true`). "
                         f"Name one of: {router.usable_names(grant)}", "missing_model", param="model")
 
 
-def resolve(router, model: Any, grant: Grant) -> Engine:
-    """The engine for a request's `model` (None: the roster's default), if `grant` may use it."""
+def resolve(router, model: Any, grant: Grant) -> tuple[Engine, str]:
+    """The engine for a request's `model` (None: the roster's default), if `grant` may use it, and the name it was asked by."""
     if model is None:
         model = default_model(router, grant)
     elif not isinstance(model, str) or not model:
         raise APIError(400, "'model' must be a non-empty string naming a model from GET /v1/models.", "missing_model", param="model")
     if model in router.by_name:
-        return router.lookup(model, grant)
+        return router.lookup(model, grant), model
     for candidate in router.engines.values():  # a LoRA adapter (or other served name) an engine reported
-        if model in candidate.other_names and not candidate.retiring and (grant.may_use([model]) or grant.may_use(candidate.spec.names)):
-            return candidate
+        if model in candidate.other_names and not candidate.retiring and grant.allows(candidate, model):
+            return candidate, model
     raise router.unknown_model(model, grant)
 
 
@@ -73,12 +74,16 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
     label, group, status, stream, queued_s = UNKNOWN_MODEL, "", 500, "false", None
     try:
         if route.multipart:
-            form = await multipart.read_form(request, int(router.roster.listen.max_body_mb * 1024 * 1024))
-            engine = resolve(router, form.value("model"), grant_of(request))
+            form = await multipart.read_form(request, router.roster.listen)
+            engine, _ = resolve(router, form.value("model"), grant_of(request))
             stream = "true" if (form.value("stream") or "").lower() == "true" else "false"
         else:
-            body = await _json_body(request)
-            engine = _engine_for(request, router, body, route)
+            body, raw = await read_json(request, router.roster.listen)
+            engine, name = _engine_for(request, router, body, route)
+            if body.get("model") is None and name in engine.other_names:
+                # A follow-up of an adapter's conversation stays on the adapter (a key may be scoped to it alone).
+                body["model"] = name
+                raw = json.dumps(body).encode()
             stream = "true" if body.get("stream") is True else "false"
         label, group = engine.name, engine.spec.group or ""
         scheduler = router.scheduler(engine)
@@ -97,8 +102,8 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
                 response = await forward(request, router.upstreams, engine, route.path, data, content_type=form_type,
                                          prepared=prepared)
             else:
-                kw = _pinning(request, engine, body) if route.creates_response else {}
-                response = await forward(request, router.upstreams, engine, route.path, json_for(engine, body, request["raw_body"]),
+                kw = _pinning(request, engine, name, body) if route.creates_response else {}
+                response = await forward(request, router.upstreams, engine, route.path, json_for(engine, body, raw),
                                          prepared=prepared, anthropic=route.anthropic, **kw)
         except APIError as exc:
             if prepared is None:
@@ -122,31 +127,32 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
                                     done - started, key=grant_of(request).name)
 
 
-def _engine_for(request: web.Request, router, body: dict[str, Any], route: routes.Route) -> Engine:
+def _engine_for(request: web.Request, router, body: dict[str, Any], route: routes.Route) -> tuple[Engine, str]:
     model = body.get("model")
     if model is None and route.creates_response:
-        # A follow-up without a model continues where its conversation lives.
+        # A follow-up without a model continues where its conversation lives, under the name it was started with.
         previous = body.get("previous_response_id")
-        pinned = request.app[RESPONSE_IDS_KEY].engine_of(previous) if isinstance(previous, str) else None
-        engine = _usable(router, pinned, grant_of(request))
-        if engine is not None:
-            return engine
+        pin = request.app[RESPONSE_IDS_KEY].pin(previous) if isinstance(previous, str) else None
+        engine = _usable(router, pin, grant_of(request))
+        if engine is not None and pin is not None:
+            return engine, pin.model
     return resolve(router, model, grant_of(request))
 
 
-def _usable(router, name: Optional[str], grant: Grant) -> Optional[Engine]:
-    """The engine a response was pinned to, unless it has left the roster or `grant` may not use it."""
-    engine = router.engines.get(name) if name is not None else None
-    if engine is None or engine.retiring or not grant.may_use(engine.spec.names):
+def _usable(router, pin: Optional[Pin], grant: Grant) -> Optional[Engine]:
+    """The engine a response was pinned to, unless it has left the roster or `grant` may not use it
+    under the name the response was created with (the same check as resolution's)."""
+    engine = router.engines.get(pin.engine) if pin is not None else None
+    if engine is None or pin is None or engine.retiring or not grant.allows(engine, pin.model):
         return None
     return engine
 
 
-def _pinning(request: web.Request, engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
+def _pinning(request: web.Request, engine: Engine, name: str, body: dict[str, Any]) -> dict[str, Any]:
     ids = request.app[RESPONSE_IDS_KEY]
 
     def remember(response_id: str) -> None:
-        ids.remember(response_id, engine.name)
+        ids.remember(response_id, engine.name, name)
 
     if body.get("stream") is True:
         return {"sniffer": StreamSniffer(remember)}
@@ -160,7 +166,7 @@ async def response_pinned(request: web.Request) -> web.StreamResponse:
     started, status, label, group = time.monotonic(), 500, UNKNOWN_MODEL, ""
     cancel = request.path.endswith("/cancel")
     try:
-        engine = _usable(router, request.app[RESPONSE_IDS_KEY].engine_of(response_id), grant_of(request))
+        engine = _usable(router, request.app[RESPONSE_IDS_KEY].pin(response_id), grant_of(request))
         if engine is None:
             raise APIError(404, f"Response with id '{response_id}' not found (the router pins the responses it saw "
                                 "created, for a bounded time).", "response_not_found", param="response_id")
@@ -184,20 +190,3 @@ async def response_pinned(request: web.Request) -> web.StreamResponse:
         done = time.monotonic()
         router.metrics.request_done(label, group, "responses", "false", status, None, request.get("first_byte_at", done) - started,
                                     done - started, key=grant_of(request).name)
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    # vLLM refuses anything but application/json; saying so here spares a wake for a request it would refuse.
-    if request.content_type != "application/json" and not request.content_type.endswith("+json"):
-        raise APIError(400, f"{request.path} takes a JSON body with Content-Type: application/json "
-                            f"(got {request.headers.get('Content-Type', 'none')!r}).", "invalid_content_type")
-    raw = await request.read()
-    request["raw_body"] = raw
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"The request body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object.", "invalid_request")
-    return body
-

@@ -1,9 +1,12 @@
 """multipart/form-data uploads (the audio routes), read with aiohttp's multipart reader.
 
 The whole form must be read before the request can be routed, because `model` is a form
-field that may come after the file. So the reader counts every byte it takes and stops at
-`listen.max_body_mb` with a 413: it never holds more than the limit (plus one chunk).
-The form is then re-encoded for the engine, with `model` set to the name the engine serves.
+field that may come after the file. So every byte of the body counts (boundaries, part
+headers and names as much as part data): aiohttp's multipart parser reads through
+`router.proxy.body.BodyStream`, which stops at `listen.max_body_mb` with a 413 (so the router
+never holds more than the limit, plus one read-ahead buffer) and at a client that pauses past
+`listen.client_body_timeout_s` with a 408. The form is then re-encoded for the engine, with
+`model` set to the name the engine serves.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from typing import Optional
 import aiohttp
 from aiohttp import http_exceptions, web
 
+from config.sections import Listen
 from router.errors import APIError
+from router.proxy.body import BodyStream
 
 CHUNK = 64 * 1024
 
@@ -53,23 +58,20 @@ class Form:
         return payload.content_type, await payload.as_bytes()
 
 
-async def read_form(request: web.Request, limit: int) -> Form:
+async def read_form(request: web.Request, listen: Listen) -> Form:
     if not request.content_type.startswith("multipart/form-data"):
         raise APIError(400, f"{request.path} takes multipart/form-data (a `file` and form fields such as `model`); "
                             f"got Content-Type {request.content_type!r}.", "invalid_content_type")
-    if request.content_length is not None and request.content_length > limit:
-        raise _too_large(limit)
-    form, total = Form(), 0
+    stream = BodyStream(request, listen)
+    stream.check_declared(request)
+    form = Form()
     try:
-        reader = await request.multipart()
+        reader = aiohttp.MultipartReader(request.headers, stream)  # type: ignore[arg-type]
         async for part in reader:
             if not isinstance(part, aiohttp.BodyPartReader):
                 raise APIError(400, "Nested multipart parts are not accepted.", "invalid_multipart")
             chunks = []
             while chunk := await part.read_chunk(CHUNK):
-                total += len(chunk)
-                if total > limit:
-                    raise _too_large(limit)
                 chunks.append(chunk)
             if part.name:
                 form.parts.append(Part(part.name, b"".join(chunks), part.filename,
@@ -80,7 +82,3 @@ async def read_form(request: web.Request, limit: int) -> Form:
             http_exceptions.HttpProcessingError) as exc:
         raise APIError(400, f"The multipart/form-data body cannot be parsed: {exc}", "invalid_multipart") from None
     return form
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"The upload is larger than listen.max_body_mb ({limit / 1024 / 1024:g} MB).", "body_too_large")

@@ -1,5 +1,6 @@
 """What a client (or a front over several nodes) reads without being proxied: the models it may
-use (`/v1/models`, with each one's state and node), `/health` and `/ready`."""
+use (`/v1/models`, with each one's state and node), `/health` and `/ready` (with client keys, its
+model lists only for a key, and only the models that key may use)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,9 @@ def _model_cards(router: Router, grant: Grant) -> list[dict]:
                 "wake_estimate_s": round(scheduler.predicted_wait(engine, now), 2), "node": where}
 
     cards = [card(name, engine, None if name == engine.name else engine.name, engine.spec.model or engine.spec.url or engine.name)
-             for name, engine in router.by_name.items() if grant.may_use(engine.spec.names)]
+             for name, engine in router.by_name.items() if grant.allows(engine, name)]
     # An adapter's parent is its engine's roster name: the name clients use (vLLM's card says the served name).
-    return cards + [card(name, engine, engine.name, root) for name, engine, root in router.adapters()
-                    if grant.may_use([name]) or grant.may_use(engine.spec.names)]
+    return cards + [card(name, engine, engine.name, root) for name, engine, root in router.adapters() if grant.allows(engine, name)]
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -50,10 +50,11 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
-    promoted = [e.name for e in router.engines.values() if e.promoted]
-    serviceable = [e.name for e in router.engines.values() if e.serviceable]
-    body = {"ready": router.ready and not router.draining, "draining": router.draining, "promoted": promoted,
-            "serviceable": serviceable}
+    grant = grant_of(request)  # with client keys: the caller's (a probe without a key: no model)
+    body = {"ready": router.ready and not router.draining, "draining": router.draining}
+    if grant.models:
+        visible = [e for e in router.engines.values() if grant.may_use(e.spec.names)]
+        body.update(promoted=[e.name for e in visible if e.promoted], serviceable=[e.name for e in visible if e.serviceable])
     # Draining for shutdown: a front that polls /ready takes the node out of rotation now,
     # while it still answers (new work gets 503 + Retry-After, in-flight work finishes).
     headers = {"Retry-After": str(DRAINING_RETRY_AFTER_S)} if router.draining else None

@@ -12,7 +12,7 @@ import collections
 import json
 import re
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 MAX_IDS = 100_000
 TTL_S = 24 * 3600.0
@@ -23,21 +23,26 @@ SNIFF_LIMIT = 64 * 1024  # the id is in the first event (response.created); neve
 _FIRST_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,200})"')
 
 
+class Pin(NamedTuple):
+    engine: str  # the roster name of the engine that holds the response
+    model: str  # the name the creating request used (a LoRA adapter's, say): what a key's scope is checked against
+
+
 class ResponseIds:
     def __init__(self, max_ids: int = MAX_IDS, ttl_s: float = TTL_S, clock: Callable[[], float] = time.monotonic):
         self.max_ids, self.ttl_s, self.clock = max_ids, ttl_s, clock
-        self._ids: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+        self._ids: collections.OrderedDict[str, tuple[Pin, float]] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._ids)
 
-    def remember(self, response_id: str, engine_name: str) -> None:
-        self._ids[response_id] = (engine_name, self.clock() + self.ttl_s)
+    def remember(self, response_id: str, engine_name: str, model: Optional[str] = None) -> None:
+        self._ids[response_id] = (Pin(engine_name, model or engine_name), self.clock() + self.ttl_s)
         self._ids.move_to_end(response_id)
         while len(self._ids) > self.max_ids:
             self._ids.popitem(last=False)
 
-    def engine_of(self, response_id: str) -> Optional[str]:
+    def pin(self, response_id: str) -> Optional[Pin]:
         entry = self._ids.get(response_id)
         if entry is None:
             return None
@@ -45,6 +50,10 @@ class ResponseIds:
             del self._ids[response_id]
             return None
         return entry[0]
+
+    def engine_of(self, response_id: str) -> Optional[str]:
+        pin = self.pin(response_id)
+        return pin.engine if pin is not None else None
 
 
 def id_in_answer(payload: bytes) -> Optional[str]:

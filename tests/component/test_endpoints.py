@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 
 KEY = "sk-endpoints-client-4b2e"
 ADMIN = "sk-endpoints-admin-77c1"
+TERSE_KEY = "sk-endpoints-terse-only-9d03"  # scoped to the LoRA adapter `terse` alone
 STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 
 
@@ -30,12 +31,15 @@ def roster(**sections) -> dict:
     return roster_dict(
         sim_model("chat", default=True, group="g", env=STORE, args=("--enable-lora", "--lora-modules", "terse=/adapters/terse")),
         sim_model("other", group="g", env=STORE),
-        auth={"api_keys": ["${EP_CLIENT}"], "admin_key": "${EP_ADMIN}"}, listen={"max_body_mb": 1}, **sections)
+        auth={"api_keys": ["${EP_CLIENT}"], "admin_key": "${EP_ADMIN}",
+              "keys": [{"key": "${EP_TERSE}", "name": "terse-only", "models": ["terse"]}]},
+        listen={"max_body_mb": 1}, **sections)
 
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
-    r = RouterProcess(roster(), tmp_path_factory.mktemp("endpoints"), env={"EP_CLIENT": KEY, "EP_ADMIN": ADMIN}, admin_key=ADMIN)
+    r = RouterProcess(roster(), tmp_path_factory.mktemp("endpoints"), env={"EP_CLIENT": KEY, "EP_ADMIN": ADMIN, "EP_TERSE": TERSE_KEY},
+                      admin_key=ADMIN)
     asyncio.run(r.wait_ready())
     yield r
     assert r.stop() == 0, r.log()
@@ -127,6 +131,25 @@ async def test_a_follow_up_without_model_continues_on_the_engine_of_its_previous
     first = await c.responses.create(model="other", input="one", max_output_tokens=4, temperature=0)
     status, body = await post(router, "/v1/responses", {"input": "two", "previous_response_id": first.id, "max_output_tokens": 4})
     assert status == 200 and body["model"] == "other" and body["previous_response_id"] == first.id, body
+
+
+async def test_a_key_scoped_to_an_adapter_retrieves_cancels_and_continues_its_own_responses_only(router):
+    c = client(router, TERSE_KEY)
+    created = await c.responses.create(model="terse", input="tell me about presses", max_output_tokens=8, temperature=0)
+    assert (await c.responses.retrieve(created.id)).output_text == created.output_text
+    background = await c.responses.create(model="terse", input="slow", background=True, temperature=0,
+                                          extra_body={"max_output_tokens": 4000})
+    assert (await c.responses.cancel(background.id)).status == "cancelled"
+    # a follow-up naming no model continues under the adapter, not the base model the key may not use
+    status, body = await post(router, "/v1/responses", {"input": "and then?", "previous_response_id": created.id,
+                                                        "max_output_tokens": 4}, key=TERSE_KEY)
+    assert status == 200 and body["model"] == "terse" and body["previous_response_id"] == created.id, body
+    # the base model's responses stay out of its reach, as if they did not exist
+    base = await client(router, KEY).responses.create(model="chat", input="not yours", max_output_tokens=4, temperature=0)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        await c.responses.retrieve(base.id)
+    status, body = await post(router, "/v1/responses", {"input": "x", "previous_response_id": base.id}, key=TERSE_KEY)
+    assert status == 400 and body["error"]["code"] == "missing_model", body  # no default model the key may use
 
 
 async def ask_chat(c: openai.AsyncOpenAI) -> str:
@@ -280,7 +303,7 @@ async def test_requests_are_counted_per_route_family(router):
     await post(router, "/tokenize", {"prompt": "x"})
 
     async def counted() -> bool:
-        async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as r:
+        async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics", headers=router.admin_headers) as r:
             text = await r.text()
         return 'endpoint="tokenize",model="chat",status="200"' in text
 

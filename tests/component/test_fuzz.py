@@ -166,7 +166,7 @@ def test_no_key_and_no_prompt_text_reaches_the_logs_or_the_metrics(router):
     send(router, "POST", "/v1/completions", json.dumps({"model": prompt, "prompt": "x"}).encode(),
          {"Authorization": f"Bearer {CLIENT_KEY}", "Content-Type": "application/json"})  # a 404 that names the model
     send(router, "POST", "/v1/completions", b"{}", {"Authorization": "Bearer " + CLIENT_KEY + "-wrong"})
-    metrics = send(router, "GET", "/metrics")[1].decode()
+    metrics = send(router, "GET", "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})[1].decode()
     log = router.log()
     for secret in (CLIENT_KEY, ADMIN_KEY, "PROMPT-CANARY-5e1c"):
         assert secret not in log, f"{secret} in the router log"

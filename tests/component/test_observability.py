@@ -332,13 +332,15 @@ class PrometheusProcess:
 
 
 def live_config(target: str) -> dict[str, Any]:
-    """The shipped example, pointed at `target`, scraping and evaluating every second."""
+    """The shipped example, pointed at `target`, scraping and evaluating every second, with the
+    bearer token the example's comment asks for (the roster below has client keys)."""
     config = yaml.safe_load(SCRAPE.read_text())
     config["global"].update(scrape_interval="1s", evaluation_interval="1s", scrape_timeout="1s")
     config["rule_files"] = [str(ALERTS)]
     [job] = config["scrape_configs"]
     assert job["job_name"] == "hotswap"  # HotswapRouterDown selects up{job="hotswap"}
     job["static_configs"][0]["targets"] = [target]
+    job["authorization"] = {"type": "Bearer", "credentials": METRICS_KEY}
     return config
 
 
@@ -353,16 +355,18 @@ ROSTER = roster_dict(
     sim_model("a", default=True),
     sim_model("b", spec=True, draft_restore="none"),  # loses its draft at wake: refused, restarted
     sim_model("c", spec=True),                        # draft_restore: reload (the reload_draft phase)
-    auth={"keys": [{"key": "${OBS_KEY}", "name": "obs", "models": ["*"]}]},  # so per-key counts are exported too
+    auth={"keys": [{"key": "${OBS_KEY}", "name": "obs", "models": ["*"]},  # so per-key counts are exported too
+                   {"key": "${OBS_METRICS_KEY}", "name": "prometheus", "metrics": True}]},  # which makes /metrics take a key
 )
 OBS_KEY = "obs-client-key"
+METRICS_KEY = "obs-metrics-key"
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("observability")
     (workdir / "router").mkdir()
-    router = RouterProcess(ROSTER, workdir / "router", env={"OBS_KEY": OBS_KEY})
+    router = RouterProcess(ROSTER, workdir / "router", env={"OBS_KEY": OBS_KEY, "OBS_METRICS_KEY": METRICS_KEY})
     prometheus = None
     try:
         if shutil.which("prometheus"):  # without it, the /metrics checks still run
@@ -374,7 +378,7 @@ def live(tmp_path_factory):
             until(lambda: prometheus.query('hotswap_gate_verdicts_total{model="b",result="refused"} == 0'), 20,
                   "prometheus scraped the router")
         drive(router)
-        exported = Exported.parse(fetch(router.url + "/metrics"))
+        exported = Exported.parse(fetch(router.url + "/metrics", key=METRICS_KEY))
         total = sum(s.value for f in text_string_to_metric_families(exported.text) for s in f.samples
                     if s.name == "hotswap_requests_total")
         if prometheus is not None:  # and a scrape after the last of the traffic
@@ -388,9 +392,10 @@ def live(tmp_path_factory):
     assert code == 0, router.log()
 
 
-def fetch(url: str, method: str = "GET", body: Optional[dict] = None) -> str:
+def fetch(url: str, method: str = "GET", body: Optional[dict] = None, key: Optional[str] = None) -> str:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     with urllib.request.urlopen(request, timeout=10) as r:
         return r.read().decode()
 

@@ -89,7 +89,7 @@ def test_each_pod_has_a_valid_roster_and_the_environment_it_references(rendered)
         text = roster_cm["data"][path.name]
         referenced = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", text))
         assert referenced <= env, f"{path.name} references {referenced - env}, which the pod does not set"
-        roster = parse_roster(text, str(path), {name: "x" for name in referenced})
+        roster = parse_roster(text, str(path), {name: f"x-{name}" for name in referenced})  # distinct, as keys must be
         assert roster.listen.port == container["ports"][0]["containerPort"]
         # The pod must outlive its drain: the port stays open for max(notice, drain), then engines stop.
         needed = max(roster.listen.drain_notice_s, roster.swap.drain_timeout_s) + roster.swap.kill_grace_s
@@ -113,6 +113,26 @@ def test_prometheus_scrapes_the_service_the_alerts_name(rendered):
     assert 'job="hotswap"' in (REPO / "deploy" / "prometheus" / "alerts.yml").read_text()
     ports = {p["name"] for p in selected[0]["spec"]["ports"]}
     assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [("http", "/metrics")] and "http" in ports
+
+
+def test_prometheus_sends_a_key_each_roster_takes_for_metrics(rendered):
+    """With client keys in a roster, /metrics takes a key with metrics: true: the ServiceMonitor's
+    bearer token must be the Secret entry that the pods map to such a key's ${VAR}."""
+    from router.keys import KeyTable
+
+    [endpoint] = rendered["ServiceMonitor/hotswap"]["spec"]["endpoints"]
+    assert endpoint["authorization"]["type"] == "Bearer"
+    credentials = endpoint["authorization"]["credentials"]
+    assert credentials["key"] in yaml.safe_load((K8S / "secret.example.yaml").read_text())["stringData"]
+    container = rendered["StatefulSet/hotswap"]["spec"]["template"]["spec"]["containers"][0]
+    [variable] = [e["name"] for e in container["env"] if e.get("valueFrom", {}).get("secretKeyRef") == {
+        "name": credentials["name"], "key": credentials["key"]}]
+    for path in sorted((K8S / "rosters").glob("*.yaml")):
+        text = path.read_text()
+        env = {name: f"value-of-{name}" for name in re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", text)}
+        table = KeyTable(parse_roster(text, str(path), env).auth)
+        grant = table.identify(env.get(variable, "").encode())
+        assert table.metrics_auth and grant is not None and grant.metrics, f"{path.name}: ${{{variable}}} opens no /metrics"
 
 
 def test_the_prometheusrule_passes_promtool(rendered, tmp_path):

@@ -25,7 +25,8 @@ def test_each_refusal_says_where_and_never_shows_a_key():
     assert errors("auth:\n  keys:\n    - {key: k1-secret, models: ['*']}\n") == [
         "r.yaml:3:13: auth.keys[0].key: write secrets as ${ENV_VAR} and set them in the environment, never in the file"]
     assert errors("auth:\n  keys:\n    - {key: '${K1}'}\n") == [
-        "r.yaml:3:7: auth.keys[0]: grants nothing: give it models: [...] (globs over model names; '*' for all) and/or admin: true"]
+        "r.yaml:3:7: auth.keys[0]: grants nothing: give it models: [...] (globs over model names; '*' for all), admin: true "
+        "and/or metrics: true"]
     repeated = errors("auth:\n  admin_key: '${K1}'\n  keys:\n    - {key: '${K1}', models: [embed]}\n")
     assert repeated == ["r.yaml:4:5: auth.keys: keys[0].key is the same key as admin_key: one key has one scope; remove one of them"]
     assert "k1-secret" not in repeated[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from router.proxy.responses import ResponseIds, StreamSniffer, id_in_answer
+from router.proxy.responses import Pin, ResponseIds, StreamSniffer, id_in_answer
 
 
 class Clock:
@@ -21,6 +21,14 @@ def test_the_oldest_ids_are_forgotten_beyond_the_bound():
         ids.remember(f"resp_{i}", f"e{i}")
     assert len(ids) == 3
     assert [ids.engine_of(f"resp_{i}") for i in range(5)] == [None, None, "e2", "e3", "e4"]
+
+
+def test_a_pin_keeps_the_name_the_response_was_created_under():
+    ids = ResponseIds(max_ids=10, ttl_s=60)
+    ids.remember("resp_a", "chat", "terse")  # created through the LoRA adapter `terse` of engine `chat`
+    ids.remember("resp_b", "chat")
+    assert ids.pin("resp_a") == Pin("chat", "terse") and ids.pin("resp_b") == Pin("chat", "chat")
+    assert ids.engine_of("resp_a") == "chat" and ids.pin("resp_unknown") is None
 
 
 def test_an_id_expires_after_its_ttl():

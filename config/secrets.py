@@ -1,0 +1,49 @@
+"""What of a roster is secret, and how it is shown wherever it is printed or logged.
+
+An engine's command line and environment carry its secrets (`--api-key`, `--hf-token`, a
+`VLLM_API_KEY`), and `hotswap check`, `/admin` and the engine's log file show them. So every
+argv shown is masked: the value of a secret flag, and every value the roster gave as `${ENV}`
+(the loader hands over the values it substituted), become `***`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Mapping
+
+MASK = "***"
+# vLLM's flags whose value is a credential; any other flag's secret comes in as ${ENV}.
+SECRET_FLAGS = frozenset({"--api-key", "--hf-token"})
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)  # env names that hold one
+# Shorter substituted values (a tensor-parallel size, a port) are no secrets worth hiding, and
+# masking each of their occurrences would garble every argument that happens to contain them.
+MIN_MASKED_LEN = 6
+
+
+def _flag(arg: str) -> str:
+    name = arg.split("=", 1)[0]
+    return name.replace("_", "-") if name.startswith("--") else name  # vLLM reads --api_key as --api-key
+
+
+def mask_argv(argv: Iterable[str], from_env: Iterable[str] = ()) -> list[str]:
+    """`argv` safe to print: secret flags' values and values substituted from ${ENV} as `***`."""
+    values = sorted((v for v in set(from_env) if len(v) >= MIN_MASKED_LEN), key=len, reverse=True)
+    shown: list[str] = []
+    secret_next = False
+    for arg in argv:
+        if secret_next:
+            arg, secret_next = MASK, False
+        elif _flag(arg) in SECRET_FLAGS:
+            if "=" in arg:
+                arg = arg.split("=", 1)[0] + "=" + MASK
+            else:
+                secret_next = True
+        for value in values:
+            arg = arg.replace(value, MASK)
+        shown.append(arg)
+    return shown
+
+
+def mask_env(env: Mapping[str, str], from_env: Iterable[str] = ()) -> dict[str, str]:
+    """`env` safe to print: a secret-named variable, or one whose value came from ${ENV}, as `***`."""
+    return {k: MASK if SECRET_NAME.search(k) else mask_argv([v], from_env)[0] for k, v in env.items()}

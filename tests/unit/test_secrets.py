@@ -1,0 +1,75 @@
+"""Secrets in an engine's command line and environment never show: not in `hotswap check`'s
+printout, not in the engine's log file (config.secrets, used by both)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import yaml
+
+from config import load_roster
+from config.secrets import mask_argv
+from engines.process import EngineProcess
+
+REPO = Path(__file__).resolve().parents[2]
+SECRETS = {"ENGINE_KEY": "sk-engine-2f9c41", "HF_SECRET": "hf_a8b7c6d5e4", "S3_URL": "s3://bucket/creds-77aa",
+           "MODELS": "/secret-mount-91"}
+ROSTER = """
+    models:
+      - name: a
+        model: ${MODELS}/a
+        launcher: [python, -c, "import time; time.sleep(30)"]
+        args: [--api-key, "${ENGINE_KEY}", "--hf-token=hf_literal_in_file", --load-format, runai_streamer,
+               "--model-loader-extra-config={\\"url\\": \\"${S3_URL}\\"}", --max-model-len, "4096"]
+        env: {VLLM_API_KEY: "${ENGINE_KEY}", HF_HOME: /cache, SOME_URL: "${S3_URL}", OMP_NUM_THREADS: "${THREADS:-4}"}
+      - name: b
+        command: [python, -c, "pass", --port, "{port}", --api-key=literal-b-key, "${HF_SECRET}"]
+"""
+
+
+def write_roster(tmp_path: Path) -> Path:
+    path = tmp_path / "roster.yaml"
+    path.write_text(textwrap.dedent(ROSTER))
+    return path
+
+
+def test_check_prints_no_engine_secret_from_args_command_or_env(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "router.cli", "check", "--config", str(write_roster(tmp_path))],
+                         cwd=REPO, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **SECRETS})
+    assert run.returncode == 0, run.stderr
+    for secret in (*SECRETS.values(), "hf_literal_in_file", "literal-b-key"):
+        assert secret not in run.stdout + run.stderr, secret
+    a, b = yaml.safe_load(run.stdout)["models"]
+    # what is no secret stays readable, a fallback written in the file included
+    assert a["args"] == ["--api-key", "***", "--hf-token=***", "--load-format", "runai_streamer",
+                         '--model-loader-extra-config={"url": "***"}', "--max-model-len", "4096"]
+    assert a["env"] == {"VLLM_API_KEY": "***", "HF_HOME": "/cache", "SOME_URL": "***", "OMP_NUM_THREADS": "4"}
+    assert a["model"] == "***/a"
+    assert b["command"] == ["python", "-c", "pass", "--port", "{port}", "--api-key=***", "***"]
+
+
+async def test_the_engine_log_records_its_command_line_masked(tmp_path, monkeypatch):
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    spec = load_roster(write_roster(tmp_path)).models[0]
+    process = EngineProcess(spec, 9, tmp_path, kill_grace_s=0.5)
+    await process.start()
+    try:
+        header = process.log_path.read_text().splitlines()[0]
+    finally:
+        await process.stop()
+    assert header.startswith("=== hotswap ") and "starting a: " in header
+    assert "--api-key *** " in header and "--hf-token=***" in header and '{"url": "***"}' in header, header
+    for secret in (*SECRETS.values(), "hf_literal_in_file"):
+        assert secret not in header, secret
+    assert SECRETS["ENGINE_KEY"] in process.argv  # the engine itself still gets its key
+
+
+def test_masking_leaves_short_substituted_values_and_other_flags_alone():
+    assert mask_argv(["--tensor-parallel-size", "2", "--host", "127.0.0.1"], {"2", "1"}) == [
+        "--tensor-parallel-size", "2", "--host", "127.0.0.1"]
+    assert mask_argv(["--api_key", "k", "--x", "k"]) == ["--api_key", "***", "--x", "k"]  # vLLM's other spelling
+    assert mask_argv(["--api-key"]) == ["--api-key"]  # a flag without its value: nothing to hide
