@@ -10,7 +10,7 @@ by the router only and changes in place.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import AbstractSet, Any, Mapping, Optional
 
 from config.schema import ModelSpec, Roster
 
@@ -35,6 +35,7 @@ class ModelChange:
 class RosterDiff:
     added: tuple[ModelSpec, ...] = ()
     removed: tuple[str, ...] = ()
+    revived: tuple[str, ...] = ()  # removed by an earlier reload, back before its engine stopped: it keeps that engine
     changed: tuple[ModelChange, ...] = ()
     unchanged: tuple[str, ...] = ()
     sections: tuple[str, ...] = ()  # router-wide sections changed in place
@@ -42,12 +43,18 @@ class RosterDiff:
 
     @property
     def empty(self) -> bool:
-        return not (self.added or self.removed or self.changed or self.sections or self.needs_restart)
+        return not (self.added or self.removed or self.revived or self.changed or self.sections or self.needs_restart)
+
+    @property
+    def to_size(self) -> tuple[ModelSpec, ...]:
+        """The entries whose Level-1 weights the scheduler does not know yet (new, or changed)."""
+        return (*self.added, *(c.spec for c in self.changed))
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "added": [m.name for m in self.added],
             "removed": list(self.removed),
+            "revived": list(self.revived),
             "restarting": {c.name: list(c.fields) for c in self.changed if c.restart},
             "changed_in_place": {c.name: list(c.fields) for c in self.changed if not c.restart},
             "unchanged": list(self.unchanged),
@@ -59,6 +66,7 @@ class RosterDiff:
         """One line per change, as `hotswap reload` prints them and the router logs them."""
         out = [f"+ {m.name}: new; boots in the background" for m in self.added]
         out += [f"- {name}: removed; takes no new requests, stops once its requests are done" for name in self.removed]
+        out += [f"+ {name}: revived (was being removed); it serves on" for name in self.revived]
         for c in self.changed:
             what = "restarts at its next idle moment" if c.restart else "changed in place"
             out.append(f"~ {c.name}: {what} ({', '.join(c.fields)})")
@@ -67,12 +75,14 @@ class RosterDiff:
         return out or ["no changes"]
 
 
-def diff(old: Roster, current: Mapping[str, ModelSpec], new: Roster) -> RosterDiff:
+def diff(old: Roster, current: Mapping[str, ModelSpec], new: Roster, retiring: AbstractSet[str] = frozenset()) -> RosterDiff:
     """From `old` (the router-wide sections in force) and `current` (each engine's spec as it runs,
-    models still draining included) to `new`."""
+    models still draining included) to `new`. `retiring`: the names in `current` an earlier reload
+    removed whose engines have not stopped yet; they are not removed again, and one `new` lists is revived."""
     new_names = {m.name for m in new.models}
     added = tuple(m for m in new.models if m.name not in current)
-    removed = tuple(name for name in current if name not in new_names)
+    removed = tuple(name for name in current if name not in new_names and name not in retiring)
+    revived = tuple(m.name for m in new.models if m.name in retiring and m.name in current)
     changed, unchanged = [], []
     for spec in new.models:
         if spec.name not in current:
@@ -80,12 +90,12 @@ def diff(old: Roster, current: Mapping[str, ModelSpec], new: Roster) -> RosterDi
         change = model_change(current[spec.name], spec)
         if change is not None:
             changed.append(change)
-        else:
+        elif spec.name not in revived:  # bringing a model back is a change, even with the same entry
             unchanged.append(spec.name)
     sections = tuple(s for s in SECTIONS if getattr(old, s) != getattr(new, s))
     needs_restart = tuple(f"{s}.{k}" for s in RESTART_SECTIONS for k, v in getattr(new, s).model_dump().items()
                           if getattr(getattr(old, s), k) != v)
-    return RosterDiff(added, removed, tuple(changed), tuple(unchanged), sections, needs_restart)
+    return RosterDiff(added, removed, revived, tuple(changed), tuple(unchanged), sections, needs_restart)
 
 
 def model_change(running: ModelSpec, new: ModelSpec) -> Optional[ModelChange]:

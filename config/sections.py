@@ -96,6 +96,9 @@ class Queue(Section):
     stream_keepalive_s: Optional[float] = Field(
         None, gt=0, description="A streaming request that waits for a swap gets SSE comment lines "
         "(`: waking NAME (STEP)`) this often, so proxies and UIs do not time out; unset: off.")
+    stall_timeout_s: float = Field(
+        60, gt=0, description="A stream whose client takes none of it for this long (it stopped reading, or vanished "
+        "without closing) is cut, and its lease freed: otherwise its engine could never be parked, restarted or removed.")
 
 
 class Node(Section):

@@ -15,13 +15,14 @@ import collections
 import logging
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, ContextManager, Optional
 
 import aiohttp
 
 from config.schema import ModelSpec, Swap
 from engines import gate, reaper, wake
 from engines.client import EngineError, EngineRefused, EngineTLSError, VLLMClient, attached_client
+from engines.leases import Leases
 from engines.process import EngineProcess, free_port
 from engines.states import TRANSITIONS, EngineFailed, State
 
@@ -82,10 +83,8 @@ class Engine:
         self.observed_mal: Optional[float] = None
         self.watch_error: Optional[str] = None  # the acceptance watch's last failure to read the engine
         self.retiring = False  # left the roster in a reload: no new requests; stopped once its own are done
-        self.in_flight = 0
+        self.leases = Leases(self.name)
         self.last_used = time.monotonic()
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._no_step = asyncio.Event()  # cleared while a sleep or wake step talks to the engine
         self._no_step.set()
         self._stopping = False
@@ -137,27 +136,27 @@ class Engine:
 
     # -- leases: client traffic on an AWAKE engine ----------------------------------------
 
+    @property
+    def in_flight(self) -> int:
+        return self.leases.count
+
     def try_lease(self) -> bool:
         if self.state is not State.AWAKE:
             return False
-        self.in_flight += 1
-        self._idle.clear()
+        self.leases.take()
         return True
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no lease is held (True), or `timeout` (False)."""
-        try:
-            async with asyncio.timeout(timeout):
-                await self._idle.wait()
-            return True
-        except TimeoutError:
-            return False
+        return await self.leases.wait_idle(timeout)
 
     def release(self) -> None:
-        self.in_flight -= 1
+        self.leases.give_back()
         self.last_used = time.monotonic()
-        if self.in_flight == 0:
-            self._idle.set()
+
+    def cuttable(self, cut: Callable[[str], None]) -> ContextManager[None]:
+        """While a leaseholder's request runs: how to end it early (`engines.leases`)."""
+        return self.leases.cuttable(cut)
 
     # -- transitions ---------------------------------------------------------------------
 
@@ -316,10 +315,17 @@ class Engine:
     # -- sleep ---------------------------------------------------------------------------
 
     async def _drain(self) -> bool:
-        """Stop leasing; let in-flight requests finish, up to drain_timeout_s. True if all did."""
+        """Stop leasing; let in-flight requests finish, up to drain_timeout_s, then cut the rest
+        (a stream to a client that stopped reading would otherwise never end). True if all finished."""
         self._enter(State.DRAINING)
         started = time.monotonic()
         idle = await self.wait_idle(self.swap.drain_timeout_s)
+        if not idle:
+            log.warning("engine %s: %d request(s) still running when the drain ran out (swap.drain_timeout_s=%g s): cutting them",
+                        self.name, self.in_flight, self.swap.drain_timeout_s)
+            await self.leases.cut_all(f"model '{self.name}' is being put to sleep or restarted and this request was still "
+                                      f"running when swap.drain_timeout_s={self.swap.drain_timeout_s:g} s ran out, so it "
+                                      "was cut; retry it")
         self._step_done("drain", started, True)
         return idle
 

@@ -2,16 +2,16 @@
 
 The new roster is validated in full first (the same loader as at start, placement checks
 included); if anything is wrong nothing changes, and every error is logged and returned as
-`file:line:col: field: message`. Otherwise the difference (`config.diff`) is applied in one
-step with no await in it, so no request sees half of a reload: names resolve to the new table,
-keys and limits are the new ones, and the scheduler is told which engines join, leave or
-restart (`router.scheduling.roster_changes`), which it then does in the background.
+`file:line:col: field: message`. Otherwise the difference (`config.diff`) is taken against
+what runs and applied right after, with no await between the two, so no request sees half of a
+reload and no engine changes under it: names resolve to the new table, keys and limits are the
+new ones, and the scheduler is told which engines join, leave, come back or restart
+(`router.scheduling.roster_changes`), which it then does in the background.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from typing import Any, Optional
@@ -56,18 +56,28 @@ class Reloads:
                           trigger, len(exc.issues), source)
                 self.last = {"at": time.time(), "trigger": trigger, "result": "refused", "errors": [str(i) for i in exc.issues]}
                 raise
-            # Against what runs (an engine waiting for its restart runs its old entry, with the new
-            # router-side keys): what the reload reports is what it does.
-            current = {e.name: e.spec for e in router.engines.values()}
-            changes = diff(router.roster, current, new)
-            # An engine an earlier reload removed is still in `current` (so adding it back revives it), but not removed again.
-            changes = dataclasses.replace(changes, removed=tuple(n for n in changes.removed if not router.engines[n].retiring))
-            weights = await asyncio.to_thread(level1_weights, [*changes.added, *(c.spec for c in changes.changed)])
-            apply(router, new, changes, weights)
+            changes, weights = await self._decide(new)
+            apply(router, new, changes, weights)  # right after the decision: nothing can run in between
             for line in changes.summary():
                 (log.warning if line.startswith("!") else log.info)("roster reload (%s): %s", trigger, line)
             self.last = {"at": time.time(), "trigger": trigger, "result": "applied", "changes": changes.as_dict()}
             return changes
+
+    async def _decide(self, new: Roster) -> tuple[RosterDiff, dict[str, Optional[float]]]:
+        """What applying `new` changes, decided against what runs as this returns, and the Level-1
+        weights of what it adds or changes. Sizing reads the disk (an await), and meanwhile an engine
+        an earlier reload removed may finish stopping and leave: so the diff is taken again after
+        each await until nothing is left to size. Each new entry is sized once, so this ends."""
+        weights: dict[str, Optional[float]] = {}
+        while True:
+            engines = self.router.engines.values()
+            # Against what runs (an engine waiting for its restart runs its old entry, with the new
+            # router-side keys): what the reload reports is what it does.
+            changes = diff(self.router.roster, {e.name: e.spec for e in engines}, new, {e.name for e in engines if e.retiring})
+            unsized = [spec for spec in changes.to_size if spec.name not in weights]
+            if not unsized:
+                return changes, {spec.name: weights[spec.name] for spec in changes.to_size}
+            weights.update(await asyncio.to_thread(level1_weights, unsized))
 
     def on_signal(self) -> None:
         """SIGHUP: applied once the boot has ended; the outcome is in the log (and /admin/status)."""
@@ -90,19 +100,27 @@ class Reloads:
 
 
 def apply(router: Router, new: Roster, changes: RosterDiff, weights: dict[str, Optional[float]]) -> None:
-    """Put `new` in force at once (no await in here). The listener stays as it is: changing it needs a restart."""
+    """Put `new` in force at once (no await in here), all of it or (if anything cannot be built)
+    none of it. The listener stays as it is: changing it needs a restart."""
     scheduler = router.placement
+    # First everything that can fail, touching nothing of what is in force.
+    keys = KeyTable(new.auth)
+    sizes = capacity(new) if "gpus" in changes.sections or "host" in changes.sections else scheduler.capacity
+    joining = {spec.name: router.new_engine(spec) for spec in changes.added}
+    engines = {**router.engines, **joining}
+    by_name = {n: engines[m.name] for m in new.models for n in m.names}
+    # Then the switch, in plain assignments and bookkeeping.
     router.roster = new.model_copy(update={"listen": router.roster.listen})
-    router.keys = KeyTable(new.auth)
-    scheduler.swap, scheduler.limits = new.swap, new.queue
-    if "gpus" in changes.sections or "host" in changes.sections:
-        scheduler.capacity = capacity(new)
+    router.keys = keys
+    scheduler.swap, scheduler.limits, scheduler.capacity = new.swap, new.queue, sizes
     for engine in router.engines.values():
         engine.swap = new.swap
     for name in changes.removed:
         scheduler.retire(router.engines[name])
-    for spec in changes.added:
-        router.add_engine(router.new_engine(spec))
+    for name in changes.revived:
+        scheduler.revive(router.engines[name])
+    for engine in joining.values():
+        router.add_engine(engine)
     for change in changes.changed:
         engine = router.engines[change.name]
         if change.restart:
@@ -113,9 +131,6 @@ def apply(router: Router, new: Roster, changes: RosterDiff, weights: dict[str, O
     for name in router.engines:  # an engine back to the entry it runs no longer waits for a restart
         if name not in restarting:
             scheduler.pending_spec.pop(name, None)
-    for spec in new.models:
-        if router.engines[spec.name].retiring:  # removed by an earlier reload, back before it stopped
-            scheduler.revive(router.engines[spec.name])
-    router.by_name = {n: router.engines[m.name] for m in new.models for n in m.names}
+    router.by_name = by_name
     scheduler.weights.update(weights)
     scheduler.poke()

@@ -100,11 +100,12 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
                 model = form.value("model")
                 form_type, data = await form.encode(model if model in engine.served_names else engine.served_name)
                 response = await forward(request, router.upstreams, engine, route.path, data, content_type=form_type,
-                                         prepared=prepared)
+                                         prepared=prepared, stall_s=router.roster.queue.stall_timeout_s)
             else:
                 kw = _pinning(request, engine, name, body) if route.creates_response else {}
                 response = await forward(request, router.upstreams, engine, route.path, json_for(engine, body, raw),
-                                         prepared=prepared, anthropic=route.anthropic, **kw)
+                                         prepared=prepared, anthropic=route.anthropic,
+                                         stall_s=router.roster.queue.stall_timeout_s, **kw)
         except APIError as exc:
             if prepared is None:
                 raise
@@ -178,7 +179,7 @@ async def response_pinned(request: web.Request) -> web.StreamResponse:
         try:
             response = await forward(request, router.upstreams, engine, path + ("?" + "&".join(
                 f"{k}={quote(v, safe='')}" for k, v in params.items()) if params else ""),
-                method="POST" if cancel else "GET", content_type=None)
+                method="POST" if cancel else "GET", content_type=None, stall_s=router.roster.queue.stall_timeout_s)
         finally:
             scheduler.release(engine)
         status = response.status

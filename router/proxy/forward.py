@@ -6,10 +6,16 @@ answers are read whole. If the client goes away, the upstream connection is cut 
 makes vLLM abort the generation. When the router has
 already sent a stream's headers (keep-alive comments while the request waited for a swap),
 the engine's answer must travel inside that stream, errors included.
+
+A request holds its engine's lease while it runs, so it can be cut: by its engine's drain when
+`swap.drain_timeout_s` runs out (`Engine.cuttable`: the request's task is cancelled, and the
+cancellation becomes a 503 or the stream's error event), and, for a stream, by a client that
+takes none of it for `queue.stall_timeout_s` (`Relay.drained`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -20,14 +26,33 @@ from aiohttp import web
 from engines import watch
 from engines.engine import Engine
 from router.errors import APIError, sse_error
-from router.proxy.relay import Relay
+from router.proxy.relay import ClientStalled, Relay
 from router.proxy.responses import StreamSniffer
 from router.proxy.exchange import ClientGone, Exchange, Unreachable, UpstreamError
 from router.proxy.upstream import Pool, Upstreams
 
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+STALL_S = 60.0  # queue.stall_timeout_s's default
 log = logging.getLogger("hotswap")
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+class Hold:
+    """A request's hold on its engine, as the engine's drain ends it early (`Engine.cuttable`)."""
+
+    def __init__(self) -> None:
+        self.task = asyncio.current_task()
+        self.why: Optional[str] = None
+        self.response: Optional[web.StreamResponse] = None  # a stream whose head is out: a cut can only end its connection
+
+    def cut(self, why: str) -> None:
+        if self.why is None and self.task is not None:
+            self.why = why
+            self.task.cancel()
+
+    def was_cut(self) -> bool:
+        """Whether a CancelledError is this cut's alone (then it is taken back: the request answers
+        why), not also the client's leaving. Call once per CancelledError."""
+        return self.why is not None and self.task is not None and self.task.uncancel() == 0
 
 
 def json_for(engine: Engine, body: dict[str, Any], raw: bytes) -> bytes:
@@ -53,32 +78,49 @@ def request_bytes(method: str, path: str, pool: Pool, headers: dict[str, str], c
 async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, path: str, body: bytes = b"", *,
                   method: str = "POST", content_type: Optional[str] = "application/json",
                   on_answer: Optional[Callable[[bytes], None]] = None, sniffer: Optional[StreamSniffer] = None,
-                  prepared: Optional[web.StreamResponse] = None, anthropic: bool = False) -> web.StreamResponse:
+                  prepared: Optional[web.StreamResponse] = None, anthropic: bool = False,
+                  stall_s: float = STALL_S) -> web.StreamResponse:
     client = engine.client
     if client is None:  # a lease implies a started engine; say so rather than crash if that ever breaks
         raise APIError(502, f"engine '{engine.name}' has no address yet", "engine_unreachable")
     pool = upstreams.pool(client.base_url, client.tls)
-    exchange = await _send(pool, engine, request_bytes(method, path, pool, client.headers, content_type, body))
-    try:
-        if exchange.stream:
-            return await _stream(request, exchange, engine, sniffer, prepared, anthropic)
+    hold = Hold()
+    with engine.cuttable(hold.cut):
         try:
-            payload = await exchange.body()
-        except UpstreamError as exc:
-            watch.suspect(engine, f"while answering: {exc}")
-            raise APIError(502, f"engine '{engine.name}' failed while answering: {exc}", "engine_error") from None
-        request["first_byte_at"] = time.monotonic()
-        if prepared is not None:
-            return await _inside_stream(prepared, exchange.status, payload, anthropic)
-        if on_answer is not None and exchange.status < 300:
-            on_answer(payload)
-        return web.Response(status=exchange.status, body=payload, headers={"Content-Type": exchange.content_type})
-    finally:
-        if exchange.trailing:
-            log.warning("engine %s sent %d bytes after a complete answer to %s %s (a second response on the same "
-                        "connection?): the client got the first answer alone; the bytes were dropped and the "
-                        "connection closed", engine.name, exchange.trailing, method, path)
-        exchange.end()
+            exchange = await _send(pool, engine, request_bytes(method, path, pool, client.headers, content_type, body))
+            try:
+                if exchange.stream:
+                    return await _stream(request, exchange, engine, sniffer, prepared, anthropic, hold, stall_s)
+                return await _buffered(request, exchange, engine, on_answer, prepared, anthropic)
+            finally:
+                if exchange.trailing:
+                    log.warning("engine %s sent %d bytes after a complete answer to %s %s (a second response on the same "
+                                "connection?): the client got the first answer alone; the bytes were dropped and the "
+                                "connection closed", engine.name, exchange.trailing, method, path)
+                exchange.end()
+        except asyncio.CancelledError:
+            if not hold.was_cut():
+                raise
+            if hold.response is None:
+                raise APIError(503, hold.why or "", "drain_timeout") from None
+            if request.transport is not None:
+                request.transport.abort()
+            return hold.response
+
+
+async def _buffered(request: web.Request, exchange: Exchange, engine: Engine, on_answer: Optional[Callable[[bytes], None]],
+                    prepared: Optional[web.StreamResponse], anthropic: bool) -> web.StreamResponse:
+    try:
+        payload = await exchange.body()
+    except UpstreamError as exc:
+        watch.suspect(engine, f"while answering: {exc}")
+        raise APIError(502, f"engine '{engine.name}' failed while answering: {exc}", "engine_error") from None
+    request["first_byte_at"] = time.monotonic()
+    if prepared is not None:
+        return await _inside_stream(prepared, exchange.status, payload, anthropic)
+    if on_answer is not None and exchange.status < 300:
+        on_answer(payload)
+    return web.Response(status=exchange.status, body=payload, headers={"Content-Type": exchange.content_type})
 
 
 async def _send(pool: Pool, engine: Engine, data: bytes) -> Exchange:
@@ -93,11 +135,13 @@ async def _send(pool: Pool, engine: Engine, data: bytes) -> Exchange:
 
 
 async def _stream(request: web.Request, exchange: Exchange, engine: Engine, sniffer: Optional[StreamSniffer],
-                  prepared: Optional[web.StreamResponse], anthropic: bool) -> web.StreamResponse:
+                  prepared: Optional[web.StreamResponse], anthropic: bool, hold: Hold, stall_s: float) -> web.StreamResponse:
     response = prepared
     if response is None:
-        response = web.StreamResponse(status=exchange.status, headers={**SSE_HEADERS, "Content-Type": exchange.content_type})
+        response = hold.response = web.StreamResponse(status=exchange.status,
+                                                       headers={**SSE_HEADERS, "Content-Type": exchange.content_type})
         await response.prepare(request)
+    hold.response = response
     writer, transport = request.writer, request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away")
@@ -105,9 +149,19 @@ async def _stream(request: web.Request, exchange: Exchange, engine: Engine, snif
     relay = Relay(transport, writer.chunked, exchange.chunked, sniffer)  # type: ignore[attr-defined]
     writer.chunked = False  # type: ignore[attr-defined]  # the relay frames the body; write_eof adds nothing
     try:
-        await exchange.relay(relay, writer.drain)
+        await exchange.relay(relay, lambda: relay.drained(writer.drain, stall_s))
+    except ClientStalled as exc:
+        log.warning("cut a stream of %s to %s: %s; its lease is freed", engine.name, request.remote, exc)
+        return response
     except ClientGone:  # aiohttp cancels this handler for it too (handler_cancellation); nothing left to send
         return response
+    except asyncio.CancelledError:
+        if not hold.was_cut():
+            raise
+        if relay.congested():  # behind a client that does not read: no event could reach it
+            relay.transport.abort()
+            return response
+        relay.end_with_error(sse_error(hold.why or "", "drain_timeout", anthropic=anthropic))
     except UpstreamError as exc:
         # Headers are gone already: the error travels in the stream, where the SDK raises it.
         watch.suspect(engine, f"mid-stream: {exc}")

@@ -7,6 +7,9 @@ terminating chunk and trailers included, never re-encoded. Otherwise (an engine 
 a stream by length or by closing, or an HTTP/1.0 client) the body bytes of each received block
 are framed here. Either way aiohttp's writer frames nothing of the body: the relay owns it.
 
+A client that takes nothing of its stream for `queue.stall_timeout_s` while the relay waits for
+it (`drained`) is cut: it holds a lease, and a leased engine is never parked, restarted or removed.
+
 An engine that fails mid-stream gets the stream's error event (router.errors.sse_error) when
 the client's stream stands between two chunks; mid-chunk, no event can be framed any more,
 so the client's connection is cut, which its HTTP library reports as an incomplete body.
@@ -15,11 +18,17 @@ so the client's connection is cut, which its HTTP library reports as an incomple
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
+from router.proxy.exchange import ClientGone
 from router.proxy.responses import StreamSniffer
 
 TERMINATOR = b"0\r\n\r\n"
+STALL_POLL_S = 1.0  # how often a relay waiting for its client looks for progress; not a limit
+
+
+class ClientStalled(ClientGone):
+    """The client took nothing of its stream for queue.stall_timeout_s: its connection was cut."""
 
 
 class Relay:
@@ -31,6 +40,7 @@ class Relay:
         self.sniffer = sniffer
         self.at_boundary = True
         self.high = transport.get_write_buffer_limits()[1]
+        self.written = 0  # bytes handed to the transport, framing included
 
     def forward(self, raw: bytes, pieces: list[bytes], at_boundary: bool) -> bool:
         transport = self.transport
@@ -44,18 +54,48 @@ class Relay:
         if self.raw:
             if raw:
                 transport.write(raw)
+                self.written += len(raw)
             self.at_boundary = at_boundary
         elif pieces:
+            size = sum(map(len, pieces))
             if self.chunked:
-                transport.writelines([b"%x\r\n" % sum(map(len, pieces)), *pieces, b"\r\n"])
+                head = b"%x\r\n" % size
+                transport.writelines([head, *pieces, b"\r\n"])
+                size += len(head) + 2
             else:
                 transport.writelines(pieces)
+            self.written += size
         return True
 
     def congested(self) -> bool:
         # Above the transport's high-water mark it has paused aiohttp's protocol, so the
         # writer's drain() waits until the client has read it down to the low mark.
         return self.transport.get_write_buffer_size() > self.high
+
+    @property
+    def taken(self) -> int:
+        """Bytes the client's socket has taken so far: written, less what the transport still holds."""
+        return self.written - self.transport.get_write_buffer_size()
+
+    async def drained(self, drain: Callable[[], Awaitable[None]], stall_s: float) -> None:
+        """Wait, as `drain()` does, until the client has read the buffer down; but one that takes
+        nothing for `stall_s` is cut (ClientStalled) rather than waited for for ever."""
+        loop = asyncio.get_running_loop()
+        # Never cancelled: aiohttp keeps its drain waiter across calls, and a cancelled one would
+        # fail every later drain. It ends when the client reads, or when its connection is lost.
+        waiting = asyncio.ensure_future(drain())
+        waiting.add_done_callback(_observed)
+        taken, since = self.taken, loop.time()
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=min(STALL_POLL_S, stall_s / 4))
+            if done:
+                return waiting.result()
+            now = loop.time()
+            if self.taken > taken:
+                taken, since = self.taken, now
+            elif now - since >= stall_s:
+                self.transport.abort()
+                raise ClientStalled(f"the client took nothing of its stream for queue.stall_timeout_s={stall_s:g} s")
 
     def end(self) -> None:
         """The engine's answer is complete: close the body (the raw path forwarded the engine's own end)."""
@@ -73,3 +113,8 @@ class Relay:
             transport.writelines([b"%x\r\n" % len(event), event, b"\r\n", TERMINATOR])
         else:
             transport.write(event)
+
+
+def _observed(task: "asyncio.Future[None]") -> None:
+    if not task.cancelled():
+        task.exception()  # a lost connection, already handled where the relay stopped

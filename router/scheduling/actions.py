@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional, Union
 
 from engines import hardware
 from engines.engine import Engine, EngineFailed, State
@@ -20,6 +20,7 @@ from router.scheduling.costs import Costs
 from router.scheduling.events import SwapRecord
 from router.scheduling.roster_changes import RosterChanges
 from router.scheduling.state import MID_TRANSITION, Decision
+from router.tasks import spawn
 
 log = logging.getLogger("hotswap")
 
@@ -188,16 +189,44 @@ class Actions(Costs, RosterChanges):
         return next(e for e in self.engines if e.name == name)
 
     # -- admin actions ------------------------------------------------------------------------
+    # An operator's action runs as a task the scheduler owns, not in the HTTP handler that asked
+    # for it: a caller that disconnects (`curl -m 1`) cancels its handler, and a sleep cancelled
+    # mid-drain would leave its engine DRAINING with no action driving it (counted at its full
+    # share, and back only through a cold restart). The caller only waits for the outcome;
+    # stop() ends the action with the others.
 
     async def swap_in(self, engine: Engine) -> str:
         """Wake `engine` the way a request would (making room), without leasing it to anyone."""
+        return await self._admin(engine, "swap", self._swap_in)
+
+    async def sleep(self, engine: Engine) -> str:
+        return await self._admin(engine, "sleep", self._sleep)
+
+    async def restart(self, engine: Engine) -> str:
+        return await self._admin(engine, "restart", self._restart)
+
+    async def _admin(self, engine: Engine, name: str, run: Callable[[Engine], Awaitable[str]]) -> str:
+        task = spawn(_answer(run(engine)), f"admin {name}:{engine.name}")
+        self._actions.add(task)  # held (and ended by stop()) like the loop's own actions
+        task.add_done_callback(self._actions.discard)
+        try:
+            outcome = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                log.info("admin %s %s: the caller left before it ended; it runs on (see /admin/status)", name, engine.name)
+            raise
+        if isinstance(outcome, APIError):
+            raise outcome
+        return outcome
+
+    async def _swap_in(self, engine: Engine) -> str:
         if engine.state is State.AWAKE and engine.name not in self.busy:
             return "already awake"
         await self.acquire(engine, admin=True)
         self.release(engine)
         return self._outcome(engine)
 
-    async def sleep(self, engine: Engine) -> str:
+    async def _sleep(self, engine: Engine) -> str:
         async def action() -> str:
             if engine.state is not State.AWAKE:
                 return f"not awake ({engine.state.value})"
@@ -205,22 +234,25 @@ class Actions(Costs, RosterChanges):
             return self._outcome(engine)
         return await self._exclusively(engine, "sleep", action)
 
-    async def restart(self, engine: Engine) -> str:
+    async def _restart(self, engine: Engine) -> str:
         if engine.state is not State.AWAKE:  # a cold boot needs room like any wake
             self.pending_restart[engine.name] = "admin"
-            return await self.swap_in(engine)
+            return await self._swap_in(engine)
 
         async def action() -> str:
             await self._restart_in_place(engine, "admin")  # drains first, like a sleep
             return self._outcome(engine)
-        return await self._exclusively(engine, "restart", action)
+        return await self._exclusively(engine, "restart", action, boots=True)
 
-    async def _exclusively(self, engine: Engine, name: str, action: Callable[[], Awaitable[str]]) -> str:
-        """Run an admin action once no other action holds `engine`, holding it meanwhile."""
-        while engine.name in self.busy:
-            await asyncio.shield(self.busy[engine.name])
+    async def _exclusively(self, engine: Engine, name: str, action: Callable[[], Awaitable[str]], boots: bool = False) -> str:
+        """Run an admin action once no other action holds `engine` and none on its devices stands in
+        its way (the rule `decide` keeps: see `boot_devices`), holding it meanwhile."""
+        while blockers := self._blocking(engine, boots):
+            await asyncio.shield(blockers[0])
         self.busy[engine.name] = asyncio.get_running_loop().create_future()
         self.doing[engine.name] = (name, self.clock(), 0.0)
+        if boots:
+            self.boots.add(engine.name)
         try:
             return await action()
         except EngineFailed as exc:
@@ -235,6 +267,13 @@ class Actions(Costs, RosterChanges):
                            "(traceback in the router log)", "internal_error") from None
         finally:
             self._done(engine)
+
+    def _blocking(self, engine: Engine, boots: bool) -> list[asyncio.Future[None]]:
+        """The running actions an admin action on `engine` waits for: its own; a boot on its devices;
+        and, when it boots itself, any action on its devices."""
+        mine = set(engine.spec.devices)
+        return [self.busy[e.name] for e in self.engines if e.name in self.busy and (e is engine or (
+            mine & set(e.spec.devices) and (boots or e.name in self.boots or e.state is State.BOOTING)))]
 
     @staticmethod
     def _outcome(engine: Engine) -> str:
@@ -272,6 +311,15 @@ class Actions(Costs, RosterChanges):
                     await e.stop_after_failure()
                 except Exception:
                     log.exception("could not stop %s after an internal error", e.name)
+
+
+async def _answer(action: Awaitable[str]) -> Union[str, APIError]:
+    """An admin action's outcome as a value: its caller may be gone, and an APIError nobody awaits
+    would be reported as a crashed task."""
+    try:
+        return await action
+    except APIError as exc:
+        return exc
 
 
 def _reason(why: str) -> str:

@@ -13,7 +13,7 @@ import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from config.schema import ModelSpec, Queue, Swap
 from engines.engine import Engine, State
@@ -90,7 +90,7 @@ class SchedulerState:
         self._closing = False  # shutting down: no new requests; the queued ones are still served
         self._stopping = False
         self._task: Optional[asyncio.Task[None]] = None
-        self._actions: set[asyncio.Task[None]] = set()
+        self._actions: set[asyncio.Task[Any]] = set()  # the actions started, the admin ones included
 
     # -- what handlers call ----------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.support import ask, client, http, roster_dict, sim_model
+from tests.support import ask, client, eventually, http, roster_dict, sim_model
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 TWO = roster_dict(sim_model("a", default=True), sim_model("b", spec=True, draft_restore="none"))
@@ -48,6 +48,33 @@ async def test_an_operator_can_swap_in_sleep_and_restart_a_model(start_router):
     assert (await admin(router, "swap", "nope"))[0] == 404
     status, _, body = await http(router, "POST", "/admin/swap")
     assert status == 400 and body["error"]["code"] == "missing_model"
+
+
+async def test_an_admin_sleep_whose_caller_disconnects_still_parks_the_engine_once_its_stream_ends(start_router):
+    router = await start_router(roster_dict(sim_model("small", args=("--sim-token-rate", "40"))))
+    before = await router.engine("small")
+    stream = await client(router).completions.create(model="small", prompt="long", max_tokens=120, stream=True)
+    await anext(aiter(stream))  # ~3 s of tokens still to come: the sleep must drain them first
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as s:  # as `curl -m 0.5` would
+        with pytest.raises(asyncio.TimeoutError):
+            await s.post(router.url + "/admin/sleep?model=small")
+    assert (await router.engine("small"))["state"] == "draining"
+
+    rest = [chunk async for chunk in stream]
+    assert rest[-1].choices[0].finish_reason == "length", "the drain let the stream finish"
+
+    async def parked() -> dict | None:
+        engine = await router.engine("small")
+        return engine if engine["state"] == "sleeping" else None
+
+    engine = await eventually(parked, timeout=10, what="small parked by the sleep its caller left")
+    assert engine["in_flight"] == 0
+    assert "admin sleep small: the caller left before it ended; it runs on" in router.log()
+
+    assert await ask(client(router), "small")  # woken from its sleep, not cold-restarted
+    after = await router.engine("small")
+    assert after["state"] == "awake" and after["pid"] == before["pid"] and after["restarts"] == before["restarts"]
 
 
 async def test_the_admin_key_guards_admin_and_ui_and_is_separate_from_client_keys(start_router):

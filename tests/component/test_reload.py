@@ -61,7 +61,7 @@ async def test_a_reload_adds_removes_and_restarts_models_while_streams_on_the_ot
                         model("added"))
     status, body = await reload(router, after)
     assert status == 200, body
-    assert body["changes"] == {"added": ["added"], "removed": ["gone"], "restarting": {"changed": ["args"]},
+    assert body["changes"] == {"added": ["added"], "removed": ["gone"], "revived": [], "restarting": {"changed": ["args"]},
                                "changed_in_place": {"renamed": ["aliases"]}, "unchanged": ["kept"], "sections": [],
                                "needs_restart": []}
     # The new name table is in force the moment the call returns.
@@ -109,6 +109,31 @@ async def test_a_removed_model_finishes_its_stream_then_stops(start_router):
     assert first.choices and rest[-1].choices[0].finish_reason == "length"
     await eventually(lambda: _gone(router, "slow"), timeout=15, what="slow stopped and removed")
     assert not pid_alive(pid)
+
+
+async def test_a_model_added_back_while_it_is_being_removed_is_revived_and_the_reload_says_so(start_router):
+    slow = model("slow", "--sim-token-rate", "40")
+    router = await start_router(roster_dict(model("other"), slow))
+    pid = (await engines(router))["slow"]["pid"]
+    stream = await client(router).completions.create(model="slow", prompt="long", max_tokens=40, stream=True)
+    await anext(aiter(stream))
+    status, body = await reload(router, roster_dict(model("other")))
+    assert status == 200 and body["changes"]["removed"] == ["slow"]
+    assert (await engines(router))["slow"]["retiring"] is True  # its stream holds it
+
+    status, body = await reload(router, roster_dict(model("other"), slow))
+    assert status == 200, body
+    assert body["changes"]["revived"] == ["slow"] and body["changes"]["unchanged"] == ["other"]
+    assert body["summary"] == ["+ slow: revived (was being removed); it serves on"]
+    assert "roster reload (POST /admin/reload): + slow: revived (was being removed)" in router.log()
+    assert [chunk async for chunk in stream][-1].choices[0].finish_reason == "length"
+    assert await ask(client(router), "slow")
+    now = (await engines(router))["slow"]
+    assert now["pid"] == pid and now["retiring"] is False and now["state"] == "awake", "it kept its engine"
+
+    run = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "router.cli", "status", "--url", router.url],
+                                  capture_output=True, text=True, timeout=30)
+    assert any(line.endswith("applied: revived ['slow']") for line in run.stdout.splitlines()), run.stdout
 
 
 async def _gone(router, name: str) -> bool:

@@ -326,6 +326,35 @@ async def test_a_defect_in_an_admin_action_answers_the_caller_at_once(clock):
     assert a.state is State.FAILED, "nothing is left draining with nobody driving it"
 
 
+async def test_an_admin_action_outlives_its_caller_and_ends_with_the_scheduler(clock):
+    a = awake("a", clock)
+    s = scheduler(a, clock=clock)
+    parking, done = asyncio.Event(), asyncio.Event()
+
+    async def park(engine, why, level):  # a drain waiting for a stream to end
+        parking.set()
+        await done.wait()
+        engine.state = State.SLEEPING
+
+    s._park = park
+    caller = asyncio.create_task(s.sleep(a))
+    await parking.wait()
+    caller.cancel()  # the operator's client disconnected
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert s.doing["a"][0] == "sleep" and "a" in s.busy, "the sleep goes on, holding its engine"
+    done.set()
+    await asyncio.gather(*s._actions)
+    assert a.state is State.SLEEPING and not s.busy and not s.doing
+
+    a.state, parking, done = State.AWAKE, asyncio.Event(), asyncio.Event()
+    caller = asyncio.create_task(s.sleep(a))
+    await parking.wait()
+    await s.stop()  # shutting down ends it like any other action
+    await asyncio.gather(caller, return_exceptions=True)
+    assert not s._actions and caller.cancelled()
+
+
 async def test_a_measured_residual_replaces_the_configured_one(clock):
     a = FakeEngine("a", share=0.5, sleep_residual_gb=1)
     s = scheduler(a, clock=clock, gpus={0: 80.0})
@@ -545,3 +574,26 @@ async def test_a_first_boot_that_can_never_fit_is_started_so_it_fails_saying_why
     big = FakeEngine("big", State.COLD, share=0.5)
     s = starting(scheduler(pinned, big, clock=clock))
     assert actions(s.decide(clock.now)) == [("boot", "big")], "the first boot ends (failed), so the roster's boot finishes"
+
+
+async def test_an_admin_sleep_on_a_gpu_where_a_model_boots_waits_for_the_boot_to_end(clock):
+    a = awake("a", clock)
+    booting = FakeEngine("booting", State.BOOTING, share=0.3)
+    s = scheduler(a, booting, clock=clock)
+    running(s, booting, "boot", clock)
+    parked = asyncio.Event()
+
+    async def park(engine, why, level):
+        engine.state = State.SLEEPING
+        parked.set()
+
+    s._park = park
+    caller = asyncio.create_task(s.sleep(a))
+    for _ in range(20):  # let the admin action run as far as it can (no clock involved: loop turns only)
+        await asyncio.sleep(0)
+    assert s._actions, "the admin action runs"
+    assert not parked.is_set() and "a" not in s.busy, "a park would move memory while vLLM profiles the boot"
+    booting.state = State.AWAKE
+    s.boots.discard("booting")
+    s.busy.pop("booting").set_result(None)
+    assert await asyncio.wait_for(caller, 5) == "sleeping"

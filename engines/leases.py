@@ -1,0 +1,72 @@
+"""The leases client requests hold on an AWAKE engine: how many are out, waiting for none, and
+cutting those still running when a drain's deadline comes.
+
+A lease is a count, not an object: the scheduler grants it (`Engine.try_lease`) and the request
+gives it back (`Engine.release`). While a request uses it, the request says how to end it early
+(`cuttable`); a drain that runs out of time cuts them all, stalled or not, so an engine is never
+parked or restarted with a lease out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Callable, Iterator, Optional
+
+CUT_GRACE_S = 5.0  # a cut request gives its lease back within a loop turn or two; not a limit it should meet
+log = logging.getLogger("hotswap")
+
+
+class Leases:
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._cuts: dict[object, Callable[[str], None]] = {}  # how to end each running request early
+        self._cutting: Optional[str] = None  # why, while they are being cut
+
+    def take(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def give_back(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no lease is held (True), or `timeout` (False)."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    @contextlib.contextmanager
+    def cuttable(self, cut: Callable[[str], None]) -> Iterator[None]:
+        """While a leaseholder's request runs: `cut(why)` ends it early and makes it give its lease
+        back. One that starts while the leases are being cut is cut at once."""
+        token = object()
+        self._cuts[token] = cut
+        try:
+            if self._cutting is not None:
+                cut(self._cutting)
+            yield
+        finally:
+            del self._cuts[token]
+
+    async def cut_all(self, why: str) -> None:
+        """Cut every request still running and wait (briefly) until their leases are back."""
+        self._cutting = why
+        try:
+            for cut in list(self._cuts.values()):
+                cut(why)
+            if not await self.wait_idle(CUT_GRACE_S):
+                log.warning("engine %s: %d lease(s) still held %g s after the cut (a holder that cannot be cut, such as "
+                            "an admin LoRA load, ends at its own timeout); going on without them", self.engine, self.count,
+                            CUT_GRACE_S)
+        finally:
+            self._cutting = None
