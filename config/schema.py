@@ -90,6 +90,14 @@ def _no_router_owned_flags(args: list[str]) -> list[str]:
 
 
 GPU_SHARE_FLAG = "--gpu-memory-utilization"
+LOAD_FORMAT_FLAG = "--load-format"
+# The --load-format values whose loader cannot reload weights in place, read in the vLLM 0.32
+# source: model_executor/model_loader/__init__.py:51-65 maps each format to its loader, and
+# reload/inplace.py:75 raises NotImplementedError for a loader without `get_all_weights`, which
+# `reload_weights` (a Level-2 wake's step, and the draft's reload) needs. auto, hf, safetensors, pt,
+# npcache, fastsafetensors, instanttensor, mistral and runai_streamer have it.
+NO_RELOAD_VLLM = "0.32"
+NO_RELOAD_FORMATS = frozenset({"dummy", "ipc_cache", "modelexpress", "sharded_state", "runai_streamer_sharded", "tensorizer"})
 VLLM_DEFAULT_GPU_SHARE = 0.9  # vLLM's own default for --gpu-memory-utilization
 ROUTER_OWNED_ENV = ("CUDA_VISIBLE_DEVICES",)  # set from `devices`
 
@@ -183,7 +191,8 @@ class ModelSpec(Section):
     speculative: Optional[dict[str, Any]] = Field(None, description="Becomes --speculative-config (JSON).")
     sleep_level: Literal["auto", 1, 2] = Field(
         "auto", description="vLLM sleep level when parked: 1 keeps weights in host RAM, 2 discards them; "
-        "auto: 1 while host.ram_budget_gb holds the weights, else 2.")
+        "auto: 1 while host.ram_budget_gb holds the weights, else 2 (else a stop, for a --load-format vLLM cannot "
+        "reload from: dummy, ipc_cache, modelexpress, sharded_state, runai_streamer_sharded, tensorizer; 2 is refused for those).")
     draft_restore: Optional[Literal["reload", "preserve", "none"]] = Field(
         None,
         validate_default=True,
@@ -194,6 +203,7 @@ class ModelSpec(Section):
                            description="argv prefix replacing `vllm serve` (another venv, a container wrapper).")
     args: Annotated[Argv, AfterValidator(_no_router_owned_flags), AfterValidator(_gpu_share_in)] = Field(
         default_factory=list,
+        validate_default=True,  # a `command:` engine's --load-format is checked here too
         description="Extra `vllm serve` flags (not the ones the router sets); a string is split like a shell, "
         "a number or boolean is taken as written (`[--gpu-memory-utilization, 0.85]`).")
 
@@ -293,6 +303,18 @@ class ModelSpec(Section):
             )
         return args
 
+    @field_validator("args")
+    @classmethod
+    def _level2_can_reload(cls, args: list[str], info: ValidationInfo) -> list[str]:
+        load_format = _flag_value(info.data.get("command") or args, LOAD_FORMAT_FLAG)
+        if info.data.get("sleep_level") == 2 and load_format in NO_RELOAD_FORMATS:
+            raise ValueError(
+                f"sleep_level: 2 discards the weights and its wake reloads them from disk, which vLLM {NO_RELOAD_VLLM} "
+                f"cannot do for {LOAD_FORMAT_FLAG} {load_format} (its loader has no get_all_weights; the first wake "
+                "would fail): set sleep_level: 1, or auto (level 1 while host RAM holds the weights, else a stop and "
+                "a cold boot)")
+        return args
+
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":
         sources = [k for k in ("model", "command", "url") if getattr(self, k) is not None]
@@ -322,6 +344,12 @@ class ModelSpec(Section):
         """The fraction of each of its devices this engine takes when awake (vLLM's default when unset)."""
         text = _flag_value(self.args, GPU_SHARE_FLAG)
         return float(text) if text is not None else VLLM_DEFAULT_GPU_SHARE
+
+    @property
+    def reloads_weights(self) -> bool:
+        """Whether vLLM can reload this engine's weights from disk, as a Level-2 wake must (an attached
+        `url:` engine's format is not known here: assumed yes, as before)."""
+        return _flag_value(self.command or self.args, LOAD_FORMAT_FLAG) not in NO_RELOAD_FORMATS
 
     @property
     def managed(self) -> bool:

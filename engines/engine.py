@@ -329,6 +329,10 @@ class Engine:
         self._step_done("drain", started, True)
         return idle
 
+    async def drain(self) -> bool:
+        """Drain before a stop (a stop instead of a sleep): as before a sleep."""
+        return await self._drain()
+
     async def sleep(self, level: Optional[int] = None) -> None:
         """Drain, then put vLLM to sleep (stragglers past the drain deadline are aborted)."""
         level = level or self.sleep_levels[-1]

@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--sleep-preserve-parameter-names", nargs="+", default=[])
     v.add_argument("--api-key", default=None)
     v.add_argument("--disable-log-stats", action="store_true")
+    v.add_argument("--load-format", default="auto", help="reload_weights (and the draft's reload) fail for the formats vLLM cannot reload")
     v.add_argument("--enable-lora", action="store_true")
     v.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
     s = p.add_argument_group("simulator knobs")
@@ -284,6 +285,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
             metrics_lag_s=args.sim_metrics_lag_s,
             log_stats=not args.disable_log_stats,
             weightless_draft=spec is not None and spec.method in WEIGHTLESS_METHODS,
+            load_format=args.load_format,
         )
     )
     log.info(

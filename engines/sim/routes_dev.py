@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from config.schema import NO_RELOAD_FORMATS
+
 from .memory import OutOfMemory
 from .server import bad_request, error_response, query_json, read_json
 from .state import WAKE_TAGS
@@ -89,6 +91,11 @@ def add_routes(app: web.Application, server: "SimServer") -> None:
             log.error("collective_rpc(%s) failed: %s", method, msg)
             return error_response(500, msg, "InternalServerError")
         e = server.engine
+        if method in ("reload_weights", "hotswap_reload_draft") and e.cfg.load_format in NO_RELOAD_FORMATS:
+            # vLLM 0.32's reload/inplace.py:75 for a loader without get_all_weights; the draft's reload uses the same loaders.
+            msg = f"NotImplementedError: Model reloading with `{e.cfg.load_format}` format"
+            log.error("collective_rpc(%s) failed: %s", method, msg)
+            return error_response(500, msg, "InternalServerError")
         result: object
         if method == "reload_weights":
             e.reload_weights()

@@ -72,6 +72,7 @@ class EngineConfig:
     metrics_lag_s: float = 0.0
     log_stats: bool = True
     weightless_draft: bool = False  # ngram-style proposer: nothing for sleep to discard
+    load_format: str = "auto"  # vLLM's --load-format: some loaders cannot reload (routes_dev.py)
 
 
 class Generation:

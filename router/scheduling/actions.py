@@ -16,7 +16,7 @@ from engines import hardware
 from engines.engine import Engine, EngineFailed, State
 from router.errors import APIError
 from router.scheduling import placement
-from router.scheduling.costs import Costs
+from router.scheduling.costs import NO_LEVEL2, Costs
 from router.scheduling.events import SwapRecord
 from router.scheduling.roster_changes import RosterChanges
 from router.scheduling.state import MID_TRANSITION, Decision
@@ -145,8 +145,11 @@ class Actions(Costs, RosterChanges):
             await asyncio.to_thread(self._measure_residual, engine)
 
     async def _stop(self, engine: Engine, why: str) -> None:
-        log.info("stopping %s (asleep at level %s): %s; it boots cold when next needed", engine.name, engine.sleep_level, why)
+        was = f"asleep at level {engine.sleep_level}" if engine.state is State.SLEEPING else engine.state.value
+        log.info("stopping %s (%s): %s; it boots cold when next needed", engine.name, was, why)
         self.events.evicted(engine, "stop")
+        if engine.state is State.AWAKE:
+            await engine.drain()  # its requests finish first (or are cut at swap.drain_timeout_s), as before a sleep
         await engine.stop()
 
     async def _demote(self, engine: Engine, why: str) -> None:
@@ -230,7 +233,11 @@ class Actions(Costs, RosterChanges):
         async def action() -> str:
             if engine.state is not State.AWAKE:
                 return f"not awake ({engine.state.value})"
-            await self._park(engine, "on request", self._level_alone(engine))
+            level = self._level_alone(engine)
+            if level is None:
+                await self._stop(engine, f"on request; no room for it at level 1 in host RAM, and {NO_LEVEL2}")
+            else:
+                await self._park(engine, "on request", level)
             return self._outcome(engine)
         return await self._exclusively(engine, "sleep", action)
 

@@ -16,6 +16,9 @@ from router.scheduling.placement import Ledger
 from router.scheduling.state import SchedulerState
 
 
+NO_LEVEL2 = "its --load-format cannot reload weights from disk, so it never sleeps at level 2 (docs/operators.md)"
+
+
 class Costs(SchedulerState):
     reuse_horizon_s = 60.0  # "needed again soon" means within this long (a benchmark running time faster scales it)
 
@@ -23,32 +26,35 @@ class Costs(SchedulerState):
         """What placement ranks victims by. bench/placement.py replaces it on the instance (LRU)."""
         return self.expected_cost(engine, action, now)
 
-    def _level_alone(self, engine: Engine) -> int:
-        """The level for a park outside the loop's planning (boot, admin): Level 1 only if it fits
-        in host RAM as it is, without demoting anyone."""
+    def _level_alone(self, engine: Engine) -> Optional[int]:
+        """The level for a park outside the loop's planning (an admin sleep): Level 1 only if it fits
+        in host RAM as it is, without demoting anyone (None: stop it instead)."""
         return self._choose_level(engine, self.clock())[0]
 
     def _choose_level(self, engine: Engine, now: float, waking: Collection[str] = (),
-                      ledger: Optional[Ledger] = None) -> tuple[int, list[Engine]]:
+                      ledger: Optional[Ledger] = None) -> tuple[Optional[int], list[Engine]]:
         """The level to park `engine` at, and the Level-1 sleepers to demote to make RAM for it.
         `waking`: engines about to wake, whose host copy of the weights is about to go. `ledger`:
         the GPU as planned, to tell a sleeper that can pass through it to Level 2 from one that
-        would have to be stopped (and pay a cold boot later); without one, demote nobody."""
+        would have to be stopped (and pay a cold boot later); without one, demote nobody.
+        None: not Level 1, and its --load-format cannot reload from disk, so not Level 2 either:
+        it is stopped, and boots cold when next needed."""
         if engine.spec.sleep_level != "auto":
             return engine.spec.sleep_level, []
+        otherwise = 2 if engine.spec.reloads_weights else None
         weights = self.weights.get(engine.name)
         if weights is None:
-            return 2, []
+            return otherwise, []
         used = self.level1_gb(exclude=waking)
         budget = self.capacity.ram_budget_gb
         if used + weights <= budget:
             return 1, []
         if ledger is None:
-            return 2, []
-        mine = self._level1_value(engine, now, passes=True)
+            return otherwise, []
+        mine = self._level1_value(engine, now, passes=engine.spec.reloads_weights)
 
         def value(sleeper: Engine) -> float:
-            return self._level1_value(sleeper, now, passes=ledger.fits(sleeper))
+            return self._level1_value(sleeper, now, passes=ledger.fits(sleeper) and sleeper.spec.reloads_weights)
 
         sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1
                            and e.name not in self.busy and e.name not in waking and not e.spec.pin), key=value)
@@ -62,7 +68,7 @@ class Costs(SchedulerState):
             used -= self.weights.get(sleeper.name) or 0.0
             if used + weights <= budget:
                 return 1, chosen
-        return 2, []
+        return otherwise, []
 
     def level1_gb(self, exclude: Collection[str] = ()) -> float:
         """Host RAM held (or about to be) by Level-1 sleepers' weights."""
@@ -95,7 +101,7 @@ class Costs(SchedulerState):
             level = engine.sleep_level
             extra = self.costs.boot_s(engine.name) - self.costs.wake_s(engine.name, level)
         else:
-            level, _ = self._choose_level(engine, now) if action == "park" else (2, [])
-            extra = self.costs.wake_s(engine.name, level)
+            level, _ = self._choose_level(engine, now)
+            extra = self.costs.boot_s(engine.name) if level is None else self.costs.wake_s(engine.name, level)
         recency = 1e-9 / (1.0 + max(0.0, now - self.demand.last(engine.name)))  # a tie-break only
         return self._reuse(engine, now) * max(extra, 0.0) + recency

@@ -23,6 +23,7 @@ from engines.engine import Engine, State
 from router.errors import APIError
 from router.scheduling import placement
 from router.scheduling.actions import Actions
+from router.scheduling.costs import NO_LEVEL2
 from router.scheduling.placement import Ledger, Victim
 from router.scheduling.state import BOOTING_ACTIONS, Decision, Plan
 from router.tasks import spawn
@@ -250,12 +251,15 @@ class Scheduler(Actions):
         if victim.action == "stop":
             return [Decision("stop", engine, why)]
         level, demoted = self._choose_level(engine, now, waking=ledger.reserved, ledger=ledger)
+        if level is None:
+            return [Decision("stop", engine, f"{why}; no room for it at level 1 in host RAM, and {NO_LEVEL2}")]
         out = [Decision("park", engine, why, level)]
         for sleeper in demoted:  # host RAM for Level 1 is short: the less valuable sleeper makes way
-            passes = ledger.fits(sleeper)
+            passes = ledger.fits(sleeper) and sleeper.spec.reloads_weights
             if passes:
                 ledger.reserve(sleeper)
-            out.append(Decision("demote" if passes else "stop", sleeper, f"host RAM for {engine.name} at level 1"))
+            out.append(Decision("demote" if passes else "stop", sleeper, f"host RAM for {engine.name} at level 1"
+                                + ("" if sleeper.spec.reloads_weights else f", and {NO_LEVEL2}")))
         return out
 
 

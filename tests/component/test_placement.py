@@ -196,3 +196,20 @@ async def test_the_predicted_wait_is_shown_and_a_client_may_refuse_to_wait_longe
             assert r.status == 200, "a limit above the prediction waits as usual"
     assert (await router.engine("b"))["state"] == "awake"
     assert (await router.engine("a"))["wake_estimate_s"] > 0
+
+
+async def test_an_engine_whose_load_format_cannot_reload_is_stopped_when_host_ram_has_no_room_at_level_1(start_router):
+    """--load-format tensorizer cannot reload weights from disk (vLLM 0.32), so a Level-2 wake would
+    fail: with no host RAM for Level 1 the router stops it instead, and it boots cold when asked for."""
+    router = await start_router(roster_dict(
+        model("tz", 0.6, "--load-format", "tensorizer", weights_gb=8), model("other", 0.6, weights_gb=8),
+        host={"ram_budget_gb": 1}))
+    assert await states(router) == {"tz": "cold", "other": "awake"}, "tz made room to boot other by stopping"
+    log = router.log()
+    assert "stopping tz (awake): room to boot other; no room for it at level 1 in host RAM, and its --load-format " \
+           "cannot reload weights from disk" in log, log
+    assert await ask(client(router), "tz"), "tz boots cold when asked for"
+    assert await states(router) == {"tz": "awake", "other": "sleeping"}
+    assert (await router.engine("other"))["sleep_level"] == 2, "other, which can reload, sleeps at level 2 as before"
+    assert "reload_weights" not in await sim_steps(router, "tz"), "tz was never asked to reload"
+

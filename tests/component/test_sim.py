@@ -574,6 +574,17 @@ async def test_collective_rpc_methods(start_sim_engine, http):
         assert status == 500, method
 
 
+async def test_a_load_format_vllm_cannot_reload_fails_reload_weights_and_the_drafts_as_vllm_does(start_sim_engine, http):
+    sim = start_sim_engine(*FAST, *SPEC, "--load-format", "tensorizer")
+    await dev(http, sim, "/sleep", {"level": "2"})
+    await dev(http, sim, "/wake_up", {"tags": "weights"})
+    for method in ("hotswap_reload_draft", "reload_weights"):
+        status, err = await call(http, sim, "POST", "/collective_rpc", json_body={"method": method})
+        assert status == 500 and "NotImplementedError: Model reloading with `tensorizer` format" in err["error"]["message"], err
+    plain = start_sim_engine(*FAST, "--load-format", "safetensors")
+    assert await rpc(http, plain, "reload_weights") == [None]
+
+
 async def test_reset_prefix_cache_answers_false_n_times_after_each_wake(start_sim_engine, http):
     sim = start_sim_engine(*FAST, "--sim-reset-prefix-false", "2")
 

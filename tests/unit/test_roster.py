@@ -462,3 +462,33 @@ def test_the_node_section_names_this_node_from_the_environment_and_points_at_typ
         "roster.yaml:2:3: node.nme: unknown key 'nme'; did you mean 'name'?",
         "roster.yaml:3:26: listen.drain_notice_s: must be greater than or equal to 0 (found -1)",
     ]
+
+
+def test_sleep_level_2_is_refused_for_a_load_format_whose_loader_cannot_reload_weights():
+    [error] = errors("""
+        models:
+          - name: tz
+            model: /m/tz
+            sleep_level: 2
+            args: [--load-format, tensorizer]
+        """)
+    assert "models[0].args" in error and ":6:" in error, error
+    assert "vLLM 0.32 cannot do for --load-format tensorizer" in error and "set sleep_level: 1, or auto" in error
+    [error] = errors("""
+        defaults:
+          sleep_level: 2
+        models:
+          - name: sharded
+            command: [vllm, serve, /m/s, --port, "{port}", --load-format=sharded_state]
+        """)
+    assert "--load-format sharded_state" in error, error
+    for fine in ("sleep_level: 1", "sleep_level: auto"):
+        roster = load(f"""
+            models:
+              - name: tz
+                model: /m/tz
+                {fine}
+                args: [--load-format, tensorizer]
+            """)
+        assert not roster.models[0].reloads_weights
+    assert load("models:\n  - name: st\n    model: /m/st\n    sleep_level: 2\n    args: [--load-format, safetensors]\n").models[0].reloads_weights

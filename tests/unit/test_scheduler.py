@@ -597,3 +597,30 @@ async def test_an_admin_sleep_on_a_gpu_where_a_model_boots_waits_for_the_boot_to
     s.boots.discard("booting")
     s.busy.pop("booting").set_result(None)
     assert await asyncio.wait_for(caller, 5) == "sleeping"
+
+
+# -- a load format that cannot reload from disk never sleeps at Level 2 -----------------------------
+
+def no_reload(engine: FakeEngine) -> FakeEngine:
+    engine.spec = engine.spec.model_copy(update={"args": [*engine.spec.args, "--load-format", "tensorizer"]})
+    return engine
+
+
+async def test_without_host_ram_for_level_1_an_engine_whose_load_format_cannot_reload_is_stopped_not_put_at_level_2(clock):
+    tz, plain, t = no_reload(awake("tz", clock, share=0.4)), awake("plain", clock, share=0.4), FakeEngine("t", share=0.6)
+    s = scheduler(tz, plain, t, clock=clock, ram_gb=4, weights={"tz": 8.0, "plain": 8.0, "t": 8.0})
+    s.costs.observe_boot("tz", 1.0)  # a cold boot of tz is the cheaper loss: it is the one moved
+    s.costs.observe_boot("plain", 60.0)
+    wait_for(s, t, clock.now)
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("stop", "tz")], plan
+    assert "cannot reload weights from disk, so it never sleeps at level 2" in plan.decisions[0].why
+    assert s._level_alone(tz) is None and s._level_alone(plain) == 2
+
+
+async def test_with_host_ram_for_level_1_such_an_engine_parks_there_like_any_other(clock):
+    tz, t = no_reload(awake("tz", clock, share=0.6)), FakeEngine("t", share=0.6)
+    s = scheduler(tz, t, clock=clock, ram_gb=16, weights={"tz": 8.0, "t": 8.0})
+    wait_for(s, t, clock.now)
+    plan = s.decide(clock.now)
+    assert [(d.action, d.engine.name, d.level) for d in plan.decisions] == [("park", "tz", 1)]
