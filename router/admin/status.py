@@ -66,6 +66,7 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "restarts_by_reason": dict(e.restarts),
         "baseline_mal": e.baseline.mal if e.baseline else None,
         "observed_mal": e.observed_mal,
+        "observed_mal_source": e.observed_mal_source,  # "answer" (its own numbers) or "counters"
         "collapsed": e.midlife.collapsed,
         "last_collapse": e.midlife.last_collapse,
         "restart_pending": e.needs_restart,
