@@ -185,6 +185,7 @@ class MidlifeWatch:
         self.collapsed = False
         self.last_collapse: Optional[dict[str, Any]] = None  # kept across the restart that remedies it
         self.source: Optional[str] = None  # of the window's last MAL: FROM_ANSWER | FROM_COUNTERS
+        self.last: Optional[dict[str, Any]] = None  # the window's last judgement: observed_mal, drafts, source, at
         self._samples: collections.deque[tuple[float, Counters]] = collections.deque()
         self._answers: collections.deque[tuple[float, int, int]] = collections.deque()
         self._answer_steps = 0  # running sums over _answers, so neither side walks the window
@@ -225,6 +226,7 @@ class MidlifeWatch:
             return None, []
         mal = mean_acceptance_length(drafts, accepted)
         self.source = source
+        self.last = {"observed_mal": mal, "drafts": drafts, "source": source, "at": time.time()}
         problems = acceptance_problems(baseline_mal, mal, self.gate)
         if problems and not self.collapsed:
             self.last_collapse = {"reason": "; ".join(problems), "observed_mal": mal, "at": time.time(), "source": source}

@@ -69,6 +69,7 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "observed_mal_source": e.observed_mal_source,  # "answer" (its own numbers) or "counters"
         "collapsed": e.midlife.collapsed,
         "last_collapse": e.midlife.last_collapse,
+        "acceptance_watch": e.midlife.last,  # the mid-life window's last MAL and where it came from
         "restart_pending": e.needs_restart,
         "roster_change_pending": e.name in scheduler.pending_spec,
         "retiring": e.retiring,
