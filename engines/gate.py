@@ -199,20 +199,25 @@ class MidlifeWatch:
         self.collapsed = False
 
     def answered(self, now: float, steps: int, accepted: int) -> None:
-        """One served answer's own numbers (called on the proxy's path: O(1))."""
+        """One served answer's own numbers (called on the proxy's path: O(1) amortized). Trimmed here
+        too: nothing may grow while no scrape judges (gate disabled, no baseline yet)."""
         self._answers.append((now, steps, accepted))
         self._answer_steps += steps
         self._answer_accepted += accepted
+        self._trim_answers(now - self.gate.midlife_window_s)
+
+    def _trim_answers(self, since: float) -> None:
+        while self._answers and self._answers[0][0] < since:
+            _, steps, accepted = self._answers.popleft()
+            self._answer_steps -= steps
+            self._answer_accepted -= accepted
 
     def _window(self, now: float, counters: Counters) -> tuple[float, float, str]:
         since = now - self.gate.midlife_window_s
         self._samples.append((now, counters))
         while self._samples[0][0] < since:
             self._samples.popleft()
-        while self._answers and self._answers[0][0] < since:
-            _, steps, accepted = self._answers.popleft()
-            self._answer_steps -= steps
-            self._answer_accepted -= accepted
+        self._trim_answers(since)
         if self._answers:
             return self._answer_steps, self._answer_accepted, FROM_ANSWER
         first = self._samples[0][1]

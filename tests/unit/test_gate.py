@@ -168,3 +168,10 @@ def test_the_window_judges_answers_by_their_own_numbers_and_counters_only_withou
     assert (mal, problems, w.source) == (2.5, [], FROM_ANSWER)
     mal, _ = w.observe(13.0, Counters(0, 300, 30, True), 2.5)  # the answer left the window: back to the counters
     assert w.source == FROM_COUNTERS and w.last["source"] == FROM_COUNTERS
+
+
+def test_answers_leave_the_window_even_when_nothing_judges_it():
+    w = MidlifeWatch(Gate(midlife_window_s=10, midlife_min_drafts=10))
+    for t in range(1000):  # a gate that is disabled never scrapes; the proxy still hands over answers
+        w.answered(float(t), 4, 6)
+    assert len(w._answers) == 11 and (w._answer_steps, w._answer_accepted) == (44, 66)
