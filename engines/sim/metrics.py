@@ -42,6 +42,15 @@ class StatsDelta:
             self.per_step_drafted.append(k)
 
 
+def answer_metrics(mode: str, k: int, d: StatsDelta) -> dict:
+    """An answer's `metrics` key (merged into its JSON): `speculative_decoding` from this request's
+    own steps with --per-request-spec-decode-metrics (vllm/entrypoints/openai/completion/serving.py:636),
+    else nothing. `k` is 0 without a draft."""
+    if mode == "none" or k == 0:
+        return {}
+    return {"metrics": {"speculative_decoding": spec_decoding_json(d, k)}}
+
+
 def spec_decoding_json(d: StatsDelta, k: int) -> dict:
     """`metrics.speculative_decoding` of one answer, in vLLM 0.32's shape and arithmetic
     (RequestSpecDecodeMetrics.to_dict, vllm/v1/metrics/stats.py:393; the field list is

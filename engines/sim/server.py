@@ -26,7 +26,7 @@ from . import lm
 from .lora import Adapters
 from .control import Control, InjectedFault, crash, hang_forever
 from .memory import EngineMemory
-from .metrics import CONTENT_TYPE, spec_decoding_json
+from .metrics import CONTENT_TYPE, answer_metrics
 from .state import Generation, GenerationAborted, SimEngine
 
 log = logging.getLogger("vllm.sim")
@@ -330,15 +330,8 @@ class SimServer:
             obj = "text_completion"
         return web.json_response(
             {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage,
-             **self._answer_metrics(gen)}
+             **answer_metrics(self.engine.cfg.per_request_spec_metrics, self.engine.k, gen.stats)}
         )
-
-    def _answer_metrics(self, gen: Generation) -> dict:
-        """`metrics.speculative_decoding` from this request's own steps, with
-        --per-request-spec-decode-metrics (vllm/entrypoints/openai/completion/serving.py:636)."""
-        if self.engine.cfg.per_request_spec_metrics == "none" or self.engine.cfg.spec is None:
-            return {}
-        return {"metrics": {"speculative_decoding": spec_decoding_json(gen.stats, self.engine.k)}}
 
     async def _stream(
         self,
@@ -401,7 +394,7 @@ class SimServer:
                 # vLLM puts the per-request metrics on this final usage chunk only
                 # (vllm/entrypoints/openai/completion/serving.py:460).
                 await send({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_json(gen),
-                            **self._answer_metrics(gen)})
+                            **answer_metrics(self.engine.cfg.per_request_spec_metrics, self.engine.k, gen.stats)})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
