@@ -41,6 +41,7 @@ ROUTER_OWNED_FLAGS = (
     "--speculative-config",
     "--worker-extension-cls",
     "--sleep-preserve-parameter-names",
+    "--per-request-spec-decode-metrics",
 )
 
 DEFAULT_LAUNCHER = ("vllm", "serve")

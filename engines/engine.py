@@ -81,6 +81,7 @@ class Engine:
         self.needs_restart: Optional[str] = None
         self.midlife = gate.MidlifeWatch(spec.gate)
         self.observed_mal: Optional[float] = None
+        self.observed_mal_source: Optional[str] = None  # gate.FROM_ANSWER | gate.FROM_COUNTERS
         self.watch_error: Optional[str] = None  # the acceptance watch's last failure to read the engine
         self.retiring = False  # left the roster in a reload: no new requests; stopped once its own are done
         self.leases = Leases(self.name)
@@ -390,7 +391,7 @@ class Engine:
             log.error("engine %s: PROMOTED DESPITE A REFUSED GATE (gate.on_fail: allow): %s", self.name, verdict.reason)
         self.last_verdict = verdict
         if verdict.observed_mal is not None:
-            self.observed_mal = verdict.observed_mal
+            self.observed_mal, self.observed_mal_source = verdict.observed_mal, verdict.acceptance_source
         self.observer.verdict(self, verdict)
         return verdict
 
@@ -451,7 +452,7 @@ class Engine:
         self.port = spec.port
         self.client = attached_client(spec, self.session)
         self.served_name, self.served_names = spec.name, frozenset([spec.name])
-        self.baseline = self.lora_baseline = self.observed_mal = None
+        self.baseline = self.lora_baseline = self.observed_mal = self.observed_mal_source = None
         self.midlife = gate.MidlifeWatch(spec.gate)
         self.needs_restart = None
 

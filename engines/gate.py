@@ -7,16 +7,20 @@ length of a fixed canary,
 
     MAL = 1 + d(accepted) / d(drafts)
 
-from the engine's own `vllm:spec_decode_*` counters around it, and by comparing the
-canary's output with the baseline's (a target that was not reloaded answers gibberish).
+from the canary's own answer when it reports it (`metrics.speculative_decoding`, which
+vLLM adds with --per-request-spec-decode-metrics, a router-owned flag), else from the
+engine's `vllm:spec_decode_*` counters around it (then nothing else may run on the engine:
+the counters are engine-wide), and by comparing the canary's output with the baseline's (a
+target that was not reloaded answers gibberish).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,6 +33,11 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 GENERATED = "vllm:generation_tokens"
 COUNTER_WAIT_S = 10.0  # vLLM's counters can lag a finished response by a scheduler step or two
 POLL_S = 0.05
+# Where a mean acceptance length came from: the answer's own numbers, or the counter deltas around it.
+FROM_ANSWER = "answer"
+FROM_COUNTERS = "counters"
+_SPEC_KEY = b'"speculative_decoding":'  # JSON escapes a quote inside a string, so generated text cannot match
+_DECODER = json.JSONDecoder()
 
 
 class GateError(EngineError):
@@ -47,9 +56,10 @@ class Canary:
     text: str
     tokens: int
     mal: Optional[float]  # None for a model without a draft
-    drafts: float
+    drafts: float  # verify steps (vLLM's num_drafts counter; num_spec_steps in an answer)
     accepted: float
     seconds: float
+    source: Optional[str] = None  # FROM_ANSWER | FROM_COUNTERS; None without a draft
 
 
 @dataclass(frozen=True)
@@ -62,12 +72,13 @@ class Verdict:
     output_match: Optional[bool] = None
     seconds: float = 0.0
     at: float = field(default_factory=time.time)
+    acceptance_source: Optional[str] = None  # where observed_mal came from: FROM_ANSWER | FROM_COUNTERS
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def allowed(self) -> "Verdict":
-        return Verdict(True, "allowed", f"promoted despite: {self.reason}", self.baseline_mal, self.observed_mal, self.output_match, self.seconds, self.at)
+        return replace(self, passed=True, result="allowed", reason=f"promoted despite: {self.reason}")
 
 
 def skipped(reason: str) -> Verdict:
@@ -90,13 +101,36 @@ def read_counters(exposition: str) -> Counters:
     return Counters(totals[GENERATED], totals[DRAFTS], totals[ACCEPTED], DRAFTS in seen and ACCEPTED in seen)
 
 
+def spec_counts(numbers: Any) -> Optional[tuple[int, int]]:
+    """(verify steps, accepted draft tokens) from an answer's `metrics.speculative_decoding`
+    (vLLM 0.32: vllm/entrypoints/generate/base/protocol.py:100, filled by
+    vllm/v1/metrics/stats.py:393), or None when it does not carry them in that shape."""
+    if not isinstance(numbers, dict):
+        return None
+    steps, accepted = numbers.get("num_spec_steps"), numbers.get("num_accepted_draft_tokens")
+    if type(steps) is not int or type(accepted) is not int or steps < 0 or not 0 <= accepted:
+        return None
+    return steps, accepted
+
+
+def answer_spec_counts(payload: bytes) -> Optional[tuple[int, int]]:
+    """spec_counts of a raw answer (a JSON body, or the tail of an SSE stream whose final usage
+    event carries the metrics), without parsing the rest of it: the proxy calls this on every answer."""
+    at = payload.rfind(_SPEC_KEY)
+    if at < 0:
+        return None
+    try:
+        numbers, _ = _DECODER.raw_decode(payload[at + len(_SPEC_KEY):].decode("utf-8").lstrip())
+    except (ValueError, UnicodeDecodeError):  # a tail cut inside the event: this answer just goes uncounted
+        return None
+    return spec_counts(numbers)
+
+
 async def run_canary(client: VLLMClient, model: str, gate: Gate, has_draft: bool, timeout: float) -> Canary:
-    """One canary generation with the counter deltas around it. Nothing else may run on the engine."""
+    """One canary generation and its acceptance: the answer's own numbers when it carries them (decided per
+    answer), else the counter deltas around it, for which nothing else may run on the engine."""
     started = time.monotonic()
     before = read_counters(await client.metrics(timeout=timeout))
-    if has_draft and not before.has_spec:
-        raise GateError("GET /metrics", f"no {DRAFTS}_total / {ACCEPTED}_total counters: is speculative decoding on, "
-                                        "and --disable-log-stats off?")
     body = {"model": model, "prompt": gate.prompt, "max_tokens": gate.max_tokens, "temperature": 0, "ignore_eos": True}
     answer = await client.completion(body, timeout=timeout)
     try:
@@ -104,10 +138,21 @@ async def run_canary(client: VLLMClient, model: str, gate: Gate, has_draft: bool
         tokens = int(answer["usage"]["completion_tokens"])
     except (KeyError, IndexError, TypeError, ValueError):
         raise GateError("POST /v1/completions", f"canary answer has no choices[0].text / usage: {str(answer)[:200]}") from None
+    if not has_draft:
+        return Canary(text, tokens, None, 0.0, 0.0, time.monotonic() - started)
+    metrics = answer.get("metrics") if isinstance(answer, dict) else None
+    own = spec_counts(metrics.get("speculative_decoding")) if isinstance(metrics, dict) else None
+    if own is not None:
+        steps, accepted = own
+        return Canary(text, tokens, mean_acceptance_length(steps, accepted), steps, accepted, time.monotonic() - started, FROM_ANSWER)
+    if not before.has_spec:
+        raise GateError("GET /metrics", f"the canary's answer has no metrics.speculative_decoding and /metrics has no "
+                                        f"{DRAFTS}_total / {ACCEPTED}_total counters: is speculative decoding on, and, for an "
+                                        "engine the router does not compose (command: or url:), --per-request-spec-decode-metrics "
+                                        "summary set or --disable-log-stats off?")
     after = await _landed(client, before, tokens, has_draft, started + timeout)
     drafts, accepted = after.drafts - before.drafts, after.accepted - before.accepted
-    mal = mean_acceptance_length(drafts, accepted) if has_draft else None
-    return Canary(text, tokens, mal, drafts, accepted, time.monotonic() - started)
+    return Canary(text, tokens, mean_acceptance_length(drafts, accepted), drafts, accepted, time.monotonic() - started, FROM_COUNTERS)
 
 
 async def _landed(client: VLLMClient, before: Counters, tokens: int, has_draft: bool, deadline: float) -> Counters:
@@ -130,34 +175,66 @@ def mean_acceptance_length(drafts: float, accepted: float) -> Optional[float]:
 
 class MidlifeWatch:
     """The acceptance watch while an engine serves: MAL over the last `midlife_window_s` seconds of
-    traffic, judged like a canary against the cold-boot baseline. Pure bookkeeping over counter
-    samples (the engine scrapes, this counts), so the arithmetic is the canary's own."""
+    traffic, judged like a canary against the cold-boot baseline. Pure bookkeeping (the engine
+    scrapes its counters, the proxy hands over the numbers answers carry; this counts), so the
+    arithmetic is the canary's own. Answers that carried their own numbers in the window are
+    judged by those alone (exactly the served traffic); without any, the counter deltas."""
 
     def __init__(self, gate: Gate):
         self.gate = gate
         self.collapsed = False
         self.last_collapse: Optional[dict[str, Any]] = None  # kept across the restart that remedies it
+        self.source: Optional[str] = None  # of the window's last MAL: FROM_ANSWER | FROM_COUNTERS
+        self.last: Optional[dict[str, Any]] = None  # the window's last judgement: observed_mal, drafts, source, at
         self._samples: collections.deque[tuple[float, Counters]] = collections.deque()
+        self._answers: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._answer_steps = 0  # running sums over _answers, so neither side walks the window
+        self._answer_accepted = 0
 
     def reset(self) -> None:
         """A fresh process (or a verified wake): its counters and acceptance start over."""
         self._samples.clear()
+        self._answers.clear()
+        self._answer_steps = self._answer_accepted = 0
         self.collapsed = False
+
+    def answered(self, now: float, steps: int, accepted: int) -> None:
+        """One served answer's own numbers (called on the proxy's path: O(1) amortized). Trimmed here
+        too: nothing may grow while no scrape judges (gate disabled, no baseline yet)."""
+        self._answers.append((now, steps, accepted))
+        self._answer_steps += steps
+        self._answer_accepted += accepted
+        self._trim_answers(now - self.gate.midlife_window_s)
+
+    def _trim_answers(self, since: float) -> None:
+        while self._answers and self._answers[0][0] < since:
+            _, steps, accepted = self._answers.popleft()
+            self._answer_steps -= steps
+            self._answer_accepted -= accepted
+
+    def _window(self, now: float, counters: Counters) -> tuple[float, float, str]:
+        since = now - self.gate.midlife_window_s
+        self._samples.append((now, counters))
+        while self._samples[0][0] < since:
+            self._samples.popleft()
+        self._trim_answers(since)
+        if self._answers:
+            return self._answer_steps, self._answer_accepted, FROM_ANSWER
+        first = self._samples[0][1]
+        return counters.drafts - first.drafts, counters.accepted - first.accepted, FROM_COUNTERS
 
     def observe(self, now: float, counters: Counters, baseline_mal: float) -> tuple[Optional[float], list[str]]:
         """Take one scrape: the window's MAL (None while it holds fewer than midlife_min_drafts
         drafts) and what is wrong with it. `collapsed` follows; `last_collapse` records each new one."""
-        self._samples.append((now, counters))
-        while self._samples[0][0] < now - self.gate.midlife_window_s:
-            self._samples.popleft()
-        first = self._samples[0][1]
-        drafts = counters.drafts - first.drafts
+        drafts, accepted, source = self._window(now, counters)
         if drafts < self.gate.midlife_min_drafts:
             return None, []
-        mal = mean_acceptance_length(drafts, counters.accepted - first.accepted)
+        mal = mean_acceptance_length(drafts, accepted)
+        self.source = source
+        self.last = {"observed_mal": mal, "drafts": drafts, "source": source, "at": time.time()}
         problems = acceptance_problems(baseline_mal, mal, self.gate)
         if problems and not self.collapsed:
-            self.last_collapse = {"reason": "; ".join(problems), "observed_mal": mal, "at": time.time()}
+            self.last_collapse = {"reason": "; ".join(problems), "observed_mal": mal, "at": time.time(), "source": source}
         self.collapsed = bool(problems)
         return mal, problems
 
@@ -180,6 +257,7 @@ def judge(baseline: Canary, observed: Canary, gate: Gate) -> Verdict:
         observed_mal=observed.mal,
         output_match=output_match,
         seconds=observed.seconds,
+        acceptance_source=observed.source,
     )
 
 
@@ -191,7 +269,8 @@ def judge_adapter(verdict: Verdict, adapter: str, baseline: Canary, observed: Ca
     problem = "no output" if not observed.text.strip() else _output_difference(baseline.text, observed.text, gate.output_check)
     problem = f"LoRA adapter '{adapter}': {problem}"
     reason = problem if verdict.passed else f"{verdict.reason}; {problem}"
-    return Verdict(False, "refused", reason, verdict.baseline_mal, verdict.observed_mal, False, verdict.seconds + observed.seconds)
+    return replace(verdict, passed=False, result="refused", reason=reason, output_match=False, seconds=verdict.seconds + observed.seconds,
+                   at=time.time())
 
 
 def acceptance_problems(baseline: float, observed: Optional[float], gate: Gate) -> list[str]:
@@ -226,14 +305,18 @@ def _output_difference(expected: str, got: str, check: str) -> str:
 def _summary(baseline: Canary, observed: Canary) -> str:
     if baseline.mal is None:
         return "canary output matches the baseline (no draft model)"
-    return f"mean acceptance length {observed.mal:.2f} vs baseline {baseline.mal:.2f}; output matches"
+    return f"mean acceptance length {observed.mal:.2f} vs baseline {baseline.mal:.2f}{_from(observed)}; output matches"
+
+
+def _from(canary: Canary) -> str:
+    return {FROM_ANSWER: " (from the canary's own answer)", FROM_COUNTERS: " (from the engine's counters)"}.get(canary.source or "", "")
 
 
 def baseline_verdict(canary: Canary) -> Verdict:
     if canary.mal is None:
         reason = f"baseline recorded: {canary.tokens} tokens (no draft model)"
     else:
-        reason = f"baseline recorded: mean acceptance length {canary.mal:.2f} over {canary.drafts:g} drafts"
+        reason = f"baseline recorded: mean acceptance length {canary.mal:.2f} over {canary.drafts:g} drafts{_from(canary)}"
     return Verdict(passed=bool(canary.text.strip()), result="baseline", reason=reason if canary.text.strip() else
                    "the cold-boot canary produced no output", baseline_mal=canary.mal, observed_mal=canary.mal,
-                   output_match=True, seconds=canary.seconds)
+                   output_match=True, seconds=canary.seconds, acceptance_source=canary.source)

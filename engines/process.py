@@ -41,6 +41,11 @@ ROUTER_FLAG_VALUES: dict[str, FlagRule] = {
     ),
     "--worker-extension-cls": lambda spec, port: [WORKER_EXTENSION] if spec.draft_restore == "reload" else None,
     "--sleep-preserve-parameter-names": lambda spec, port: [PRESERVE_DRAFT] if spec.draft_restore == "preserve" else None,
+    # Each single-sequence answer then carries its own acceptance under metrics.speculative_decoding
+    # (vllm/config/observability.py:50, engine/arg_utils.py:1657 in vLLM 0.32), which the gate and the
+    # mid-life watch read instead of the engine-wide counters. Only with a draft: vLLM refuses the flag
+    # without speculative decoding (vllm/config/vllm.py:1660).
+    "--per-request-spec-decode-metrics": lambda spec, port: ["summary"] if spec.speculative is not None else None,
 }
 
 

@@ -2,8 +2,9 @@
 `needs_restart` for the group's scheduler, and an engine found unhealthy is FAILED, which the
 scheduler handles like any other failure.
 
-- acceptance: the spec-decode counters over a sliding window (gate.MidlifeWatch), because a
-  draft can collapse mid-life, after its gate passed.
+- acceptance: over a sliding window (gate.MidlifeWatch), because a draft can collapse mid-life,
+  after its gate passed: from the numbers served answers carry (`answered`, fed by the proxy)
+  where they carry them, else from the spec-decode counters.
 - suspect: a proxied answer broke off. One broken connection does not justify a cold restart
   (minutes on a GPU), but vLLM keeps its API server up after its engine core died, and then
   only /health tells.
@@ -31,7 +32,7 @@ async def acceptance(engine: Engine) -> None:
     was_collapsed = engine.midlife.collapsed
     mal, problems = engine.midlife.observe(time.monotonic(), counters, baseline.mal)
     if mal is not None:
-        engine.observed_mal = mal
+        engine.observed_mal, engine.observed_mal_source = mal, engine.midlife.source
     if not problems:
         engine.needs_restart = None  # recovered before the restart began: nothing to remedy
     elif not was_collapsed:
@@ -40,6 +41,15 @@ async def acceptance(engine: Engine) -> None:
         engine.observer.midlife_collapse(engine, mal, reason)
         if engine.spec.gate.on_midlife == "restart":
             engine.needs_restart = reason
+
+
+def answered(engine: Engine, payload: bytes) -> None:
+    """A served answer (a buffered body, or a stream's last bytes): its own acceptance numbers, if it
+    has them, go to the engine's window. A substring search, and a parse of the metrics object alone."""
+    if engine.has_draft:
+        counts = gate.answer_spec_counts(payload)
+        if counts is not None:
+            engine.midlife.answered(time.monotonic(), *counts)
 
 
 def suspect(engine: Engine, why: str) -> None:

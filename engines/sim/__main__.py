@@ -58,6 +58,16 @@ def _step_pair(kind_check: bool):
     return parse
 
 
+def _prompt_acceptance(text: str) -> tuple[str, float]:
+    needle, sep, value = text.rpartition("=")
+    try:
+        if not sep or not needle:
+            raise ValueError
+        return needle, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TEXT=MAL (a prompt substring and a mean acceptance length): {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: an unknown vLLM flag must never be taken for a prefix of ours.
     p = argparse.ArgumentParser(prog="python -m engines.sim serve", allow_abbrev=False, description=__doc__)
@@ -74,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--api-key", default=None)
     v.add_argument("--disable-log-stats", action="store_true")
     v.add_argument("--load-format", default="auto", help="reload_weights (and the draft's reload) fail for the formats vLLM cannot reload")
+    v.add_argument("--per-request-spec-decode-metrics", choices=("none", "summary", "detailed"), default="none")
     v.add_argument("--enable-lora", action="store_true")
     v.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
     s = p.add_argument_group("simulator knobs")
@@ -81,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sim-fail-boot", action="store_true", help="fail the boot with a CUDA OOM and exit 1")
     s.add_argument("--sim-token-rate", type=float, default=2000.0, help="decode tokens/s (halved with a discarded draft)")
     s.add_argument("--sim-acceptance", type=float, default=2.6, help="mean acceptance length of a healthy draft")
+    s.add_argument(
+        "--sim-prompt-acceptance", type=_prompt_acceptance, action="append", default=[], metavar="TEXT=MAL",
+        help="a request whose prompt contains TEXT decodes at mean acceptance length MAL (repeatable; first match wins)",
+    )  # fmt: skip
     s.add_argument("--sim-step-delay", type=_step_pair(False), action="append", default=[], metavar="STEP=SECONDS")
     s.add_argument(
         "--sim-fault", type=_step_pair(True), action="append", default=[], metavar="STEP=KIND",
@@ -125,8 +140,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         k = spec.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             parser.error("--speculative-config needs an integer num_speculative_tokens >= 1")
-        if not 1.0 <= args.sim_acceptance <= 1.0 + k:
-            parser.error(f"--sim-acceptance must be between 1 and 1+num_speculative_tokens ({1 + k})")
+        for flag, mal in [("--sim-acceptance", args.sim_acceptance), *(("--sim-prompt-acceptance", m) for _, m in args.sim_prompt_acceptance)]:
+            if not 1.0 <= mal <= 1.0 + k:
+                parser.error(f"{flag} must be between 1 and 1+num_speculative_tokens ({1 + k})")
+    elif args.per_request_spec_decode_metrics != "none":
+        # vLLM 0.32 refuses it the same way (vllm/config/vllm.py:1660).
+        parser.error("--per-request-spec-decode-metrics requires speculative decoding to be enabled (via --speculative-config).")
     if args.sim_token_rate <= 0:
         parser.error("--sim-token-rate must be positive")
     if args.sim_crash_mid_stream is not None and args.sim_crash_mid_stream < 1:
@@ -284,6 +303,8 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
             reset_prefix_false=args.sim_reset_prefix_false,
             metrics_lag_s=args.sim_metrics_lag_s,
             log_stats=not args.disable_log_stats,
+            per_request_spec_metrics=args.per_request_spec_decode_metrics,
+            prompt_acceptance=args.sim_prompt_acceptance,
             weightless_draft=spec is not None and spec.method in WEIGHTLESS_METHODS,
             load_format=args.load_format,
         )

@@ -27,6 +27,50 @@ class StatsDelta:
     draft_tokens: int = 0
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # What the request's own answer reports (vLLM's RequestSpecDecodeMetrics, vllm/v1/metrics/stats.py:350):
+    # histogram[j] counts the verify steps that accepted exactly j draft tokens.
+    histogram: list[int] = field(default_factory=list)
+    per_step_accepted: list[int] = field(default_factory=list)
+    per_step_drafted: list[int] = field(default_factory=list)
+
+    def observe_step(self, k: int, accepted: int, *, detailed: bool) -> None:
+        if len(self.histogram) < k + 1:
+            self.histogram = [0] * (k + 1)
+        self.histogram[accepted] += 1
+        if detailed:
+            self.per_step_accepted.append(accepted)
+            self.per_step_drafted.append(k)
+
+
+def answer_metrics(mode: str, k: int, d: StatsDelta) -> dict:
+    """An answer's `metrics` key (merged into its JSON): `speculative_decoding` from this request's
+    own steps with --per-request-spec-decode-metrics (vllm/entrypoints/openai/completion/serving.py:636),
+    else nothing. `k` is 0 without a draft."""
+    if mode == "none" or k == 0:
+        return {}
+    return {"metrics": {"speculative_decoding": spec_decoding_json(d, k)}}
+
+
+def spec_decoding_json(d: StatsDelta, k: int) -> dict:
+    """`metrics.speculative_decoding` of one answer, in vLLM 0.32's shape and arithmetic
+    (RequestSpecDecodeMetrics.to_dict, vllm/v1/metrics/stats.py:393; the field list is
+    SpeculativeDecodingMetrics, vllm/entrypoints/generate/base/protocol.py:100)."""
+    histogram = d.histogram or [0] * (k + 1)
+    steps = sum(histogram)
+    accepted = sum(j * n for j, n in enumerate(histogram))
+    out: dict = {
+        "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+        "draft_acceptance_rate": accepted / d.draft_tokens if d.draft_tokens else 0.0,
+        "acceptance_histogram": list(histogram),
+        "num_spec_steps": steps,
+        "num_accepted_draft_tokens": accepted,
+        "num_draft_tokens": d.draft_tokens,
+        "num_spec_tokens": k,
+    }
+    if d.per_step_accepted:
+        out["per_step_accepted"] = list(d.per_step_accepted)
+        out["per_step_drafted"] = list(d.per_step_drafted)
+    return out
 
 
 class EngineMetrics:

@@ -26,7 +26,7 @@ from . import lm
 from .lora import Adapters
 from .control import Control, InjectedFault, crash, hang_forever
 from .memory import EngineMemory
-from .metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE, answer_metrics
 from .state import Generation, GenerationAborted, SimEngine
 
 log = logging.getLogger("vllm.sim")
@@ -329,7 +329,8 @@ class SimServer:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason, "stop_reason": None}
             obj = "text_completion"
         return web.json_response(
-            {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage}
+            {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage,
+             **answer_metrics(self.engine.cfg.per_request_spec_metrics, self.engine.k, gen.stats)}
         )
 
     async def _stream(
@@ -390,7 +391,10 @@ class SimServer:
             await send({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}})
         else:
             if include_usage:
-                await send({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_json(gen)})
+                # vLLM puts the per-request metrics on this final usage chunk only
+                # (vllm/entrypoints/openai/completion/serving.py:460).
+                await send({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_json(gen),
+                            **answer_metrics(self.engine.cfg.per_request_spec_metrics, self.engine.k, gen.stats)})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

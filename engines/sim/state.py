@@ -73,6 +73,8 @@ class EngineConfig:
     log_stats: bool = True
     weightless_draft: bool = False  # ngram-style proposer: nothing for sleep to discard
     load_format: str = "auto"  # vLLM's --load-format: some loaders cannot reload (routes_dev.py)
+    per_request_spec_metrics: str = "none"  # --per-request-spec-decode-metrics: none | summary | detailed
+    prompt_acceptance: list[tuple[str, float]] = field(default_factory=list)  # (prompt substring, MAL)
 
 
 class Generation:
@@ -162,6 +164,11 @@ class SimEngine:
         if self.draft == "discarded" or self.target != "loaded":
             return 1.0
         return self.cfg.acceptance
+
+    def _acceptance_for(self, prompt: str) -> float:
+        """A healthy draft's MAL for this prompt: --sim-prompt-acceptance lets one request differ
+        from another on the same engine, which the engine-wide counters then mix."""
+        return next((mal for needle, mal in self.cfg.prompt_acceptance if needle in prompt), self.cfg.acceptance)
 
     # ---- sleep / wake ---------------------------------------------------------
 
@@ -273,6 +280,7 @@ class SimEngine:
             if not gen.ignore_eos and natural < limit:
                 limit = natural
             acc = 0.5
+            mal = self._acceptance_for(gen.prompt)
             next_t = loop.time()
             while gen.completion_tokens < limit:
                 await self._pass(self._decode, gen)
@@ -280,7 +288,7 @@ class SimEngine:
                 healthy = self.draft != "discarded" and self.target == "loaded"
                 if self.cfg.spec is not None:
                     if healthy:
-                        acc += self.cfg.acceptance - 1.0
+                        acc += mal - 1.0
                         accepted = min(int(acc), self.k)
                         acc -= accepted
                     gen.stats.drafts += 1
@@ -290,6 +298,7 @@ class SimEngine:
                         gen.stats.accepted_per_pos = [0] * self.k
                     for p in range(accepted):
                         gen.stats.accepted_per_pos[p] += 1
+                    gen.stats.observe_step(self.k, accepted, detailed=self.cfg.per_request_spec_metrics == "detailed")
                 step = min(1 + accepted, limit - gen.completion_tokens)
                 # A useless draft costs a forward pass per step for nothing.
                 rate = self.cfg.token_rate / (2 if self.draft == "discarded" else 1)

@@ -66,8 +66,10 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "restarts_by_reason": dict(e.restarts),
         "baseline_mal": e.baseline.mal if e.baseline else None,
         "observed_mal": e.observed_mal,
+        "observed_mal_source": e.observed_mal_source,  # "answer" (its own numbers) or "counters"
         "collapsed": e.midlife.collapsed,
         "last_collapse": e.midlife.last_collapse,
+        "acceptance_watch": e.midlife.last,  # the mid-life window's last MAL and where it came from
         "restart_pending": e.needs_restart,
         "roster_change_pending": e.name in scheduler.pending_spec,
         "retiring": e.retiring,

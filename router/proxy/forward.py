@@ -118,8 +118,10 @@ async def _buffered(request: web.Request, exchange: Exchange, engine: Engine, on
     request["first_byte_at"] = time.monotonic()
     if prepared is not None:
         return await _inside_stream(prepared, exchange.status, payload, anthropic)
-    if on_answer is not None and exchange.status < 300:
-        on_answer(payload)
+    if exchange.status < 300:
+        watch.answered(engine, payload)
+        if on_answer is not None:
+            on_answer(payload)
     return web.Response(status=exchange.status, body=payload, headers={"Content-Type": exchange.content_type})
 
 
@@ -146,7 +148,7 @@ async def _stream(request: web.Request, exchange: Exchange, engine: Engine, snif
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away")
     writer.send_headers()  # type: ignore[attr-defined]
-    relay = Relay(transport, writer.chunked, exchange.chunked, sniffer)  # type: ignore[attr-defined]
+    relay = Relay(transport, writer.chunked, exchange.chunked, sniffer, keep_tail=engine.has_draft)  # type: ignore[attr-defined]
     writer.chunked = False  # type: ignore[attr-defined]  # the relay frames the body; write_eof adds nothing
     try:
         await exchange.relay(relay, lambda: relay.drained(writer.drain, stall_s))
@@ -168,6 +170,8 @@ async def _stream(request: web.Request, exchange: Exchange, engine: Engine, snif
         relay.end_with_error(sse_error(f"engine '{engine.name}' failed mid-stream: {exc}", "engine_error", anthropic=anthropic))
     else:
         relay.end()
+        if relay.tail and exchange.status < 300:
+            watch.answered(engine, b"".join(relay.tail))
     request["first_byte_at"] = exchange.first_body_at or time.monotonic()
     await response.write_eof()
     return response

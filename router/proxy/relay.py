@@ -18,12 +18,16 @@ so the client's connection is cut, which its HTTP library reports as an incomple
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Awaitable, Callable, Optional
 
 from router.proxy.exchange import ClientGone
 from router.proxy.responses import StreamSniffer
 
 TERMINATOR = b"0\r\n\r\n"
+# The final usage event and `data: [DONE]` arrive as one or two body pieces each (one HTTP chunk per
+# SSE event); an event cut into more pieces than this is just not read for its numbers.
+TAIL_PIECES = 16
 STALL_POLL_S = 1.0  # how often a relay waiting for its client looks for progress; not a limit
 
 
@@ -33,11 +37,14 @@ class ClientStalled(ClientGone):
 
 class Relay:
     def __init__(self, transport: asyncio.Transport, chunked_out: bool, chunked_in: bool,
-                 sniffer: Optional[StreamSniffer] = None) -> None:
+                 sniffer: Optional[StreamSniffer] = None, keep_tail: bool = False) -> None:
         self.transport = transport
         self.chunked = chunked_out
         self.raw = chunked_out and chunked_in
         self.sniffer = sniffer
+        # The stream's last decoded pieces (references, no copies), where the final usage event
+        # carries the answer's own acceptance numbers; None when nobody reads them.
+        self.tail: Optional[collections.deque[bytes]] = collections.deque(maxlen=TAIL_PIECES) if keep_tail else None
         self.at_boundary = True
         self.high = transport.get_write_buffer_limits()[1]
         self.written = 0  # bytes handed to the transport, framing included
@@ -51,6 +58,8 @@ class Relay:
                 self.sniffer.feed(piece)
             if self.sniffer.done:
                 self.sniffer = None
+        if self.tail is not None:
+            self.tail.extend(pieces)
         if self.raw:
             if raw:
                 transport.write(raw)

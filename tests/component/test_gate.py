@@ -119,10 +119,19 @@ async def engine_factory(tmp_path: Path):
             await engine.stop()
 
 
+def counters_only(engine: Engine, *args: str) -> Engine:
+    """An engine whose answers carry no acceptance of their own (like a `command:` engine without
+    --per-request-spec-decode-metrics), so the gate reads the counters. Set behind the roster's back:
+    the flag is router-owned."""
+    engine.spec = engine.spec.model_copy(update={"args": [*engine.spec.args, "--per-request-spec-decode-metrics", "none", *args]})
+    return engine
+
+
 async def test_counters_that_lag_the_canarys_answer_are_waited_for_not_misread(engine_factory):
-    engine = engine_factory(spec_model("a", args=("--sim-metrics-lag-s", "0.5")))
+    engine = counters_only(engine_factory(spec_model("a", args=("--sim-metrics-lag-s", "0.5"))))
     await engine.boot()
     assert engine.baseline.mal is not None and 2.4 < engine.baseline.mal < 2.8, engine.baseline
+    assert engine.baseline.source == "counters", engine.baseline  # the path this test is about
     assert engine.baseline.seconds >= 0.5  # it did wait for the counters
     await engine.sleep()
     await engine.wake()
@@ -143,8 +152,8 @@ async def test_a_target_that_was_not_reloaded_answers_gibberish_and_is_refused_w
 
 
 async def test_a_gate_that_cannot_read_the_counters_fails_the_boot_with_a_reason(engine_factory):
-    engine = engine_factory(spec_model("a", gate={"enabled": True}, args=()))
-    engine.spec = engine.spec.model_copy(update={"args": [*engine.spec.args, "--disable-log-stats"]})  # bypasses roster validation
-    with pytest.raises(Exception, match="no vllm:spec_decode_num_drafts_total / vllm:spec_decode_num_accepted_tokens_total counters"):
+    engine = counters_only(engine_factory(spec_model("a", gate={"enabled": True}, args=())), "--disable-log-stats")
+    with pytest.raises(Exception, match="the canary's answer has no metrics.speculative_decoding and /metrics has no "
+                                        "vllm:spec_decode_num_drafts_total / vllm:spec_decode_num_accepted_tokens_total counters"):
         await engine.boot()
     assert engine.state is State.FAILED

@@ -168,6 +168,9 @@ def test_argv_parsing_matches_vllm_serve():
     assert (args.model, unknown, args.sleep_preserve_parameter_names) == ("m", ["--dtype", "float32"], ["draft.*"])
     args, _ = parse_args(["serve", "m", "--sim-fault", "metrics=malformed", "--sim-fault", "generate=cut"])
     assert args.sim_fault == [("metrics", "malformed"), ("generate", "cut")]
+    args, _ = parse_args(["serve", "m", "--speculative-config", '{"num_speculative_tokens": 2}',
+                          "--per-request-spec-decode-metrics", "summary", "--sim-prompt-acceptance", "a=b=1.5"])
+    assert (args.per_request_spec_decode_metrics, args.sim_prompt_acceptance) == ("summary", [("a=b", 1.5)])
     for bad in (
         ["serve"],
         ["serve", "m", "--speculative-config", "{nope"],
@@ -175,6 +178,9 @@ def test_argv_parsing_matches_vllm_serve():
         ["serve", "m", "--sim-fault", "wake=explode"],
         ["serve", "m", "--sim-fault", "boot=cut"],  # boot has no HTTP answer to break
         ["serve", "m", "--sim-step-delay", "nostep=1"],
+        ["serve", "m", "--per-request-spec-decode-metrics", "summary"],  # vLLM refuses it without a draft too
+        ["serve", "m", "--speculative-config", '{"num_speculative_tokens": 2}', "--sim-prompt-acceptance", "x=3.5"],
+        ["serve", "m", "--sim-prompt-acceptance", "no-value"],
     ):
         with pytest.raises(SystemExit) as e:
             parse_args(bad)

@@ -135,3 +135,38 @@ def test_every_simulated_route_has_vllms_shape(vllm_venv, tmp_path):
     bad = [r for r in results if not r["ok"]]
     assert not bad, "\n".join(json.dumps(r)[:700] for r in bad)
     assert len(cases) > 40  # the streams were really read
+
+
+async def _spec_cases(url: str) -> list[dict]:
+    """Answers of a speculative sim with --per-request-spec-decode-metrics: the whole answer validates
+    as vLLM's, and its `metrics.speculative_decoding` has exactly vLLM's keys."""
+    cases: list[dict] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        for path, cls in (("/v1/completions", "openai.completion.protocol:Completion"),
+                          ("/v1/chat/completions", "openai.chat_completion.protocol:ChatCompletion")):
+            body = {"model": "sim-model", "max_tokens": 16, "ignore_eos": True}
+            body.update({"messages": MSGS} if "chat" in path else {"prompt": "hello"})
+            async with s.post(url + path, json=body) as r:
+                answer = await r.json()
+            async with s.post(url + path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                last = _events(await r.text())[-1]
+            for name, one, kind in ((path, answer, "Response"), (f"{path} stream usage event", last, "StreamResponse")):
+                cases.append({"name": name, "cls": cls + kind, "answer": one, "exact": False, "dump": {}})
+                cases.append({"name": f"{name} metrics", "cls": "generate.base.protocol:SpeculativeDecodingMetrics",
+                              "answer": one["metrics"]["speculative_decoding"], "exact": True, "dump": {"exclude_none": True}})
+    return cases
+
+
+def test_the_simulators_per_request_acceptance_has_vllms_shape(vllm_venv, tmp_path):
+    sim = launch_sim_engine(tmp_path, "--speculative-config", '{"num_speculative_tokens": 3}',
+                            "--per-request-spec-decode-metrics", "summary")
+    try:
+        cases = asyncio.run(_spec_cases(sim.url))
+    finally:
+        sim.stop()
+    done = subprocess.run([str(vllm_venv / "bin" / "python"), str(CHECKER)], input=json.dumps(cases),
+                          capture_output=True, text=True, timeout=240)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == len(cases) == 8, done.stderr[-3000:]
+    bad = [r for r in results if not r["ok"]]
+    assert not bad, "\n".join(json.dumps(r)[:700] for r in bad)

@@ -45,7 +45,7 @@ async def test_the_gates_counter_wait_reads_complete_deltas_on_real_vllm(spec_en
                         before = gate.read_counters(await client.metrics())
                         canary = await gate.run_canary(client, engine.name, cfg, True, timeout=60)
                         now = gate.read_counters(await client.metrics())
-                        assert canary.tokens == tokens
+                        assert canary.tokens == tokens and canary.source == gate.FROM_COUNTERS, canary  # no per-request flag here
                         if state == "healthy":
                             drafts = math.ceil((tokens - 1) / (K + 1))
                             expected = (drafts, K * drafts, 1.0 + K)

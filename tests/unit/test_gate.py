@@ -6,7 +6,8 @@ import pytest
 
 from config.schema import Gate
 from engines.client import EngineError
-from engines.gate import Canary, Counters, MidlifeWatch, acceptance_problems, judge, read_counters
+from engines.gate import (FROM_ANSWER, FROM_COUNTERS, Canary, Counters, MidlifeWatch, acceptance_problems, answer_spec_counts,
+                          judge, read_counters)
 
 EXPOSITION = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -125,3 +126,52 @@ def test_a_collapse_in_the_window_is_flagged_once_and_remembered_after_a_reset()
     assert watch.last_collapse is collapse, "one collapse, one record"
     watch.reset()  # the restart that remedies it
     assert not watch.collapsed and watch.last_collapse is collapse
+
+
+# -- an answer's own numbers (metrics.speculative_decoding, vLLM 0.32's shape) -------------------
+
+SPEC = (b'"metrics":{"speculative_decoding":{"mean_acceptance_length":2.5,"draft_acceptance_rate":0.5,'
+        b'"acceptance_histogram":[1,0,2,1],"num_spec_steps":4,"num_accepted_draft_tokens":6,"num_draft_tokens":12,"num_spec_tokens":3}}')
+
+
+def test_a_buffered_answer_and_a_streams_last_event_give_their_counts():
+    body = b'{"id":"cmpl-1","choices":[{"text":"hi"}],"usage":{"completion_tokens":10},' + SPEC + b'}'
+    assert answer_spec_counts(body) == (4, 6)
+    tail = b'data: {"id":"cmpl-1","choices":[],"usage":{"completion_tokens":10},' + SPEC + b'}\n\ndata: [DONE]\n\n'
+    assert answer_spec_counts(tail) == (4, 6)
+
+
+def test_generated_text_that_spells_the_key_is_not_taken_for_the_numbers():
+    # Inside a JSON string a quote is escaped, so the text cannot forge the key.
+    body = b'{"choices":[{"text":"\\"speculative_decoding\\": {\\"num_spec_steps\\": 999}"}]}'
+    assert answer_spec_counts(body) is None
+
+
+@pytest.mark.parametrize("payload", [
+    b'{"choices":[]}',  # no metrics: an engine without the flag
+    b'{"metrics":{"speculative_decoding":null}}',  # n > 1: vLLM leaves it out
+    b'{"metrics":{"speculative_decoding":{"num_spec_steps":"4","num_accepted_draft_tokens":6}}}',
+    b'{"metrics":{"speculative_decoding":{"num_spec_steps":4,',  # a tail cut mid-event
+])
+def test_an_answer_without_usable_numbers_gives_none(payload):
+    assert answer_spec_counts(payload) is None
+
+
+def test_the_window_judges_answers_by_their_own_numbers_and_counters_only_without_any():
+    gate = Gate(midlife_window_s=10, midlife_min_drafts=10)
+    w = MidlifeWatch(gate)
+    assert w.observe(0.0, Counters(0, 0, 0, True), 2.5) == (None, [])
+    mal, problems = w.observe(1.0, Counters(0, 100, 10, True), 2.5)  # the counters: 1.1, mixed with others' traffic
+    assert w.source == FROM_COUNTERS and problems
+    w.answered(2.0, 40, 60)
+    mal, problems = w.observe(3.0, Counters(0, 200, 20, True), 2.5)
+    assert (mal, problems, w.source) == (2.5, [], FROM_ANSWER)
+    mal, _ = w.observe(13.0, Counters(0, 300, 30, True), 2.5)  # the answer left the window: back to the counters
+    assert w.source == FROM_COUNTERS and w.last["source"] == FROM_COUNTERS
+
+
+def test_answers_leave_the_window_even_when_nothing_judges_it():
+    w = MidlifeWatch(Gate(midlife_window_s=10, midlife_min_drafts=10))
+    for t in range(1000):  # a gate that is disabled never scrapes; the proxy still hands over answers
+        w.answered(float(t), 4, 6)
+    assert len(w._answers) == 11 and (w._answer_steps, w._answer_accepted) == (44, 66)

@@ -60,6 +60,14 @@ def test_the_specs_cover_each_draft_restore():
     assert "--speculative-config" not in router_flags(SPECS["no-draft"])
 
 
+def test_speculative_engines_and_only_they_report_acceptance_per_request():
+    # vLLM refuses the flag without speculative decoding (vllm/config/vllm.py:1660).
+    for name in ("reload", "preserve", "none"):
+        argv = compose_argv(SPECS[name], 9000)
+        assert argv[argv.index("--per-request-spec-decode-metrics") + 1] == "summary", argv
+    assert "--per-request-spec-decode-metrics" not in compose_argv(SPECS["no-draft"], 9000)
+
+
 def test_a_router_owned_flag_without_a_value_rule_fails_loudly(monkeypatch):
     monkeypatch.setattr(engines.process, "ROUTER_OWNED_FLAGS", (*ROUTER_OWNED_FLAGS, "--new-flag"))
     with pytest.raises(RuntimeError, match="--new-flag has no value rule"):
