@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from config.merge import Path_, as_argv, blame, format_field, merge_defaults
-from config.schema import GPU_SHARE_FLAG, VLLM_DEFAULT_GPU_SHARE, _flag_name, _flag_value
+from config.argv import GPU_SHARE_FLAG, VLLM_DEFAULT_GPU_SHARE, flag_name, flag_value
 
 Report = Callable[[Path_, str], None]
 
@@ -122,12 +122,12 @@ class _Placed:
 
 def _share(args: list[str]) -> tuple[Optional[float], Optional[int]]:
     """The model's GPU share from its args and the index of the item holding it (None: the default)."""
-    text = _flag_value(args, GPU_SHARE_FLAG)
+    text = flag_value(args, GPU_SHARE_FLAG)
     if text is None:
         return VLLM_DEFAULT_GPU_SHARE, None
     at = None
-    for i, arg in enumerate(args):  # the item _flag_value took its value from: the last one, as in argparse
-        if _flag_name(arg) == GPU_SHARE_FLAG and ("=" in arg or i + 1 < len(args)):
+    for i, arg in enumerate(args):  # the item flag_value took its value from: the last one, as in argparse
+        if flag_name(arg) == GPU_SHARE_FLAG and ("=" in arg or i + 1 < len(args)):
             at = i if "=" in arg else i + 1
     try:
         share = float(text)

@@ -9,7 +9,6 @@ the whole file and its line numbers.
 from __future__ import annotations
 
 import re
-import shlex
 import ssl
 import string
 from typing import Annotated, Any, Callable, Literal, Optional, Union
@@ -25,107 +24,29 @@ from pydantic import (
     model_validator,
 )
 
+from config.argv import (
+    DEFAULT_LAUNCHER,
+    GPU_SHARE_FLAG,
+    LOAD_FORMAT_FLAG,
+    NO_RELOAD_FORMATS,
+    NO_RELOAD_VLLM,
+    ROUTER_OWNED_ENV,
+    VLLM_DEFAULT_GPU_SHARE,
+    arg_text,
+    flag_name,
+    flag_value,
+    gpu_share_in,
+    no_router_owned_flags,
+    split_argv,
+)
 from config.secrets import mask_argv, mask_env
 from config.sections import ApiKey, Auth, Gpu, Host, Listen, Node, NonEmptyStr, Queue, Section, StepTimeouts, Swap
 
 __all__ = ["ApiKey", "Auth", "Gate", "Gpu", "Host", "Listen", "ModelSpec", "Node", "Queue", "Roster", "RosterFile", "Section", "StepTimeouts", "Swap"]
 
-# Flags the router composes itself, in the order it emits them; an operator setting them in
-# `args` would fight it. `engines.process.compose_argv` emits router-owned flags only by
-# walking this tuple (each with its value rule), so the two cannot drift apart.
-ROUTER_OWNED_FLAGS = (
-    "--host",
-    "--port",
-    "--served-model-name",
-    "--enable-sleep-mode",
-    "--speculative-config",
-    "--worker-extension-cls",
-    "--sleep-preserve-parameter-names",
-    "--per-request-spec-decode-metrics",
-)
-
-DEFAULT_LAUNCHER = ("vllm", "serve")
 DEFAULT_GATE_PROMPT = (
     "Write one paragraph about the history of the printing press, in plain words."
 )
-
-
-def _argv(value: Any) -> Any:
-    # Operators write `args: "--max-model-len 4096"` as often as a list; split like a shell.
-    if isinstance(value, str):
-        return shlex.split(value)
-    return value
-
-
-def _arg_text(value: Any) -> Any:
-    """One argv item: a number or boolean is taken as its text (`0.85`, `4096`, `true`).
-
-    `config.loader` already replaces such items with their spelling in the file (so `1e-3`
-    stays `1e-3`); this covers rosters built in Python, where a float becomes `str(value)`
-    and a boolean `true`/`false`, as YAML and JSON spell them.
-    """
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, str):
-        return value
-    kind = {list: "a list", dict: "a mapping", type(None): "null"}.get(type(value), type(value).__name__)
-    raise ValueError(f"each item is one argument: a string, number or boolean (found {kind})")
-
-
-def _flag_name(arg: str) -> str:
-    # vLLM's parser reads `--foo_bar` as `--foo-bar`, so compare in that spelling.
-    name = arg.split("=", 1)[0]
-    return name.replace("_", "-") if name.startswith("--") else name
-
-
-def _no_router_owned_flags(args: list[str]) -> list[str]:
-    for arg in args:
-        if _flag_name(arg) in ROUTER_OWNED_FLAGS:
-            raise ValueError(
-                f"{_flag_name(arg)} is set by the router; remove it from args "
-                f"(router-owned flags: {', '.join(ROUTER_OWNED_FLAGS)})"
-            )
-    return args
-
-
-GPU_SHARE_FLAG = "--gpu-memory-utilization"
-LOAD_FORMAT_FLAG = "--load-format"
-# The --load-format values whose loader cannot reload weights in place, read in the vLLM 0.32
-# source: model_executor/model_loader/__init__.py:51-65 maps each format to its loader, and
-# reload/inplace.py:75 raises NotImplementedError for a loader without `get_all_weights`, which
-# `reload_weights` (a Level-2 wake's step, and the draft's reload) needs. auto, hf, safetensors, pt,
-# npcache, fastsafetensors, instanttensor, mistral and runai_streamer have it.
-NO_RELOAD_VLLM = "0.32"
-NO_RELOAD_FORMATS = frozenset({"dummy", "ipc_cache", "modelexpress", "sharded_state", "runai_streamer_sharded", "tensorizer"})
-VLLM_DEFAULT_GPU_SHARE = 0.9  # vLLM's own default for --gpu-memory-utilization
-ROUTER_OWNED_ENV = ("CUDA_VISIBLE_DEVICES",)  # set from `devices`
-
-
-def _flag_value(args: list[str], flag: str) -> Optional[str]:
-    """The value of `flag` in argv (`--flag=V` or `--flag V`), the last one winning as in argparse."""
-    found = None
-    for i, arg in enumerate(args):
-        name = _flag_name(arg)
-        if name == flag:
-            if "=" in arg:
-                found = arg.split("=", 1)[1]
-            elif i + 1 < len(args):
-                found = args[i + 1]
-    return found
-
-
-def _gpu_share_in(args: list[str]) -> list[str]:
-    text = _flag_value(args, GPU_SHARE_FLAG)
-    if text is not None:
-        try:
-            share = float(text)
-        except ValueError:
-            raise ValueError(f"{GPU_SHARE_FLAG} must be a number in (0, 1] (found {text!r})") from None
-        if not 0 < share <= 1:
-            raise ValueError(f"{GPU_SHARE_FLAG} must be in (0, 1]: the fraction of each of the model's devices it uses when awake (found {text})")
-    return args
 
 
 def _output_check(value: str) -> str:
@@ -135,8 +56,8 @@ def _output_check(value: str) -> str:
 
 
 _Scalar = Union[str, float, bool]
-ArgvItem = Annotated[str, BeforeValidator(_arg_text, json_schema_input_type=_Scalar)]
-Argv = Annotated[list[ArgvItem], BeforeValidator(_argv, json_schema_input_type=Union[str, list[_Scalar]])]
+ArgvItem = Annotated[str, BeforeValidator(arg_text, json_schema_input_type=_Scalar)]
+Argv = Annotated[list[ArgvItem], BeforeValidator(split_argv, json_schema_input_type=Union[str, list[_Scalar]])]
 
 
 class Gate(Section):
@@ -202,7 +123,7 @@ class ModelSpec(Section):
     gate: Gate = Field(default_factory=Gate, description="The promotion gate (see below).")
     launcher: Argv = Field(default_factory=lambda: list(DEFAULT_LAUNCHER), min_length=1,
                            description="argv prefix replacing `vllm serve` (another venv, a container wrapper).")
-    args: Annotated[Argv, AfterValidator(_no_router_owned_flags), AfterValidator(_gpu_share_in)] = Field(
+    args: Annotated[Argv, AfterValidator(no_router_owned_flags), AfterValidator(gpu_share_in)] = Field(
         default_factory=list,
         validate_default=True,  # a `command:` engine's --load-format is checked here too
         description="Extra `vllm serve` flags (not the ones the router sets); a string is split like a shell, "
@@ -297,7 +218,7 @@ class ModelSpec(Section):
     @classmethod
     def _stats_kept_for_gate(cls, args: list[str], info: ValidationInfo) -> list[str]:
         gate = info.data.get("gate")
-        if gate is not None and gate.enabled and any(_flag_name(a) == "--disable-log-stats" for a in args):
+        if gate is not None and gate.enabled and any(flag_name(a) == "--disable-log-stats" for a in args):
             raise ValueError(
                 "--disable-log-stats removes the spec-decode counters the gate reads; "
                 "drop it or set gate.enabled: false"
@@ -307,7 +228,7 @@ class ModelSpec(Section):
     @field_validator("args")
     @classmethod
     def _level2_can_reload(cls, args: list[str], info: ValidationInfo) -> list[str]:
-        load_format = _flag_value(info.data.get("command") or args, LOAD_FORMAT_FLAG)
+        load_format = flag_value(info.data.get("command") or args, LOAD_FORMAT_FLAG)
         if info.data.get("sleep_level") == 2 and load_format in NO_RELOAD_FORMATS:
             raise ValueError(
                 f"sleep_level: 2 discards the weights and its wake reloads them from disk, which vLLM {NO_RELOAD_VLLM} "
@@ -332,7 +253,7 @@ class ModelSpec(Section):
     def engine_api_key(self) -> Optional[str]:
         """The key the engine itself demands on /v1 (its `--api-key` or VLLM_API_KEY), for the router's own calls."""
         for i, arg in enumerate(self.args):
-            if _flag_name(arg) != "--api-key":
+            if flag_name(arg) != "--api-key":
                 continue
             if "=" in arg:
                 return arg.split("=", 1)[1]
@@ -343,14 +264,14 @@ class ModelSpec(Section):
     @property
     def gpu_share(self) -> float:
         """The fraction of each of its devices this engine takes when awake (vLLM's default when unset)."""
-        text = _flag_value(self.args, GPU_SHARE_FLAG)
+        text = flag_value(self.args, GPU_SHARE_FLAG)
         return float(text) if text is not None else VLLM_DEFAULT_GPU_SHARE
 
     @property
     def reloads_weights(self) -> bool:
         """Whether vLLM can reload this engine's weights from disk, as a Level-2 wake must (an attached
         `url:` engine's format is not known here: assumed yes, as before)."""
-        return _flag_value(self.command or self.args, LOAD_FORMAT_FLAG) not in NO_RELOAD_FORMATS
+        return flag_value(self.command or self.args, LOAD_FORMAT_FLAG) not in NO_RELOAD_FORMATS
 
     @property
     def managed(self) -> bool:

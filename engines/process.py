@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from config.schema import ROUTER_OWNED_FLAGS, ModelSpec
+from config.argv import ROUTER_OWNED_FLAGS
+from config.schema import ModelSpec
 
 WORKER_EXTENSION = "engines.vllm_ext.HotswapWorkerExtension"
 PRESERVE_DRAFT = "draft.*"
@@ -26,7 +27,7 @@ TAIL_BYTES = 64 * 1024
 REAPER_MARGIN_S = 5.0
 
 # The value of each router-owned flag for one engine: its arguments after the flag ([] for a bare
-# flag), or None to leave it out. compose_argv walks config.schema.ROUTER_OWNED_FLAGS (the list
+# flag), or None to leave it out. compose_argv walks config.argv.ROUTER_OWNED_FLAGS (the list
 # `args` may not contain) and looks each flag up here, so it emits no flag outside that list, and
 # a flag added there without a rule here fails every compose_argv at once.
 FlagRule = Callable[[ModelSpec, int], Optional[list[str]]]

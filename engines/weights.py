@@ -30,7 +30,8 @@ import re
 from pathlib import Path
 from typing import Mapping, Optional
 
-from config.schema import ModelSpec, _flag_value
+from config.argv import flag_value
+from config.schema import ModelSpec
 
 GB = 1e9
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")  # in vLLM's order of preference
@@ -78,7 +79,7 @@ def _checkpoint_dir(model: str, spec: ModelSpec, env: Mapping[str, str]) -> tupl
         raise _Unknown(f"model '{model}' is not a local directory (nor a Hugging Face id); set weights_gb")
     cache = _hub_cache(spec, env)
     repo = cache / f"models--{model.replace('/', '--')}"
-    revision = _flag_value(spec.args, "--revision")
+    revision = flag_value(spec.args, "--revision")
     snapshot = _snapshot(repo, revision)
     if snapshot is None:
         at = f"revision '{revision}' " if revision else ""
@@ -89,7 +90,7 @@ def _checkpoint_dir(model: str, spec: ModelSpec, env: Mapping[str, str]) -> tupl
 def _hub_cache(spec: ModelSpec, env: Mapping[str, str]) -> Path:
     """Where `vllm serve` with this engine's args and environment looks for hub downloads
     (huggingface_hub's own order of variables)."""
-    download_dir = _flag_value(spec.args, "--download-dir")
+    download_dir = flag_value(spec.args, "--download-dir")
     if download_dir:
         return _expand(download_dir, env)
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):  # the second is the older spelling, still honoured

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from config.schema import NO_RELOAD_FORMATS
+from config.argv import NO_RELOAD_FORMATS
 
 from .memory import OutOfMemory
 from .server import bad_request, error_response, query_json, read_json

@@ -15,7 +15,8 @@ import pytest
 
 import engines.process
 from config import RosterError, parse_roster
-from config.schema import ROUTER_OWNED_FLAGS, ModelSpec
+from config.argv import ROUTER_OWNED_FLAGS
+from config.schema import ModelSpec
 from engines.process import REAPER_MARGIN_S, ROUTER_FLAG_VALUES, EngineProcess, compose_argv
 
 REPO = Path(__file__).resolve().parents[2]
