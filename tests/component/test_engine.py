@@ -195,7 +195,8 @@ def test_argv_is_launcher_then_what_the_router_owns_then_the_operators_args():
     assert compose_argv(roster.models[0], 9123) == [
         "vllm", "serve", "sim/a", "--host", "127.0.0.1", "--port", "9123", "--served-model-name", "a",
         "--enable-sleep-mode", "--speculative-config", '{"num_speculative_tokens":3}',
-        "--worker-extension-cls", "engines.vllm_ext.HotswapWorkerExtension", "--dtype", "half",
+        "--worker-extension-cls", "engines.vllm_ext.HotswapWorkerExtension",
+        "--per-request-spec-decode-metrics", "summary", "--dtype", "half",
     ]
 
 
