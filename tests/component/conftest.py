@@ -10,9 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
-from tests.support import RouterProcess, close_sdk_clients
+from engines.engine import Engine
+from tests.support import RouterProcess, close_sdk_clients, sim_roster
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,3 +158,19 @@ async def start_router(tmp_path):
     yield start
     for router in routers:
         assert router.stop() == 0, router.log()
+
+
+@pytest.fixture
+async def engine_factory(tmp_path: Path):
+    """Factory: make(model dict) -> an Engine (not booted) over a simulated engine; stopped at teardown."""
+    made: list[Engine] = []
+    async with aiohttp.ClientSession() as session:
+
+        def make(model: dict) -> Engine:
+            roster = sim_roster(model)
+            made.append(Engine(roster.models[0], roster.swap, session, tmp_path))
+            return made[-1]
+
+        yield make
+        for engine in made:
+            await engine.stop()

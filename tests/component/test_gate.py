@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import aiohttp
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.engine import Engine, State
-from tests.support import ask, client, eventually, roster_dict, sim_model, sim_roster
+from tests.support import ask, client, eventually, roster_dict, sim_model
 
 
 async def router_metrics(router) -> dict[tuple[str, tuple], float]:
@@ -103,21 +101,6 @@ async def _restarted(router, name, reason) -> bool:
 
 
 # -- engine-level scenarios ------------------------------------------------------------------------
-
-@pytest.fixture
-async def engine_factory(tmp_path: Path):
-    made: list[Engine] = []
-    async with aiohttp.ClientSession() as session:
-
-        def make(model: dict) -> Engine:
-            roster = sim_roster(model)
-            made.append(Engine(roster.models[0], roster.swap, session, tmp_path))
-            return made[-1]
-
-        yield make
-        for engine in made:
-            await engine.stop()
-
 
 def counters_only(engine: Engine, *args: str) -> Engine:
     """An engine whose answers carry no acceptance of their own (like a `command:` engine without

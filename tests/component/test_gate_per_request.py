@@ -9,14 +9,11 @@ import asyncio
 import contextlib
 import sys
 import time
-from pathlib import Path
 
 import aiohttp
-import pytest
 
-from engines.engine import Engine
 from engines.gate import FROM_ANSWER, FROM_COUNTERS, read_counters, mean_acceptance_length
-from tests.support import FAST_SIM, client, eventually, roster_dict, sim_model, sim_roster
+from tests.support import FAST_SIM, client, eventually, roster_dict, sim_model
 
 NOISE = "noise"  # prompts containing it decode at NOISE_MAL (--sim-prompt-acceptance)
 NOISE_MAL = 1.2
@@ -25,21 +22,6 @@ HEALTHY_MAL = 2.6  # the simulator's default, the canary's
 
 def spec_model(name: str, **extra):
     return sim_model(name, spec=True, **extra)
-
-
-@pytest.fixture
-async def engine_factory(tmp_path: Path):
-    made: list[Engine] = []
-    async with aiohttp.ClientSession() as session:
-
-        def make(model: dict) -> Engine:
-            roster = sim_roster(model)
-            made.append(Engine(roster.models[0], roster.swap, session, tmp_path))
-            return made[-1]
-
-        yield make
-        for engine in made:
-            await engine.stop()
 
 
 @contextlib.asynccontextmanager
