@@ -110,7 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sim-sleep-residual-gb", type=float, default=DEFAULT_RESIDUAL_GB,
                    help="GB a sleeping engine still holds per device; with --gpu-memory-utilization, modelled "
                    "only when HOTSWAP_SIM_GPU_LEDGER names a ledger (engines/sim/memory.py)")
+    n = p.add_argument_group("numbers a GPU host gets wrong (per-token logprobs; tokens unchanged: engines/sim/numerics.py)")
+    n.add_argument("--sim-logprob-jitter", type=_non_negative, default=0.0, metavar="NATS",
+                   help="healthy batch-shape noise: while other requests run alongside, each logprob moves by up to NATS")
+    n.add_argument("--sim-wake-logprob-shift", type=float, default=0.0, metavar="NATS",
+                   help="after every wake from sleep, every logprob is off by NATS (FP8 KV scales reset: vLLM #45617)")
+    n.add_argument("--sim-wake-logprob-noise", type=_non_negative, default=0.0, metavar="NATS",
+                   help="after every wake, each logprob is off by a random amount up to NATS (undefined KV pages: vLLM #44972)")
     return p
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def build_share_parser() -> argparse.ArgumentParser:
@@ -251,8 +265,10 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
 
     from .app import build_app
     from .lora import Adapters, parse_module
-    from .server import SimServer, UvicornAccessLogger
+    from .http import UvicornAccessLogger
+    from .server import SimServer
     from .state import EngineConfig, SimEngine, SpecConfig
+    from .numerics import NumericFaults
 
     log.info("vLLM API server version %s (simulated by engines.sim)", VERSION)
     log.info("args: model=%s served_model_name=%s speculative_config=%s", args.model, args.served_model_name, args.speculative_config)
@@ -307,6 +323,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
             prompt_acceptance=args.sim_prompt_acceptance,
             weightless_draft=spec is not None and spec.method in WEIGHTLESS_METHODS,
             load_format=args.load_format,
+            numeric_faults=NumericFaults(args.sim_logprob_jitter, args.sim_wake_logprob_shift, args.sim_wake_logprob_noise),
         )
     )
     log.info(

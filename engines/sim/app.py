@@ -6,7 +6,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from . import lora, routes_anthropic, routes_audio, routes_dev, routes_pooling, routes_responses, routes_sim
-from .server import SimServer, error_response, read_json
+from .http import error_response, read_json
+from .server import SimServer
 
 
 def build_app(server: SimServer) -> web.Application:

@@ -13,7 +13,7 @@ from aiohttp import web
 from config.argv import NO_RELOAD_FORMATS
 
 from .memory import OutOfMemory
-from .server import bad_request, error_response, query_json, read_json
+from .http import bad_request, error_response, query_json, read_json
 from .state import WAKE_TAGS
 
 if TYPE_CHECKING:
@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.sim")
 
 RPC_STEPS = {"reload_weights": "reload_weights", "hotswap_reload_draft": "reload_draft"}
-EXTENSION_METHODS = ("hotswap_reload_draft", "hotswap_draft_digest", "hotswap_discard_draft")
+EXTENSION_METHODS = ("hotswap_reload_draft", "hotswap_draft_digest", "hotswap_discard_draft", "hotswap_perturb_target",
+                     "hotswap_target_digest")
 
 
 def add_routes(app: web.Application, server: "SimServer") -> None:
@@ -104,10 +105,23 @@ def add_routes(app: web.Application, server: "SimServer") -> None:
             result = e.reload_draft()
         elif method == "hotswap_draft_digest":
             result = e.draft_digest()
+        elif method == "hotswap_perturb_target":
+            result = e.numerics.perturb(_scale(body))
+        elif method == "hotswap_target_digest":
+            result = e.numerics.digest()
         else:
             result = {"discarded": e.discard_draft()}
         log.info("collective_rpc(%s) -> %s", method, result)
         return web.json_response({"results": [result]})
+
+    def _scale(body: dict) -> float:
+        """The test method's one argument, positional (`args`) or by name (`kwargs`), as vLLM passes them."""
+        args, kwargs = body.get("args") or [], body.get("kwargs") or {}
+        value = kwargs.get("scale", args[0] if isinstance(args, list) and args else 1.1) if isinstance(kwargs, dict) else None
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise bad_request(f"hotswap_perturb_target: scale must be a number, got {value!r}", "args") from None
 
     r = app.router
     r.add_post("/sleep", sleep)
