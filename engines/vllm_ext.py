@@ -202,6 +202,10 @@ class HotswapWorkerExtension:
         copy of the original, every call writes original * scale, so calls are idempotent
         and `scale=1.0` restores the checkpoint bit for bit (the digest says so). The
         collective_rpc endpoint passes JSON args through, so a string scale is accepted too.
+
+        vLLM's `reload_weights` (the Level-2 wake) rewrites this weight from the checkpoint
+        and so erases the perturbation (measured on CPU: drift 0.46 -> 0, digest back): perturb
+        at Level 1, or after the wake's `reload_weights` and before the `kv_cache` wake.
         """
         import torch
 
