@@ -15,7 +15,8 @@ which is what makes these faults invisible to acceptance and to the output check
   N, as when discarded KV pages are remapped with undefined contents (vLLM #44972).
 - the worker extension's test method `hotswap_perturb_target(scale)` (through
   /collective_rpc, as on real vLLM): logits scaled by `scale` — the real method scales the
-  target's final norm weight — until the process restarts. Greedy tokens are unchanged.
+  target's final norm weight — until `reload_weights` (a Level-2 wake) or a restart rewrites
+  it from the checkpoint. Greedy tokens are unchanged.
 """
 
 from __future__ import annotations
@@ -52,8 +53,18 @@ class Numerics:
         self.shift, self.noise = self.faults.wake_shift, self.faults.wake_noise
 
     def perturb(self, scale: float) -> dict:
-        self.scale *= scale
-        return {"perturbed": "model.norm.weight", "scale": scale, "digest": self.digest()}
+        """The real method's contract (engines/vllm_ext.py): relative to the checkpoint, not cumulative
+        (1.0 restores it), refused for scale <= 0, and undone by reload_weights (`reloaded`)."""
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0 (a negative one flips the argmax), not {scale}")
+        before = self.digest()
+        self.scale = scale
+        return {"perturbed": "model.norm.weight", "scale": scale, "dtype": "bfloat16", "restored": scale == 1.0,
+                "digest_before": before, "digest_after": self.digest()}
+
+    def reloaded(self) -> None:
+        """reload_weights rewrote the target from its checkpoint: a perturbation is gone."""
+        self.scale = 1.0
 
     def digest(self) -> str:
         return hashlib.sha256(f"{self.model}:norm:{self.scale!r}".encode()).hexdigest()

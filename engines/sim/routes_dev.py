@@ -106,7 +106,11 @@ def add_routes(app: web.Application, server: "SimServer") -> None:
         elif method == "hotswap_draft_digest":
             result = e.draft_digest()
         elif method == "hotswap_perturb_target":
-            result = e.numerics.perturb(_scale(body))
+            try:
+                result = e.numerics.perturb(_scale(body))
+            except ValueError as exc:  # what the worker raises, as vLLM answers it
+                log.error("collective_rpc(%s) failed: %s", method, exc)
+                return error_response(500, f"ValueError: {exc}", "InternalServerError")
         elif method == "hotswap_target_digest":
             result = e.numerics.digest()
         else:
@@ -117,7 +121,7 @@ def add_routes(app: web.Application, server: "SimServer") -> None:
     def _scale(body: dict) -> float:
         """The test method's one argument, positional (`args`) or by name (`kwargs`), as vLLM passes them."""
         args, kwargs = body.get("args") or [], body.get("kwargs") or {}
-        value = kwargs.get("scale", args[0] if isinstance(args, list) and args else 1.1) if isinstance(kwargs, dict) else None
+        value = kwargs.get("scale", args[0] if isinstance(args, list) and args else 1.05) if isinstance(kwargs, dict) else None
         try:
             return float(value)
         except (TypeError, ValueError):

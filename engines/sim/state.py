@@ -150,6 +150,7 @@ class SimEngine:
         # vLLM 0.33: iterates the target model's parameters only; the draft is untouched.
         self.target = "loaded"
         self._junk_nonce = ""
+        self.numerics.reloaded()
 
     def reload_draft(self) -> dict:
         if self.draft == "none":

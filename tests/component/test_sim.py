@@ -938,3 +938,18 @@ async def test_jitter_moves_logprobs_only_beside_other_requests(start_sim_engine
                                    complete(http, sim, prompt="other traffic", max_tokens=64))
     moved = [abs(a - b) for a, b in zip(busy["choices"][0]["logprobs"]["token_logprobs"], alone[0])]
     assert 0 < max(moved) <= 0.01, moved
+
+
+async def test_a_perturbed_target_keeps_its_tokens_until_reload_weights_rewrites_it(start_sim_engine, http):
+    sim = start_sim_engine(*FAST, *SPEC)
+    before = (await complete(http, sim, logprobs=0))["choices"][0]["logprobs"]
+    body = lambda *args: {"method": "hotswap_perturb_target", "args": list(args), "kwargs": {}}  # noqa: E731
+    (perturbed,) = (await dev(http, sim, "/collective_rpc", json_body=body(1.5)))["results"]
+    assert perturbed["digest_after"] != perturbed["digest_before"] and not perturbed["restored"]
+    after = (await complete(http, sim, logprobs=0))["choices"][0]["logprobs"]
+    assert after["tokens"] == before["tokens"] and after["token_logprobs"] != before["token_logprobs"]
+    status, refused = await call(http, sim, "POST", "/collective_rpc", json_body=body(-1))
+    assert status == 500 and "scale must be > 0" in refused["error"]["message"]
+    await rpc(http, sim, "reload_weights")
+    assert (await rpc(http, sim, "hotswap_target_digest")) == [perturbed["digest_before"]]
+    assert (await complete(http, sim, logprobs=0))["choices"][0]["logprobs"] == before
