@@ -22,6 +22,7 @@ import aiohttp
 from config.schema import ModelSpec, Swap
 from engines import gate, reaper, wake
 from engines.client import EngineError, EngineRefused, EngineTLSError, VLLMClient, attached_client
+from engines.host_memory import HostMemory
 from engines.leases import Leases
 from engines.process import EngineProcess, free_port
 from engines.states import TRANSITIONS, EngineFailed, State
@@ -91,6 +92,7 @@ class Engine:
         self._stopping = False
         self._watch: Optional[asyncio.Task[None]] = None
         self.probe: Optional[asyncio.Task[None]] = None  # engines.watch's health probe, one at a time
+        self.host = HostMemory(spec)  # what it holds in host RAM for sleep (engines.host_memory)
 
     # -- what the router reads -----------------------------------------------------------
 
@@ -245,6 +247,7 @@ class Engine:
 
     async def _boot(self) -> None:
         self.last_phases = {}
+        self.host.booted(self.spec)  # a new process holds nothing for sleep
         self._enter(State.BOOTING)
         self.boot_deadline = deadline = time.monotonic() + self.swap.boot_timeout_s
         started = time.monotonic()
@@ -339,9 +342,11 @@ class Engine:
         level = level or self.sleep_levels[-1]
         self.last_phases = {}
         mode = "wait" if await self._drain() else "abort"
+        await self.host.before_sleep(self.client, self.process)
         await self._step("sleep", lambda t: self.client.sleep(level, mode, timeout=t))
         self.sleep_level = level
         self._enter(State.SLEEPING)
+        await self.host.after_sleep(self.client, self.process, level)
 
     # -- wake ----------------------------------------------------------------------------
 
@@ -353,6 +358,7 @@ class Engine:
         self._enter(State.WAKING)
         for step in wake.steps(self.sleep_level or 2, self.spec.draft_restore):
             await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
+        await self.host.after_wake(self.client, self.process, self.sleep_level or 2)
         self._enter(State.VERIFYING)
         verdict = await self._judged_canary()
         if verdict.passed:
@@ -376,10 +382,12 @@ class Engine:
         self._enter(State.WAKING)
         for step in wake.steps(1, self.spec.draft_restore):
             await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
+        await self.host.after_wake(self.client, self.process, 1)  # the host copy is what a demotion is for
         self._enter(State.DRAINING)
         await self._step("sleep", lambda t: self.client.sleep(2, "wait", timeout=t))
         self.sleep_level = 2
         self._enter(State.SLEEPING)
+        await self.host.after_sleep(self.client, self.process, 2)
 
     # -- the promotion gate ------------------------------------------------------------------
 
