@@ -45,10 +45,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("hotswap")
 
 # The first guess of what a Level-1 sleep holds, × the checkpoint's bytes, until it is measured.
-# Power-of-two rounding of each weight tensor's pinned block costs 1.27 × on Llama-3.1-8B's
-# tensors (its two 1.05 GB embedding matrices round to 2.1 GB each) and between 1 and 2 × in
-# general; 1.35 × weights is what has been reported on H100/H200 hosts (issue 23, which adds
-# 1.4 GiB: the process's own growth, which the baseline leaves out here). docs/operators.md.
+# Power-of-two rounding of each weight tensor's pinned block alone costs 1.14 × on Llama-3.1-8B's
+# tensors (qkv_proj 1.33 ×, gate_up and down 1.14 ×: engines/sim/host_memory.py) and between 1
+# and 2 × in general; 1.35 × weights is what has been reported on H100/H200 hosts (issue 23,
+# which adds 1.4 GiB: the process's own growth, which the baseline leaves out here), so the
+# guess errs on the side of Level 2 until the first Level-1 sleep is measured. docs/operators.md.
 PRIOR_FACTOR = 1.35
 EXTENSION, PROC, UNMEASURED = "extension", "proc", "unmeasured"
 REPORT_RPC, RELEASE_RPC = "hotswap_host_memory", "hotswap_empty_host_cache"
@@ -123,6 +124,8 @@ class HostMemory:
         self.release_ok: Optional[bool] = None  # whether that emptying worked (None: not tried since boot)
         self.problem: Optional[str] = None  # why the last measurement fell back, for /admin/status
         self._extension: Optional[bool] = None  # it answers the report (None: not asked since boot)
+        self._no_extension: Optional[str] = None  # why it does not
+        self._release_why: Optional[str] = None  # why the last emptying of the cache did not work
         self._warned: set[str] = set()
 
     # -- what the scheduler reads ----------------------------------------------------------------
@@ -170,12 +173,7 @@ class HostMemory:
             before = self.held
             await self._guarded("emptying its host cache", self._release(client))
             await self._guarded(f"after a level-{level} wake", self._measure(client, process, f"level-{level} wake"))
-            if self.release_ok and self.held is not None:
-                self.level1_copy = False
-                self.released = max(0, before - self.held) if before is not None else None
-                log.info("engine %s: emptied its host cache after a level-1 wake: %s given back, %.2f GB still held for "
-                         "sleep (%s)", self.name, "?" if self.released is None else f"{self.released / GB:.2f} GB",
-                         self.held / GB, self.source)
+            self._report_release(before)
             return
         await self._guarded(f"after a level-{level} wake", self._measure(client, process, f"level-{level} wake"))
 
@@ -224,34 +222,50 @@ class HostMemory:
             pinned = pinned_bytes(await client.collective_rpc(REPORT_RPC, timeout=RPC_S))
         except EngineHTTPError as exc:  # no such method: the engine runs without the extension
             self._extension = False
-            self.problem = f"no worker extension ({exc.cause[:200]}); read from /proc"
+            self._no_extension = f"no worker extension: {exc.cause[:200]}"
+            self.problem = f"{self._no_extension}; read from /proc"
             return None
         except EngineError as exc:  # a slow or lost answer: this once from /proc
             self.problem = f"{exc}; read from /proc this time"
             return None
         if pinned is None:
             self._extension = False
-            self.problem = "the worker extension has no pinned host allocator to report (no CUDA); read from /proc"
+            self._no_extension = "the worker extension has no pinned host allocator (no CUDA)"
+            self.problem = f"{self._no_extension}; read from /proc"
             return None
         self._extension = True
         return pinned
 
     async def _release(self, client: Optional[VLLMClient]) -> None:
+        self.release_ok, self._release_why = False, None
         if client is None:
-            self.release_ok = False
+            self._release_why = "attached without a client (internal error)"
+            return
+        if self._extension is False:  # asked this boot: no extension, or no CUDA, so nothing to empty
+            self._release_why = self._no_extension
             return
         try:
             results = await client.collective_rpc(RELEASE_RPC, timeout=RPC_S)
         except EngineError as exc:
-            self.release_ok = False
-            self._warn_once("release", "engine %s: cannot empty its host cache after a level-1 wake (%s): the pinned "
-                            "copy of its weights stays held and counts against host.ram_budget_gb until it stops "
-                            "(start it with the worker extension: docs/operators.md)", str(exc)[:300])
+            self._release_why = str(exc)[:300]
             return
         self.release_ok = any(isinstance(r, dict) and r.get("available") for r in results)
         if not self.release_ok:
-            self._warn_once("release", "engine %s: its worker extension cannot empty the host cache (%s): the pinned copy "
-                            "stays held and counts against host.ram_budget_gb", _reason(results))
+            self._release_why = _reason(results)
+
+    def _report_release(self, before: Optional[int]) -> None:
+        if self.release_ok and self.held is not None:
+            self.level1_copy = False
+            self.released = max(0, before - self.held) if before is not None else None
+            log.info("engine %s: emptied its host cache after a level-1 wake: %s given back, %.2f GB still held for sleep "
+                     "(%s)", self.name, "?" if self.released is None else f"{self.released / GB:.2f} GB", self.held / GB,
+                     self.source)
+            return
+        held = "unmeasured" if self.held is None else f"{self.held / GB:.2f} GB, {self.source}"
+        self._warn_once("release", "engine %s: its host cache cannot be emptied after a level-1 wake (%s): what its "
+                        "level-1 sleep pinned stays held (now %s) and counts against host.ram_budget_gb until the engine "
+                        "stops; only engines whose draft the router reloads load the worker extension (docs/operators.md)",
+                        self._release_why or "the release did not answer", held)
 
     def _warn_once(self, key: str, message: str, *args: Any) -> None:
         if key not in self._warned:  # once per boot: the same cause repeats at every sleep and wake

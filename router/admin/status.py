@@ -31,8 +31,8 @@ def placement_status(router: Router) -> dict[str, Any]:
         devices.append({"index": view.index, "memory_gb": view.memory_gb, "planned": round(view.planned, 4),
                         "residual": round(view.residual, 4), "free": round(max(0.0, 1.0 - view.planned - view.residual), 4),
                         "engines": view.engines})
-    return {"devices": devices, "host": {"ram_budget_gb": round(scheduler.capacity.ram_budget_gb, 2),
-                                         "level1_gb": round(scheduler.level1_gb(), 2)}}
+    return {"devices": devices, "host": {"ram_budget_gb": round(scheduler.capacity.ram_budget_gb, 4),
+                                         "level1_gb": round(scheduler.level1_gb(), 4)}}
 
 
 def engine_status(router: Router, e: Engine) -> dict[str, Any]:

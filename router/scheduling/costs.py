@@ -102,8 +102,8 @@ class Costs(SchedulerState):
         """What the budget counts for `engine`: as its running action will leave it, else as last measured,
         else its estimate while it may hold a Level-1 copy."""
         action = self.doing.get(engine.name, ("",))[0]
-        if action == "stop":
-            return 0.0
+        if action == "stop" or engine.state is State.COLD or (engine.state is State.FAILED and not engine.holds_process):
+            return 0.0  # no process, nothing held (its last measurement is of a process that is gone)
         if action == "demote":  # chosen only where the wake empties the cache (passes_through)
             return 0.0
         now = self._host_now_gb(engine)

@@ -701,3 +701,10 @@ async def test_a_level1_sleeper_whose_wake_cannot_give_host_ram_back_is_stopped_
     s.busy.clear(), s.doing.clear(), s.parking_level.clear()
     idle.host.release_ok = False  # no worker extension: a demotion would leave the pinned copy cached
     assert actions(s.decide(clock.now)) == [("park", "hot"), ("stop", "idle")], "only its stop gives the RAM back"
+
+
+async def test_a_stopped_engine_holds_no_host_ram_whatever_its_last_measurement_said(clock):
+    gone = measured(FakeEngine("gone", State.COLD), 16, level1=16)
+    b = awake("b", clock, share=0.5)
+    s = scheduler(gone, b, clock=clock, ram_gb=20, estimates={"gone": 16, "b": 6})
+    assert s.host_gb(gone) == 0 and s._choose_level(b, clock.now) == (1, [])
