@@ -12,6 +12,7 @@ from aiohttp import web
 
 from config.argv import NO_RELOAD_FORMATS
 
+from .host_memory import NOT_MODELLED, HostModel
 from .memory import OutOfMemory
 from .server import bad_request, error_response, query_json, read_json
 from .state import WAKE_TAGS
@@ -22,10 +23,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.sim")
 
 RPC_STEPS = {"reload_weights": "reload_weights", "hotswap_reload_draft": "reload_draft"}
-EXTENSION_METHODS = ("hotswap_reload_draft", "hotswap_draft_digest", "hotswap_discard_draft")
+EXTENSION_METHODS = ("hotswap_reload_draft", "hotswap_draft_digest", "hotswap_discard_draft", "hotswap_host_memory",
+                     "hotswap_empty_host_cache")
 
 
-def add_routes(app: web.Application, server: "SimServer") -> None:
+def add_routes(app: web.Application, server: "SimServer", host: HostModel | None = None) -> None:
+    """`host`: the Level-1 host-memory model, charged at sleep and wake and reported by the extension's RPCs."""
     async def sleep(request: web.Request) -> web.Response:
         try:
             level = int(request.query.get("level", "1"))
@@ -43,6 +46,8 @@ def add_routes(app: web.Application, server: "SimServer") -> None:
         # Levels 1 and 2 unmap weights and KV cache; level 0 only pauses scheduling.
         if server.memory is not None and level > 0:
             server.memory.sleep()
+        if host is not None:
+            host.sleep(level)
         return web.json_response({"status": "sleeping", "level": level})
 
     async def wake_up(request: web.Request) -> web.Response:
@@ -61,6 +66,8 @@ def add_routes(app: web.Application, server: "SimServer") -> None:
                 log.error("Invocation of wake_up method failed (GPU %d: %s GiB free, %s GiB asked): %s",
                           e.device, round(e.free / 2**30, 2), round(e.requested / 2**30, 2), msg)
                 return error_response(500, msg, "InternalServerError")
+        if host is not None:
+            host.wake(list(tags))
         result = server.engine.wake(list(tags))
         log.info("wake_up(tags=%s): %s", tags or "all", result["status"])
         return web.json_response(result)
@@ -104,6 +111,10 @@ def add_routes(app: web.Application, server: "SimServer") -> None:
             result = e.reload_draft()
         elif method == "hotswap_draft_digest":
             result = e.draft_digest()
+        elif method == "hotswap_host_memory":
+            result = host.stats() if host is not None else NOT_MODELLED
+        elif method == "hotswap_empty_host_cache":
+            result = host.empty_cache() if host is not None else NOT_MODELLED
         else:
             result = {"discarded": e.discard_draft()}
         log.info("collective_rpc(%s) -> %s", method, result)
