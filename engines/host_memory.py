@@ -126,6 +126,8 @@ class HostMemory:
         self._extension: Optional[bool] = None  # it answers the report (None: not asked since boot)
         self._no_extension: Optional[str] = None  # why it does not
         self._release_why: Optional[str] = None  # why the last emptying of the cache did not work
+        self._proc_why: Optional[str] = None  # why the last /proc read gave nothing
+        self._baseline_why: Optional[str] = None  # why the awake footprint could not be taken (a defect)
         self._warned: set[str] = set()
 
     # -- what the scheduler reads ----------------------------------------------------------------
@@ -158,7 +160,8 @@ class HostMemory:
         """The awake footprint the later measurements are differences from, once per boot."""
         if self.baseline:
             return
-        await self._guarded("its awake footprint", self._take_baseline(client, process))
+        if not await self._guarded("its awake footprint", self._take_baseline(client, process)):
+            self._baseline_why = f"its awake footprint could not be taken: {self.problem}"
 
     async def after_sleep(self, client: Optional[VLLMClient], process: Optional["EngineProcess"], level: int) -> None:
         if level == 1:
@@ -177,39 +180,56 @@ class HostMemory:
             return
         await self._guarded(f"after a level-{level} wake", self._measure(client, process, f"level-{level} wake"))
 
-    async def _guarded(self, what: str, measuring: Any) -> None:
+    async def _guarded(self, what: str, measuring: Any) -> bool:
         try:
             await measuring
         except Exception as exc:  # a defect, or an answer nothing anticipated: counted by estimate instead
             log.exception("engine %s: measuring its host memory (%s) failed; it is counted by estimate", self.name, what)
             self.held, self.source, self.problem = None, UNMEASURED, f"internal error: {exc!r} (traceback in the router log)"
+            return False
+        return True
 
     async def _take_baseline(self, client: Optional[VLLMClient], process: Optional["EngineProcess"]) -> None:
         pinned = await self._report(client)
         if pinned is not None:
             self.baseline[EXTENSION] = pinned
-        reading = await asyncio.to_thread(_read_tree, process)
+        reading = await self._read_proc(process)
         if reading is not None:
             self.baseline[PROC] = reading.bytes
         self.held, self.source, self.after, self.at = 0, self._best_source(), "awake", time.time()
 
     async def _measure(self, client: Optional[VLLMClient], process: Optional["EngineProcess"], after: str) -> None:
-        self.after, self.at = after, time.time()
+        """`problem` ends up saying why the best source was not the one used (None: the extension answered)."""
+        self.after, self.at, self.problem = after, time.time(), None
         if EXTENSION in self.baseline:
             pinned = await self._report(client)
             if pinned is not None:
-                self.held, self.source, self.shared, self.problem = max(0, pinned - self.baseline[EXTENSION]), EXTENSION, None, None
+                self.held, self.source, self.shared = max(0, pinned - self.baseline[EXTENSION]), EXTENSION, None
                 return
+        elif self._no_extension:
+            self.problem = self._no_extension
         if PROC in self.baseline:
-            reading = await asyncio.to_thread(_read_tree, process)
+            reading = await self._read_proc(process)
             if reading is not None:
                 self.held, self.source, self.shared = max(0, reading.bytes - self.baseline[PROC]), PROC, reading.shared
-                self.problem = None if self._extension is not True else "the extension did not answer; read from /proc"
                 return
         self.held, self.source, self.shared = None, UNMEASURED, None
-        self.problem = ("no worker extension answers, and the router has no process of it to read in /proc (attached by url:)"
-                        if not self.baseline else "neither its worker extension nor /proc answered (has its process exited?)")
+        if not self.baseline:
+            self.problem = self._baseline_why or ("no worker extension answers, and the router has no process of it to "
+                                                  "read in /proc (attached by url:)")
+        else:
+            proc = self._proc_why or "its processes could not be read in /proc (has it exited?)"
+            self.problem = f"{self.problem}; {proc}" if self.problem else proc
         self._warn_once("unmeasured", "engine %s: its host memory cannot be measured (%s); counted by estimate", self.problem)
+
+    async def _read_proc(self, process: Optional["EngineProcess"]) -> Optional[Reading]:
+        self._proc_why = None
+        try:  # a /proc read can stall on a process the kernel is busy with: bounded like an RPC
+            async with asyncio.timeout(RPC_S):
+                return await asyncio.to_thread(_read_tree, process)
+        except TimeoutError:
+            self._proc_why = f"reading its processes in /proc took longer than {RPC_S:g} s"
+            return None
 
     def _best_source(self) -> str:
         return EXTENSION if EXTENSION in self.baseline else PROC if PROC in self.baseline else UNMEASURED
@@ -222,16 +242,14 @@ class HostMemory:
             pinned = pinned_bytes(await client.collective_rpc(REPORT_RPC, timeout=RPC_S))
         except EngineHTTPError as exc:  # no such method: the engine runs without the extension
             self._extension = False
-            self._no_extension = f"no worker extension: {exc.cause[:200]}"
-            self.problem = f"{self._no_extension}; read from /proc"
+            self._no_extension = self.problem = f"no worker extension: {exc.cause[:200]}"
             return None
         except EngineError as exc:  # a slow or lost answer: this once from /proc
-            self.problem = f"{exc}; read from /proc this time"
+            self.problem = f"the extension did not answer ({exc})"
             return None
         if pinned is None:
             self._extension = False
-            self._no_extension = "the worker extension has no pinned host allocator (no CUDA)"
-            self.problem = f"{self._no_extension}; read from /proc"
+            self._no_extension = self.problem = "the worker extension has no pinned host allocator (no CUDA)"
             return None
         self._extension = True
         return pinned

@@ -112,3 +112,23 @@ async def test_hotswap_status_shows_each_engines_measured_host_memory(start_rout
     assert re.search(rf"a host RAM: measured {held:.2f} GB \(proc, after level-1 sleep\), estimated 0\.03 GB, counted "
                      rf"{held:.2f} GB", out), out
     assert "host RAM held for sleep: " in out, out
+
+
+@pytest.mark.parametrize("extension", [True, False])
+async def test_an_attached_engine_has_no_process_to_read_so_only_its_extension_can_measure_it(
+        engine_factory, start_sim_engine, extension):
+    args = ("--worker-extension-cls", "engines.vllm_ext.HotswapWorkerExtension") if extension else ()
+    sim = start_sim_engine("--sim-weights-gb", "0.02", *HOST_MODEL, *args)
+    engine = engine_factory({"name": "attached", "url": sim.url, "sleep_level": 1})
+    await engine.boot()
+    await engine.sleep()
+    host = engine.host.as_dict()
+    if extension:
+        assert host["source"] == "extension" and host["measured_gb"] > 0.03, host
+    else:
+        assert host["source"] == "unmeasured" and host["measured_gb"] is None, host
+        assert "the router has no process of it to read in /proc (attached by url:)" in host["problem"]
+    await engine.wake()
+    assert engine.state.value == "awake", "a measurement that cannot be made never fails the wake"
+    assert engine.host.releases is extension
+    assert (engine.host.held == 0) if extension else (engine.host.held is None and engine.host.level1_copy)

@@ -64,3 +64,24 @@ def test_a_simulated_level1_backup_is_resident_stays_cached_after_the_wake_and_g
     released = model.empty_cache()
     assert released["released_bytes"] == pinned and model.allocated == 0
     assert shmem() - before < 1 << 20, "emptying the cache gives the pages back"
+
+
+class BrokenClient:
+    """An engine whose answers to the host-memory RPCs break the reader (a shape nothing anticipated)."""
+
+    async def collective_rpc(self, method: str, timeout: float):
+        return [{"available": True}]  # no allocated_bytes
+
+
+async def test_a_measurement_that_fails_on_an_unexpected_answer_is_logged_with_its_traceback_and_counted_by_estimate(caplog):
+    from config.schema import ModelSpec
+    from engines.host_memory import UNMEASURED, HostMemory
+
+    host = HostMemory(ModelSpec(name="m", model="/m"))
+    await host.before_sleep(BrokenClient(), None)
+    await host.after_sleep(BrokenClient(), None, 1)
+    assert (host.held, host.source, host.level1_copy) == (None, UNMEASURED, True)
+    assert host.problem.startswith("its awake footprint could not be taken: internal error: KeyError('allocated_bytes')"), \
+        host.problem
+    [record, *_] = [r for r in caplog.records if "measuring its host memory" in r.getMessage()]
+    assert record.exc_info is not None and "counted by estimate" in record.getMessage()
