@@ -247,7 +247,7 @@ class Engine:
 
     async def _boot(self) -> None:
         self.last_phases = {}
-        self.host.booted(self.spec)  # a new process holds nothing for sleep
+        self.host.reset(self.spec)  # a new process holds nothing for sleep
         self._enter(State.BOOTING)
         self.boot_deadline = deadline = time.monotonic() + self.swap.boot_timeout_s
         started = time.monotonic()
@@ -436,6 +436,7 @@ class Engine:
             self._enter(State.COLD)  # first: no lease may be handed out to a process that is going away
         if self.process is not None:
             await self.process.stop()
+        self.host.reset(self.spec)  # the process and what it held are gone
         if self._watch is not None:
             await asyncio.gather(self._watch, return_exceptions=True)
 

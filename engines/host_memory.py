@@ -105,10 +105,10 @@ class HostMemory:
     bookkeeping is plain data (the scheduler reads it); the async methods do the measuring."""
 
     def __init__(self, spec: ModelSpec):
-        self.booted(spec)
+        self.reset(spec)
 
-    def booted(self, spec: ModelSpec) -> None:
-        """A new process (a boot): nothing held for sleep, nothing known about its sources yet."""
+    def reset(self, spec: ModelSpec) -> None:
+        """A new process (a boot), or none (a stop): nothing held for sleep, nothing known of its sources."""
         self.name = spec.name
         # The router composes --worker-extension-cls for a draft it reloads (engines/process.py).
         self.expects_extension = spec.managed and spec.command is None and spec.draft_restore == "reload"
