@@ -85,6 +85,34 @@ class Costs(SchedulerState):
         # An unknown size was said once at start (sizing.level1_weights); every park need not repeat it.
         return reason if self.level1_need_gb(engine) is not None else ""
 
+    def over_budget(self, ledger: Ledger, moving: Collection[str], now: float) -> list[tuple[Engine, bool, str]]:
+        """When what the engines hold for sleep, as measured, is over host.ram_budget_gb (a Level-1 sleep
+        that held more than its first guess): the least valuable Level-1 sleepers to demote (True) or stop
+        (False) until it is not. An awake engine's cached copy is not moved: only its stop would free it."""
+        budget = self.capacity.ram_budget_gb
+        # Engines whose wake is under way or waits for its room give their copy back once woken, as the
+        # parks made for them counted (`_leaving`): they are neither counted nor moved here.
+        waking = {n for n in self.making_room} | {n for n, (action, *_) in self.doing.items() if action == "wake"}
+        excess = self.level1_gb(exclude={e.name for e in self.engines if e.name in waking and e.host.releases}) - budget
+        if excess <= 0:
+            return []
+        sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1 and not e.spec.pin
+                           and e.name not in self.busy and e.name not in moving and e.name not in waking
+                           and self.host_gb(e) > 0),
+                          key=lambda e: self._level1_value(e, now, passes=self.passes_through(e, ledger)))
+        out = []
+        for sleeper in sleepers:
+            if excess <= 0:
+                break
+            passes = self.passes_through(sleeper, ledger)
+            if passes:
+                ledger.reserve(sleeper)  # it passes through the GPU on its way to Level 2
+            out.append((sleeper, passes, f"host RAM over host.ram_budget_gb={budget:g} by measurement: the engines hold "
+                                         f"{excess + budget:.2f} GB for sleep, {self.host_gb(sleeper):.2f} GB of it {sleeper.name}'s"
+                                         + ("" if sleeper.spec.reloads_weights else f", and {NO_LEVEL2}")))
+            excess -= self.host_gb(sleeper)
+        return out
+
     def passes_through(self, sleeper: Engine, ledger: Ledger) -> bool:
         """Whether demoting a Level-1 sleeper (through the GPU to Level 2) gives its host RAM back: the GPU
         has room for it, it can reload, and a Level-1 wake empties its host cache (the worker extension);

@@ -151,6 +151,11 @@ class Scheduler(Actions):
             else:
                 decisions.append(Decision("boot" if first else "wake", target, f"{self.queued(target)} waiting"))
                 started(target, boots)
+        for sleeper, passes, why in self.over_budget(ledger, moving, now):  # a first guess measured too low
+            if clear(sleeper):
+                decisions.append(Decision("demote" if passes else "stop", sleeper, why))
+                moving.add(sleeper.name)
+                started(sleeper)
         idle = self.swap.idle_sleep_s
         for engine in self.engines:
             if idle is None or engine.name in moving or engine.name in self.busy or engine.state is not State.AWAKE \

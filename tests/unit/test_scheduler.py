@@ -708,3 +708,39 @@ async def test_a_stopped_engine_holds_no_host_ram_whatever_its_last_measurement_
     b = awake("b", clock, share=0.5)
     s = scheduler(gone, b, clock=clock, ram_gb=20, estimates={"gone": 16, "b": 6})
     assert s.host_gb(gone) == 0 and s._choose_level(b, clock.now) == (1, [])
+
+
+async def test_a_level1_sleep_that_held_more_than_its_guess_over_the_budget_sends_the_least_valuable_sleeper_down(clock):
+    gpus = {0: 100.0}
+    popular = measured(FakeEngine("popular", share=0.3, level=1), 12, level1=12)
+    unused = measured(FakeEngine("unused", share=0.3, level=1), 10, level1=10)  # estimated 8: it fit, measured it does not
+    s = scheduler(popular, unused, awake("a", clock, share=0.3), clock=clock, gpus=gpus, ram_gb=20,
+                  estimates={"popular": 12, "unused": 8})
+    for name in ("popular", "unused"):
+        s.costs.observe_wake(name, 1, 0.5)
+        s.costs.observe_wake(name, 2, 5.0)
+    for _ in range(10):
+        s.demand.arrived("popular", clock.now - 1)
+    popular.host.release_ok = unused.host.release_ok = True
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("demote", "unused")], "22 GB held for sleep in a 20 GB budget: the one nobody asks for goes"
+    assert plan.decisions[0].why == ("host RAM over host.ram_budget_gb=20 by measurement: the engines hold 22.00 GB "
+                                     "for sleep, 10.00 GB of it unused's")
+    s.busy.clear(), s.doing.clear()
+    unused.host.release_ok = False
+    assert actions(s.decide(clock.now)) == [("stop", "unused")], "its wake cannot give the RAM back: stopped"
+    unused.host.held = int(8e9)
+    assert actions(s.decide(clock.now)) == [], "within the budget: nobody moves"
+
+
+async def test_a_sleeper_whose_room_is_being_made_is_not_sent_down_for_the_ram_its_own_wake_gives_back(clock):
+    target = measured(FakeEngine("target", share=0.6, level=1), 12, level1=12)
+    target.host.release_ok = True
+    parking = awake("parking", clock, share=0.6)
+    s = scheduler(target, parking, clock=clock, ram_gb=20, estimates={"target": 12, "parking": 12})
+    wait_for(s, target, clock.now)
+    assert [(d.action, d.engine.name, d.level) for d in s.decide(clock.now).decisions] == [("park", "parking", 1)], \
+        "the target's wake will empty its cache: parking fits at level 1 beside it"
+    s.busy["parking"], s.doing["parking"] = asyncio.get_running_loop().create_future(), ("park", clock.now, 0.0)
+    s.parking_level["parking"] = 1
+    assert s.decide(clock.now) == Plan(), "12 + 12 GB over 20 while the park runs, but target's 12 are on their way out"
