@@ -132,3 +132,22 @@ async def test_an_attached_engine_has_no_process_to_read_so_only_its_extension_c
     assert engine.state.value == "awake", "a measurement that cannot be made never fails the wake"
     assert engine.host.releases is extension
     assert (engine.host.held == 0) if extension else (engine.host.held is None and engine.host.level1_copy)
+
+
+async def test_a_level1_sleep_that_holds_more_than_its_guess_and_breaks_the_budget_is_stopped_at_once(start_router, tmp_path):
+    # Estimated 27 MB, within 30; measured 33.6 MB, over: a cannot pass through the GPU (b is awake), so it stops.
+    router = await start_router(roster_dict(model(tmp_path, "a"), model(tmp_path, "b", default=True),
+                                            host={"ram_budget_gb": 0.03}))
+    a = await eventually(_cold(router, "a"), what="a stopped for host RAM")
+    assert a["host_memory"]["counted_gb"] == 0
+    assert re.search(r"stopping a \(asleep at level 1\): host RAM over host\.ram_budget_gb=0\.03 by measurement: the "
+                     r"engines hold 0\.03 GB for sleep, 0\.03 GB of it a's", router.log()), router.log()
+    assert (await router.status())["placement"]["host"]["level1_gb"] == 0
+    assert await ask(client(router), "a"), "it boots cold when asked for"
+
+
+def _cold(router, name: str):
+    async def check():
+        engine = await router.engine(name)
+        return engine if engine["state"] == "cold" else None
+    return check
