@@ -47,6 +47,10 @@ __all__ = ["ApiKey", "Auth", "Gate", "Gpu", "Host", "Listen", "ModelSpec", "Node
 DEFAULT_GATE_PROMPT = (
     "Write one paragraph about the history of the printing press, in plain words."
 )
+# Mean |logprob change| per token, in nats, past which a wake is refused. Chosen from measurement
+# (docs/gate.md, bench/logprob_drift.py): well above a healthy engine's spread across cold boots and
+# batch sizes, well below what a numerically wrong target shows.
+DEFAULT_MAX_LOGPROB_DRIFT = 0.05
 
 
 def _output_check(value: str) -> str:
@@ -71,6 +75,11 @@ class Gate(Section):
     output_check: Annotated[str, AfterValidator(_output_check)] = Field(
         "exact", description="'exact', 'prefix:N' (first N characters) or 'off'."
     )
+    max_logprob_drift: Optional[float] = Field(
+        DEFAULT_MAX_LOGPROB_DRIFT, ge=0, description="Refuse a wake whose canary's per-token logprobs moved from the cold-boot "
+        "baseline's by more than this mean absolute difference (nats) over the tokens both chose: the tokens match but the numbers "
+        "do not (vLLM #45617, #44972). Also refuses a cold boot whose two canaries already differ by more. null: not "
+        "measured (the canary asks for no logprobs). How the default was measured: docs/gate.md.")
     lora_canary: Optional[NonEmptyStr] = Field(
         None, description="A LoRA adapter the engine serves: the canary also runs through it, and its output must "
         "match its own cold-boot baseline after every wake (an adapter can come back wrong silently).")

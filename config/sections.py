@@ -130,7 +130,8 @@ class StepTimeouts(Section):
     reload_weights: float = Field(600, gt=0, description="collective_rpc reload_weights (target from disk).")
     wake_kv_cache: float = Field(120, gt=0, description="POST /wake_up?tags=kv_cache (or the whole Level-1 wake).")
     reset_prefix_cache: float = Field(60, gt=0, description="POST /reset_prefix_cache, retried while it answers false.")
-    gate: float = Field(120, gt=0, description="The canary generation and its counter reads.")
+    gate: float = Field(120, gt=0, description="Each canary generation and its counter reads (a gate step runs one to "
+                        "three: the first cold boot's replay, gate.lora_canary's; the step gets this much for each).")
 
 
 class Swap(Section):

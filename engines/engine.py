@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable, ContextManager, Optional
 import aiohttp
 
 from config.schema import ModelSpec, Swap
-from engines import gate, reaper, wake
+from engines import canary, gate, promotion, reaper, wake
 from engines.client import EngineError, EngineRefused, EngineTLSError, VLLMClient, attached_client
 from engines.host_memory import HostMemory
 from engines.leases import Leases
@@ -76,13 +76,14 @@ class Engine:
         self.boot_deadline: Optional[float] = None
         self.last_phases: dict[str, float] = {}
         self.last_verdict: Optional[gate.Verdict] = None
-        self.baseline: Optional[gate.Canary] = None  # from the first cold boot; kept across restarts
-        self.lora_baseline: Optional[gate.Canary] = None  # gate.lora_canary's, recorded with `baseline`
+        self.baseline: Optional[canary.Canary] = None  # from the first cold boot; kept across restarts
+        self.lora_baseline: Optional[canary.Canary] = None  # gate.lora_canary's, recorded with `baseline`
+        self.logprob_spread: Optional[float] = None  # between the two cold-boot canaries of `baseline`
         self.restarts: collections.Counter[str] = collections.Counter()
         self.needs_restart: Optional[str] = None
         self.midlife = gate.MidlifeWatch(spec.gate)
         self.observed_mal: Optional[float] = None
-        self.observed_mal_source: Optional[str] = None  # gate.FROM_ANSWER | gate.FROM_COUNTERS
+        self.observed_mal_source: Optional[str] = None  # canary.FROM_ANSWER | canary.FROM_COUNTERS
         self.watch_error: Optional[str] = None  # the acceptance watch's last failure to read the engine
         self.retiring = False  # left the roster in a reload: no new requests; stopped once its own are done
         self.leases = Leases(self.name)
@@ -393,7 +394,8 @@ class Engine:
 
     async def _judged_canary(self) -> gate.Verdict:
         """Run the canary; the first one on a cold engine is its baseline, every later one is judged against it."""
-        verdict = await self._step("gate", self._run_gate)
+        runs = promotion.canaries(self.spec.gate, first=self.baseline is None)
+        verdict = await self._step("gate", self._run_gate, timeout=self.swap.timeouts.gate * runs)
         if verdict.result == "refused" and self.spec.gate.on_fail == "allow":
             verdict = verdict.allowed()
             log.error("engine %s: PROMOTED DESPITE A REFUSED GATE (gate.on_fail: allow): %s", self.name, verdict.reason)
@@ -403,25 +405,13 @@ class Engine:
         self.observer.verdict(self, verdict)
         return verdict
 
-    async def _run_gate(self, timeout: float) -> gate.Verdict:
-        if not self.spec.gate.enabled:
-            return gate.skipped("gate.enabled is false: promoted without a canary")
-        deadline = time.monotonic() + timeout
-        canary = await gate.run_canary(self.client, self.served_name, self.spec.gate, self.has_draft, timeout)
-        adapter = self.spec.gate.lora_canary
-        if adapter is not None and adapter not in self.served_names:
-            return gate.Verdict(False, "refused", f"gate.lora_canary '{adapter}' is not served by this engine "
-                                f"(it serves {sorted(self.served_names)}): start it with --enable-lora --lora-modules {adapter}=PATH")
-        # The adapter's canary checks output only: acceptance is the model's, measured above.
-        lora = await gate.run_canary(self.client, adapter, self.spec.gate, False, max(1.0, deadline - time.monotonic())) if adapter else None
-        if self.baseline is None:
-            verdict = gate.baseline_verdict(canary)
-            if verdict.passed:
-                self.baseline, self.lora_baseline = canary, lora
-            return verdict
-        verdict = gate.judge(self.baseline, canary, self.spec.gate)
-        if lora is not None and self.lora_baseline is not None:
-            verdict = gate.judge_adapter(verdict, adapter, self.lora_baseline, lora, self.spec.gate)
+    async def _run_gate(self, _: float) -> gate.Verdict:
+        baseline = promotion.Baseline(self.baseline, self.lora_baseline) if self.baseline is not None else None
+        verdict, recorded = await promotion.run_gate(self.client, self.served_name, self.served_names, self.spec.gate,
+                                                     self.has_draft, baseline, self.swap.timeouts.gate)
+        if recorded is not None:
+            self.baseline, self.lora_baseline = recorded
+            self.logprob_spread = verdict.logprob_drift  # the baseline's replay against it
         return verdict
 
     def _reset_acceptance_watch(self) -> None:
@@ -461,7 +451,7 @@ class Engine:
         self.port = spec.port
         self.client = attached_client(spec, self.session)
         self.served_name, self.served_names = spec.name, frozenset([spec.name])
-        self.baseline = self.lora_baseline = self.observed_mal = self.observed_mal_source = None
+        self.baseline = self.lora_baseline = self.logprob_spread = self.observed_mal = self.observed_mal_source = None
         self.midlife = gate.MidlifeWatch(spec.gate)
         self.needs_restart = None
 

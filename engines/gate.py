@@ -2,64 +2,22 @@
 
 After a Level-2 wake vLLM reloads only the target model; a draft that was not restored
 proposes garbage, every draft token is rejected, and decode runs at about half speed while
-outputs stay correct (vLLM #52479). The gate catches that by measuring the mean acceptance
-length of a fixed canary,
-
-    MAL = 1 + d(accepted) / d(drafts)
-
-from the canary's own answer when it reports it (`metrics.speculative_decoding`, which
-vLLM adds with --per-request-spec-decode-metrics, a router-owned flag), else from the
-engine's `vllm:spec_decode_*` counters around it (then nothing else may run on the engine:
-the counters are engine-wide), and by comparing the canary's output with the baseline's (a
-target that was not reloaded answers gibberish).
+outputs stay correct (vLLM #52479). The gate catches that by the canary's mean acceptance
+length (`engines.canary`), and compares the canary's output with the baseline's (a target
+that was not reloaded answers gibberish) and its per-token logprobs (`engines.drift`: a
+target that came back numerically wrong while its tokens still match).
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import json
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, NamedTuple, Optional
-
-from prometheus_client.parser import text_string_to_metric_families
+from typing import Any, Optional
 
 from config.schema import Gate
-from engines.client import EngineError, VLLMClient
-
-DRAFTS = "vllm:spec_decode_num_drafts"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
-GENERATED = "vllm:generation_tokens"
-COUNTER_WAIT_S = 10.0  # vLLM's counters can lag a finished response by a scheduler step or two
-POLL_S = 0.05
-# Where a mean acceptance length came from: the answer's own numbers, or the counter deltas around it.
-FROM_ANSWER = "answer"
-FROM_COUNTERS = "counters"
-_SPEC_KEY = b'"speculative_decoding":'  # JSON escapes a quote inside a string, so generated text cannot match
-_DECODER = json.JSONDecoder()
-
-
-class GateError(EngineError):
-    """The canary could not be run or measured (not a refusal: the engine could not be judged)."""
-
-
-class Counters(NamedTuple):
-    generated: float
-    drafts: float
-    accepted: float
-    has_spec: bool
-
-
-@dataclass(frozen=True)
-class Canary:
-    text: str
-    tokens: int
-    mal: Optional[float]  # None for a model without a draft
-    drafts: float  # verify steps (vLLM's num_drafts counter; num_spec_steps in an answer)
-    accepted: float
-    seconds: float
-    source: Optional[str] = None  # FROM_ANSWER | FROM_COUNTERS; None without a draft
+from engines.canary import FROM_ANSWER, FROM_COUNTERS, Canary, Counters, mean_acceptance_length
+from engines.drift import Drift, describe, logprob_drift
 
 
 @dataclass(frozen=True)
@@ -73,6 +31,11 @@ class Verdict:
     seconds: float = 0.0
     at: float = field(default_factory=time.time)
     acceptance_source: Optional[str] = None  # where observed_mal came from: FROM_ANSWER | FROM_COUNTERS
+    # Mean |logprob change| from the baseline over `logprob_tokens` tokens (at cold boot: between its two
+    # canaries, the engine's own spread); None when not measured (gate.max_logprob_drift null, no logprobs).
+    logprob_drift: Optional[float] = None
+    logprob_drift_largest: Optional[float] = None
+    logprob_tokens: Optional[int] = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,94 +46,6 @@ class Verdict:
 
 def skipped(reason: str) -> Verdict:
     return Verdict(passed=True, result="skipped", reason=reason)
-
-
-def read_counters(exposition: str) -> Counters:
-    """Sum the counters the gate needs over every `engine` label (data-parallel engines)."""
-    totals = {GENERATED: 0.0, DRAFTS: 0.0, ACCEPTED: 0.0}
-    seen = set()
-    try:
-        for family in text_string_to_metric_families(exposition):
-            # A typed counter's family drops `_total`; an untyped one (no `# TYPE` line) keeps it.
-            name = family.name.removesuffix("_total")
-            if name in totals:
-                seen.add(name)
-                totals[name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
-    except ValueError as exc:  # the parser's word for text that is not Prometheus exposition
-        raise GateError("GET /metrics", f"the answer is not Prometheus text ({exc}): {exposition[:120]!r}") from None
-    return Counters(totals[GENERATED], totals[DRAFTS], totals[ACCEPTED], DRAFTS in seen and ACCEPTED in seen)
-
-
-def spec_counts(numbers: Any) -> Optional[tuple[int, int]]:
-    """(verify steps, accepted draft tokens) from an answer's `metrics.speculative_decoding`
-    (vLLM 0.32: vllm/entrypoints/generate/base/protocol.py:100, filled by
-    vllm/v1/metrics/stats.py:393), or None when it does not carry them in that shape."""
-    if not isinstance(numbers, dict):
-        return None
-    steps, accepted = numbers.get("num_spec_steps"), numbers.get("num_accepted_draft_tokens")
-    if type(steps) is not int or type(accepted) is not int or steps < 0 or not 0 <= accepted:
-        return None
-    return steps, accepted
-
-
-def answer_spec_counts(payload: bytes) -> Optional[tuple[int, int]]:
-    """spec_counts of a raw answer (a JSON body, or the tail of an SSE stream whose final usage
-    event carries the metrics), without parsing the rest of it: the proxy calls this on every answer."""
-    at = payload.rfind(_SPEC_KEY)
-    if at < 0:
-        return None
-    try:
-        numbers, _ = _DECODER.raw_decode(payload[at + len(_SPEC_KEY):].decode("utf-8").lstrip())
-    except (ValueError, UnicodeDecodeError):  # a tail cut inside the event: this answer just goes uncounted
-        return None
-    return spec_counts(numbers)
-
-
-async def run_canary(client: VLLMClient, model: str, gate: Gate, has_draft: bool, timeout: float) -> Canary:
-    """One canary generation and its acceptance: the answer's own numbers when it carries them (decided per
-    answer), else the counter deltas around it, for which nothing else may run on the engine."""
-    started = time.monotonic()
-    before = read_counters(await client.metrics(timeout=timeout))
-    body = {"model": model, "prompt": gate.prompt, "max_tokens": gate.max_tokens, "temperature": 0, "ignore_eos": True}
-    answer = await client.completion(body, timeout=timeout)
-    try:
-        text = answer["choices"][0]["text"] or ""
-        tokens = int(answer["usage"]["completion_tokens"])
-    except (KeyError, IndexError, TypeError, ValueError):
-        raise GateError("POST /v1/completions", f"canary answer has no choices[0].text / usage: {str(answer)[:200]}") from None
-    if not has_draft:
-        return Canary(text, tokens, None, 0.0, 0.0, time.monotonic() - started)
-    metrics = answer.get("metrics") if isinstance(answer, dict) else None
-    own = spec_counts(metrics.get("speculative_decoding")) if isinstance(metrics, dict) else None
-    if own is not None:
-        steps, accepted = own
-        return Canary(text, tokens, mean_acceptance_length(steps, accepted), steps, accepted, time.monotonic() - started, FROM_ANSWER)
-    if not before.has_spec:
-        raise GateError("GET /metrics", f"the canary's answer has no metrics.speculative_decoding and /metrics has no "
-                                        f"{DRAFTS}_total / {ACCEPTED}_total counters: is speculative decoding on, and, for an "
-                                        "engine the router does not compose (command: or url:), --per-request-spec-decode-metrics "
-                                        "summary set or --disable-log-stats off?")
-    after = await _landed(client, before, tokens, has_draft, started + timeout)
-    drafts, accepted = after.drafts - before.drafts, after.accepted - before.accepted
-    return Canary(text, tokens, mean_acceptance_length(drafts, accepted), drafts, accepted, time.monotonic() - started, FROM_COUNTERS)
-
-
-async def _landed(client: VLLMClient, before: Counters, tokens: int, has_draft: bool, deadline: float) -> Counters:
-    """Poll /metrics until this canary's tokens (and drafts) show in the counters."""
-    wait_until = min(deadline, time.monotonic() + COUNTER_WAIT_S)
-    while True:
-        after = read_counters(await client.metrics(timeout=max(0.1, deadline - time.monotonic())))
-        if after.generated - before.generated >= tokens and (not has_draft or after.drafts > before.drafts):
-            return after
-        if time.monotonic() >= wait_until:
-            moved = f"generation tokens +{after.generated - before.generated:g} of {tokens}, drafts +{after.drafts - before.drafts:g}"
-            raise GateError("GET /metrics", f"counters did not take in the canary within {COUNTER_WAIT_S:g} s ({moved})")
-        await asyncio.sleep(POLL_S)
-
-
-def mean_acceptance_length(drafts: float, accepted: float) -> Optional[float]:
-    """MAL = 1 + d(accepted) / d(drafts): tokens each verification step yields; None without drafts."""
-    return 1.0 + accepted / drafts if drafts > 0 else None
 
 
 class MidlifeWatch:
@@ -249,16 +124,40 @@ def judge(baseline: Canary, observed: Canary, gate: Gate) -> Verdict:
         problems.append(_output_difference(baseline.text, observed.text, gate.output_check))
     if baseline.mal is not None:
         problems += acceptance_problems(baseline.mal, observed.mal, gate)
+    drift, drifted = drift_problems(baseline, observed, gate)
+    problems += drifted
     return Verdict(
         passed=not problems,
         result="refused" if problems else "passed",
-        reason="; ".join(problems) if problems else _summary(baseline, observed),
+        reason="; ".join(problems) if problems else _summary(baseline, observed, drift),
         baseline_mal=baseline.mal,
         observed_mal=observed.mal,
         output_match=output_match,
         seconds=observed.seconds,
         acceptance_source=observed.source,
+        **_drift_fields(drift),
     )
+
+
+def drift_problems(baseline: Canary, observed: Canary, gate: Gate) -> tuple[Optional[Drift], list[str]]:
+    """The observed canary's logprob drift from the baseline, and the refusal it earns past
+    gate.max_logprob_drift. Not measured when the key is null or the baseline has no logprobs (an
+    engine that does not return them); an engine that returned them at boot and not now is refused."""
+    if gate.max_logprob_drift is None or baseline.token_logprobs is None or baseline.token_texts is None:
+        return None, []
+    if observed.token_logprobs is None or observed.token_texts is None:
+        return None, ["the canary's answer carries no logprobs, though the cold-boot canary's did"]
+    drift = logprob_drift(baseline.token_texts, baseline.token_logprobs, observed.token_texts, observed.token_logprobs)
+    if drift is None or drift.mean <= gate.max_logprob_drift:
+        return drift, []  # None: the first tokens differ, which the output check names
+    return drift, [f"logprob drift {describe(drift, gate.max_logprob_drift)}: the target answers the same tokens with "
+                   "other numbers, so it came back numerically wrong (a wake bug such as vLLM #45617 or #44972)"]
+
+
+def _drift_fields(drift: Optional[Drift]) -> dict[str, Any]:
+    if drift is None:
+        return {}
+    return {"logprob_drift": drift.mean, "logprob_drift_largest": drift.largest, "logprob_tokens": drift.positions}
 
 
 def judge_adapter(verdict: Verdict, adapter: str, baseline: Canary, observed: Canary, gate: Gate) -> Verdict:
@@ -302,21 +201,38 @@ def _output_difference(expected: str, got: str, check: str) -> str:
             f"expected {expected[at:at + 24]!r}, got {got[at:at + 24]!r}")
 
 
-def _summary(baseline: Canary, observed: Canary) -> str:
+def _summary(baseline: Canary, observed: Canary, drift: Optional[Drift]) -> str:
     if baseline.mal is None:
-        return "canary output matches the baseline (no draft model)"
-    return f"mean acceptance length {observed.mal:.2f} vs baseline {baseline.mal:.2f}{_from(observed)}; output matches"
+        text = "canary output matches the baseline (no draft model)"
+    else:
+        text = f"mean acceptance length {observed.mal:.2f} vs baseline {baseline.mal:.2f}{_from(observed)}; output matches"
+    return text if drift is None else f"{text}; logprob drift {describe(drift)}"
 
 
 def _from(canary: Canary) -> str:
     return {FROM_ANSWER: " (from the canary's own answer)", FROM_COUNTERS: " (from the engine's counters)"}.get(canary.source or "", "")
 
 
-def baseline_verdict(canary: Canary) -> Verdict:
+def baseline_verdict(canary: Canary, replay: Optional[Canary], gate: Gate) -> Verdict:
+    """The cold-boot canary becomes the baseline. `replay`, a second canary right after it, measures the
+    engine's own spread: a baseline it cannot reproduce within gate.max_logprob_drift would refuse every
+    healthy wake (and cold-restart it each time), so the boot is refused instead, with the numbers."""
     if canary.mal is None:
         reason = f"baseline recorded: {canary.tokens} tokens (no draft model)"
     else:
         reason = f"baseline recorded: mean acceptance length {canary.mal:.2f} over {canary.drafts:g} drafts{_from(canary)}"
-    return Verdict(passed=bool(canary.text.strip()), result="baseline", reason=reason if canary.text.strip() else
-                   "the cold-boot canary produced no output", baseline_mal=canary.mal, observed_mal=canary.mal,
-                   output_match=True, seconds=canary.seconds, acceptance_source=canary.source)
+    drift, problem = None, None if canary.text.strip() else "the cold-boot canary produced no output"
+    if problem is None and replay is not None and canary.token_logprobs is not None and canary.token_texts is not None:
+        if replay.token_logprobs is None or replay.token_texts is None:
+            problem = "the second cold-boot canary carries no logprobs, though the first one's did"
+        elif (drift := logprob_drift(canary.token_texts, canary.token_logprobs, replay.token_texts, replay.token_logprobs)) is None:
+            reason += "; its two cold-boot canaries differ from the first token on: no logprob spread measured"
+        elif gate.max_logprob_drift is not None and drift.mean > gate.max_logprob_drift:
+            problem = (f"two cold-boot canaries differ by logprob drift {describe(drift, gate.max_logprob_drift)}: at that "
+                       f"threshold every healthy wake would be refused; raise gate.max_logprob_drift above this engine's "
+                       f"own spread {drift.mean:.2g} (docs/gate.md)")
+        else:
+            reason += f"; its own logprob spread {describe(drift)}"
+    return Verdict(passed=problem is None, result="baseline", reason=problem or reason, baseline_mal=canary.mal,
+                   observed_mal=canary.mal, output_match=True, seconds=canary.seconds + (replay.seconds if replay else 0.0),
+                   acceptance_source=canary.source, **_drift_fields(drift))

@@ -31,12 +31,16 @@ import hashlib
 import time
 from typing import Any, Iterable, Iterator
 
+from engines.vllm_host_memory import HostMemoryMethods
+
 PROBE_ROWS = 4
 PROBE_SEED = 0x5EED
 
 
-class HotswapWorkerExtension:
-    """Mixed into vLLM's worker class: `self` is the worker (vllm_config, model_runner, ...)."""
+class HotswapWorkerExtension(HostMemoryMethods):
+    """Mixed into vLLM's worker class: `self` is the worker (vllm_config, model_runner, ...). The
+    host-memory methods are `engines.vllm_host_memory`'s (vLLM's worker_base.py:301 mixes the class in
+    with its bases, so inherited methods are callable the same way)."""
 
     # --- the production method -------------------------------------------------------
 
@@ -108,49 +112,16 @@ class HotswapWorkerExtension:
         deterministic function of the packed weight); every non-empty parameter and
         buffer is hashed by value.
         """
-        import torch
-
         draft = _draft_model(self)
-        if draft is None:
-            return None
-        h = hashlib.sha256()
-        with torch.no_grad():
-            for mod_name, module in draft.named_modules():
-                for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-                    if tensor.numel() == 0:
-                        continue
-                    _hash_tensor(h, f"{mod_name}.{name}", tensor)
-                probe = _kernel_probe(module)
-                if probe is not None:
-                    _hash_tensor(h, f"{mod_name}.<cpu_linear>", probe)
-        return h.hexdigest()
+        return None if draft is None else _model_digest(draft)
 
-    # --- host memory (engines/host_memory.py reads these after every sleep and wake) ------
+    def hotswap_target_digest(self) -> str:
+        """sha256 (hex) of the target's weights as the kernels use them (as `hotswap_draft_digest`).
 
-    def hotswap_host_memory(self) -> dict[str, Any]:
-        """The pinned host memory PyTorch's caching host allocator owns in this worker: where vLLM's
-        Level-1 backup lives (vllm/device_allocator/cumem.py:268, a pinned `torch.empty` per GPU
-        allocation). `allocated_bytes` counts active and cached blocks, each rounded up to a power of
-        two (torch/cuda/memory.py:399, torch 2.13). Without CUDA there is no such allocator: the
-        answer says so, and the router reads /proc instead."""
-        import torch
-
-        if not torch.cuda.is_available():
-            return {"available": False, "reason": "no CUDA in this worker: no pinned host allocator to report"}
-        return {"available": True, **_pinned(torch.cuda.host_memory_stats())}
-
-    def hotswap_empty_host_cache(self) -> dict[str, Any]:
-        """Give the cached pinned blocks back to the system (torch/accelerator/memory.py:35
-        `empty_host_cache`): after a Level-1 wake the backup is freed into that cache, not returned."""
-        import torch
-
-        if not torch.cuda.is_available():
-            return {"available": False, "reason": "no CUDA in this worker: no pinned host cache to empty"}
-        before = _pinned(torch.cuda.host_memory_stats())
-        torch.accelerator.empty_host_cache()
-        after = _pinned(torch.cuda.host_memory_stats())
-        return {"available": True, "before": before, "after": after,
-                "released_bytes": before["allocated_bytes"] - after["allocated_bytes"]}
+        Lets a test tell that a perturbed target (`hotswap_perturb_target`) is back to its
+        checkpoint, e.g. after the cold restart the gate's refusal leads to.
+        """
+        return _model_digest(self.model_runner.get_model())
 
     # --- test-only -------------------------------------------------------------------
 
@@ -219,14 +190,54 @@ class HotswapWorkerExtension:
         }
 
 
+    def hotswap_perturb_target(self, scale: float | str = 1.05) -> dict[str, Any]:
+        """TEST ONLY: scale the target's final norm weight in place: logprobs move, greedy tokens cannot.
+
+        Stands in for the wake bugs the gate's logprob-drift check exists for (an FP8 KV scale
+        reset to 1.0, KV pages remapped with stale contents): the target is numerically wrong
+        while the canary's tokens still match. The final RMSNorm's weight multiplies the
+        hidden state just before the (bias-free) lm_head, so scaling it by `scale` > 0 scales
+        every logit by `scale`: argmax, hence the greedy text and speculative acceptance
+        (the draft proposes the same tokens, verification picks the same argmax), stay the
+        same, and every logprob moves (log_softmax(s*z) != log_softmax(z) unless s == 1).
+        On CPU this weight is a plain parameter read at every forward (RMSNorm is not packed
+        into a oneDNN handle), so no repack is needed.
+
+        `scale` is relative to the CHECKPOINT's weight, not cumulative: the first call keeps a
+        copy of the original, every call writes original * scale, so calls are idempotent
+        and `scale=1.0` restores the checkpoint bit for bit (the digest says so). The
+        collective_rpc endpoint passes JSON args through, so a string scale is accepted too.
+
+        vLLM's `reload_weights` (the Level-2 wake) rewrites this weight from the checkpoint
+        and so erases the perturbation (measured on CPU: drift 0.46 -> 0, digest back): perturb
+        at Level 1, or after the wake's `reload_weights` and before the `kv_cache` wake.
+        """
+        import torch
+
+        scale = float(scale)
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0 (a negative one flips the argmax), not {scale}")
+        model = self.model_runner.get_model()
+        name, norm = _final_norm(model)
+        weight = norm.weight
+        before = _model_digest(model)
+        saved = getattr(self, "_hotswap_norm_checkpoint", None)
+        if saved is None or saved[0] != name or saved[1].shape != weight.shape:
+            saved = (name, weight.detach().clone())
+            self._hotswap_norm_checkpoint = saved
+        with torch.no_grad():
+            weight.data.copy_((saved[1].float() * scale).to(weight.dtype))
+        return {
+            "perturbed": f"{name}.weight",
+            "scale": scale,
+            "dtype": str(weight.dtype).removeprefix("torch."),
+            "restored": bool(torch.equal(weight.data, saved[1])),
+            "digest_before": before,
+            "digest_after": _model_digest(model),
+        }
+
+
 # --- helpers (module level so they never collide with worker attributes) ----------------
-
-
-def _pinned(stats: dict[str, Any]) -> dict[str, int]:
-    """The current bytes of torch.cuda.host_memory_stats() (empty before CUDA is initialised: nothing pinned)."""
-    allocated = int(stats.get("allocated_bytes.current", 0))
-    active = int(stats.get("active_bytes.current", 0))
-    return {"allocated_bytes": allocated, "active_bytes": active, "cached_bytes": allocated - active}
 
 
 def _draft_model(worker: Any) -> Any:
@@ -300,6 +311,35 @@ class _detached:
     def __exit__(self, *exc: Any) -> None:
         for parent, attr, module in reversed(self.saved):
             setattr(parent, attr, module)
+
+
+def _final_norm(model: Any) -> tuple[str, Any]:
+    """(path, module) of the target's final norm: `model.norm` in vLLM's decoder-only models."""
+    for name in ("model.norm", "language_model.model.norm", "model.language_model.norm", "norm"):
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if getattr(module, "weight", None) is not None and module.weight.dim() == 1:
+            return name, module
+    raise NotImplementedError(f"no final norm with a 1-d weight found in {type(model).__name__}")
+
+
+def _model_digest(model: Any) -> str:
+    """sha256 (hex) of a model's weights as its kernels use them (see hotswap_draft_digest)."""
+    import torch
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for mod_name, module in model.named_modules():
+            for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                if tensor.numel() == 0:
+                    continue
+                _hash_tensor(h, f"{mod_name}.{name}", tensor)
+            probe = _kernel_probe(module)
+            if probe is not None:
+                _hash_tensor(h, f"{mod_name}.<cpu_linear>", probe)
+    return h.hexdigest()
 
 
 def _packed_weight_shape(module: Any) -> tuple[int, int] | None:

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 
-from engines import gate
+from engines import canary
 from engines.client import EngineError, VLLMClient
 from engines.engine import HEALTH_CALL_S, Engine, State
 
@@ -28,7 +28,7 @@ async def acceptance(engine: Engine) -> None:
     baseline = engine.baseline
     if engine.state is not State.AWAKE or not engine.has_draft or baseline is None or baseline.mal is None:
         return
-    counters = gate.read_counters(await engine.client.metrics(timeout=engine.swap.timeouts.gate))
+    counters = canary.read_counters(await engine.client.metrics(timeout=engine.swap.timeouts.gate))
     was_collapsed = engine.midlife.collapsed
     mal, problems = engine.midlife.observe(time.monotonic(), counters, baseline.mal)
     if mal is not None:
@@ -47,7 +47,7 @@ def answered(engine: Engine, payload: bytes) -> None:
     """A served answer (a buffered body, or a stream's last bytes): its own acceptance numbers, if it
     has them, go to the engine's window. A substring search, and a parse of the metrics object alone."""
     if engine.has_draft:
-        counts = gate.answer_spec_counts(payload)
+        counts = canary.answer_spec_counts(payload)
         if counts is not None:
             engine.midlife.answered(time.monotonic(), *counts)
 

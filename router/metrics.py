@@ -33,6 +33,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 SWAP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 BOOT_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200)
 RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2, 4)
+# Nats: from float32 noise to a wrong model, with the steps near the shipped threshold (0.05) fine.
+DRIFT_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 EVICTION_REASONS = ("room", "idle", "admin", "boot", "demote", "stop")
 RESTART_REASONS = ("failed", "gate", "midlife", "admin", "roster")
 
@@ -67,6 +69,9 @@ class Metrics(Observer, Events):
                                       buckets=BOOT_BUCKETS, registry=r)
         self.verdicts = Counter("hotswap_gate_verdicts", "Promotion gate verdicts (baseline, passed, refused, allowed, skipped).",
                                 [*m, "result"], registry=r)
+        self.drift = Histogram("hotswap_gate_logprob_drift", "Each judged canary's mean per-token logprob change from the "
+                               "cold-boot baseline, in nats (gate.max_logprob_drift refuses past it).", m, buckets=DRIFT_BUCKETS,
+                               registry=r)
         self.restarts = Counter("hotswap_engine_restarts", "Engine cold restarts by reason (failed, gate, midlife, admin, "
                                 "roster: its entry changed in a reload).",
                                 [*m, "reason"], registry=r)
@@ -139,6 +144,8 @@ class Metrics(Observer, Events):
 
     def verdict(self, engine: Engine, verdict: Verdict) -> None:
         self.verdicts.labels(engine.name, group_of(engine), verdict.result).inc()
+        if verdict.logprob_drift is not None and verdict.result != "baseline":  # a baseline's is its own spread
+            self.drift.labels(engine.name, group_of(engine)).observe(verdict.logprob_drift)
 
     def restarted(self, engine: Engine, reason: str) -> None:
         self.restarts.labels(engine.name, group_of(engine), reason).inc()

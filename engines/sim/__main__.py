@@ -14,13 +14,13 @@ import logging
 import os
 import signal
 import sys
-import time
 
 from pathlib import Path
 
 from engines.weights import folder_weights_gb
 
 from .control import FAULT_KINDS, STEPS, Control, Fault, InjectedFault
+from .boot_failure import memory_check_failure, print_boot_failure
 from .host_memory import HostModel
 from .memory import DEFAULT_RESIDUAL_GB, DEFAULT_SHARE, EngineMemory, Ledger, OutOfMemory, parse_devices
 
@@ -121,7 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sim-sleep-residual-gb", type=float, default=DEFAULT_RESIDUAL_GB,
                    help="GB a sleeping engine still holds per device; with --gpu-memory-utilization, modelled "
                    "only when HOTSWAP_SIM_GPU_LEDGER names a ledger (engines/sim/memory.py)")
+    n = p.add_argument_group("numbers a GPU host gets wrong (per-token logprobs; tokens unchanged: engines/sim/numerics.py)")
+    n.add_argument("--sim-logprob-jitter", type=_non_negative, default=0.0, metavar="NATS",
+                   help="healthy batch-shape noise: while other requests run alongside, each logprob moves by up to NATS")
+    n.add_argument("--sim-wake-logprob-shift", type=float, default=0.0, metavar="NATS",
+                   help="after every wake from sleep, every logprob is off by NATS (FP8 KV scales reset: vLLM #45617)")
+    n.add_argument("--sim-wake-logprob-noise", type=_non_negative, default=0.0, metavar="NATS",
+                   help="after every wake, each logprob is off by a random amount up to NATS (undefined KV pages: vLLM #44972)")
     return p
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def build_share_parser() -> argparse.ArgumentParser:
@@ -221,39 +235,6 @@ def setup_logging() -> None:
     uvicorn_log.propagate = False
 
 
-LOAD_MODEL_OOM = (
-    '  File "vllm/v1/worker/gpu_model_runner.py", line 2512, in load_model\n'
-    "    self.model = model_loader.load_model(vllm_config=self.vllm_config, model_config=self.model_config)\n"
-    "RuntimeError: simulated boot failure: CUDA out of memory. Tried to allocate 2.00 GiB. "
-    "GPU 0 has a total capacity of 79.11 GiB of which 1.12 GiB is free.\n"
-)
-
-
-def memory_check_failure(e: OutOfMemory) -> str:
-    """The worker's startup memory check failing, as vLLM's traceback ends."""
-    return (
-        '  File "vllm/v1/worker/gpu_worker.py", line 255, in init_device\n'
-        "    self.requested_memory = request_memory(init_snapshot, self.cache_config)\n"
-        '  File "vllm/v1/worker/utils.py", line 383, in request_memory\n'
-        "    raise ValueError(\n"
-        f"ValueError: {e.boot_message()}\n"
-    )
-
-
-def print_boot_failure(root_cause: str = LOAD_MODEL_OOM) -> None:
-    ts = time.strftime("%m-%d %H:%M:%S")
-    print(
-        f"ERROR {ts} [core.py:708] EngineCore failed to start.\n"
-        "Traceback (most recent call last):\n"
-        '  File "vllm/v1/engine/core.py", line 699, in run_engine_core\n'
-        "    engine_core = EngineCoreProc(*args, **kwargs)\n"
-        f"{root_cause}"
-        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
-        file=sys.stderr,
-        flush=True,
-    )
-
-
 async def _until_stopped(stop: asyncio.Event, aw) -> bool:
     """Run `aw` unless SIGTERM comes first; True when stopped."""
     task = asyncio.ensure_future(aw)
@@ -278,8 +259,10 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
 
     from .app import build_app
     from .lora import Adapters, parse_module
-    from .server import SimServer, UvicornAccessLogger
+    from .http import UvicornAccessLogger
+    from .server import SimServer
     from .state import EngineConfig, SimEngine, SpecConfig
+    from .numerics import NumericFaults
 
     log.info("vLLM API server version %s (simulated by engines.sim)", VERSION)
     log.info("args: model=%s served_model_name=%s speculative_config=%s", args.model, args.served_model_name, args.speculative_config)
@@ -334,6 +317,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
             prompt_acceptance=args.sim_prompt_acceptance,
             weightless_draft=spec is not None and spec.method in WEIGHTLESS_METHODS,
             load_format=args.load_format,
+            numeric_faults=NumericFaults(args.sim_logprob_jitter, args.sim_wake_logprob_shift, args.sim_wake_logprob_noise),
         )
     )
     log.info(

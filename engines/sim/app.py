@@ -7,7 +7,8 @@ from aiohttp import web
 
 from . import lora, routes_anthropic, routes_audio, routes_dev, routes_pooling, routes_responses, routes_sim
 from .host_memory import HostModel
-from .server import SimServer, error_response, read_json
+from .http import error_response, read_json
+from .server import SimServer
 
 
 def build_app(server: SimServer, host: HostModel | None = None) -> web.Application:

@@ -49,6 +49,11 @@ def junk_text(nonce: str, prompt: str, pos: int) -> str:
     return " " + "".join(JUNK[b % len(JUNK)] for b in d[1 : 1 + n])
 
 
+def junk_unit(nonce: str, prompt: str, pos: int) -> float:
+    """A number in [0, 1) from uninitialised weights, for what they make of a token's logprob."""
+    return int.from_bytes(_digest("junk-lp", nonce, prompt, pos)[:4], "little") / 2**32
+
+
 def natural_length(model: str, prompt: str) -> int:
     """Where the model would emit EOS. Never below 64, so short requests and the
     usual canary always run to max_tokens; `ignore_eos` skips it entirely."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from .server import APIError, read_json
+from .http import APIError, read_json
 from .state import GenerationAborted
 
 if TYPE_CHECKING:

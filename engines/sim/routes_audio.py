@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from . import lm
-from .server import bad_request, error_response
+from .http import bad_request, error_response
 from .state import GenerationAborted
 
 if TYPE_CHECKING:

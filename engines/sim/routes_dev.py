@@ -14,7 +14,7 @@ from config.argv import NO_RELOAD_FORMATS
 
 from .host_memory import NOT_MODELLED, HostModel
 from .memory import OutOfMemory
-from .server import bad_request, error_response, query_json, read_json
+from .http import bad_request, error_response, query_json, read_json
 from .state import WAKE_TAGS
 
 if TYPE_CHECKING:
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.sim")
 
 RPC_STEPS = {"reload_weights": "reload_weights", "hotswap_reload_draft": "reload_draft"}
-EXTENSION_METHODS = ("hotswap_reload_draft", "hotswap_draft_digest", "hotswap_discard_draft", "hotswap_host_memory",
-                     "hotswap_empty_host_cache")
+EXTENSION_METHODS = ("hotswap_reload_draft", "hotswap_draft_digest", "hotswap_discard_draft", "hotswap_perturb_target",
+                     "hotswap_target_digest", "hotswap_host_memory", "hotswap_empty_host_cache")
 
 
 def add_routes(app: web.Application, server: "SimServer", host: HostModel | None = None) -> None:
@@ -111,6 +111,14 @@ def add_routes(app: web.Application, server: "SimServer", host: HostModel | None
             result = e.reload_draft()
         elif method == "hotswap_draft_digest":
             result = e.draft_digest()
+        elif method == "hotswap_perturb_target":
+            try:
+                result = e.numerics.perturb(_scale(body))
+            except ValueError as exc:  # what the worker raises, as vLLM answers it
+                log.error("collective_rpc(%s) failed: %s", method, exc)
+                return error_response(500, f"ValueError: {exc}", "InternalServerError")
+        elif method == "hotswap_target_digest":
+            result = e.numerics.digest()
         elif method == "hotswap_host_memory":
             result = host.stats() if host is not None else NOT_MODELLED
         elif method == "hotswap_empty_host_cache":
@@ -119,6 +127,15 @@ def add_routes(app: web.Application, server: "SimServer", host: HostModel | None
             result = {"discarded": e.discard_draft()}
         log.info("collective_rpc(%s) -> %s", method, result)
         return web.json_response({"results": [result]})
+
+    def _scale(body: dict) -> float:
+        """The test method's one argument, positional (`args`) or by name (`kwargs`), as vLLM passes them."""
+        args, kwargs = body.get("args") or [], body.get("kwargs") or {}
+        value = kwargs.get("scale", args[0] if isinstance(args, list) and args else 1.05) if isinstance(kwargs, dict) else None
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise bad_request(f"hotswap_perturb_target: scale must be a number, got {value!r}", "args") from None
 
     r = app.router
     r.add_post("/sleep", sleep)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from . import lm
-from .server import bad_request, error_response, read_json
+from .http import bad_request, error_response, read_json
 from .state import Generation, GenerationAborted
 
 if TYPE_CHECKING:

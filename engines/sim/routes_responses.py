@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from .server import APIError, bad_request, error_response, read_json
+from .http import APIError, bad_request, error_response, read_json
 from .state import GenerationAborted
 
 if TYPE_CHECKING:

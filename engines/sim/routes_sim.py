@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from .control import FAULT_KINDS, Fault
-from .server import bad_request, read_json
+from .http import bad_request, read_json
 
 if TYPE_CHECKING:
     from .server import SimServer

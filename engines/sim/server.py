@@ -11,20 +11,18 @@ the step promises is known.
 from __future__ import annotations
 
 import contextlib
-import http
 import json
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import NoReturn
 
 from aiohttp import web
-from aiohttp.abc import AbstractAccessLogger
 
-from . import lm
+from . import lm, numerics
 from .lora import Adapters
-from .control import Control, InjectedFault, crash, hang_forever
+from .control import Control, InjectedFault, crash
+from .http import MALFORMED_METRICS_LINE, APIError, bad_request, cut, error_response, read_json, truncated_json
 from .memory import EngineMemory
 from .metrics import CONTENT_TYPE, answer_metrics
 from .state import Generation, GenerationAborted, SimEngine
@@ -32,81 +30,6 @@ from .state import Generation, GenerationAborted, SimEngine
 log = logging.getLogger("vllm.sim")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-# `malformed`: what a broken serialiser or proxy leaves of an answer. The ids are the
-# prefixes vLLM gives each route, so the truncation sits where a real one could.
-TRUNCATED_JSON = {
-    "/v1/completions": b'{"id": "cmpl-',
-    "/v1/chat/completions": b'{"id": "chatcmpl-',
-    "/v1/embeddings": b'{"id": "embd-',
-}
-TRUNCATED_JSON_OTHER = b'{"'
-# A non-numeric sample value: prometheus_client's parser raises ValueError on it. It
-# comes first, so a strict parser gets nothing out of the otherwise valid text after it.
-MALFORMED_METRICS_LINE = b'vllm:num_requests_running{engine="0"} None\n'
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
-    def response(self) -> web.Response:
-        return error_response(self.status, self.message, self.type, self.param)
-
-
-def error_response(status: int, message: str, type_: str, param: str | None = None) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": type_, "param": param, "code": status}}, status=status
-    )
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, "BadRequestError", param)
-
-
-class UvicornAccessLogger(AbstractAccessLogger):
-    """One line per request, in the format a supervisor tailing vLLM's log expects."""
-
-    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        try:
-            phrase = http.HTTPStatus(response.status).phrase
-        except ValueError:
-            phrase = ""
-        self.logger.info(
-            '%s - "%s %s HTTP/%d.%d" %d %s',
-            request.remote,
-            request.method,
-            request.path_qs,
-            request.version.major,
-            request.version.minor,
-            response.status,
-            phrase,
-        )
-
-    @property
-    def enabled(self) -> bool:
-        return True
-
-
-async def read_json(request: web.Request) -> dict:
-    try:
-        body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"JSON decode error: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object")
-    return body
-
-
-def query_json(request: web.Request) -> dict:
-    """The query as logged: repeated keys (tags) become lists."""
-    out: dict = {}
-    for k in request.query:
-        vals = request.query.getall(k)
-        out[k] = vals if len(vals) > 1 or k == "tags" else vals[0]
-    return out
 
 
 class SimServer:
@@ -293,6 +216,12 @@ class SimServer:
         model = self._check_model(body)
         prompt, ptoks = self._chat_prompt(body) if chat else self._completion_prompt(body)
         gen = self._sampling(body, prompt, ptoks, chat=chat, model=model)
+        try:
+            top = numerics.asked(body, chat)
+        except ValueError as e:
+            raise bad_request(str(e), "logprobs") from None
+        if top is not None:
+            gen.logprobs, gen.top_logprobs = [], top
         stream = bool(body.get("stream"))
         fault = None
         try:
@@ -316,17 +245,18 @@ class SimServer:
             return error_response(500, str(e), "InternalServerError")
         text = "".join(texts)
         usage = usage_json(gen)
+        logprobs = None if gen.logprobs is None else numerics.answer_logprobs(chat, texts, gen.logprobs, gen.top_logprobs)
         if chat:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text.lstrip(" "), "tool_calls": [], "reasoning_content": None},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": gen.finish_reason,
                 "stop_reason": None,
             }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason, "stop_reason": None}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": gen.finish_reason, "stop_reason": None}
             obj = "text_completion"
         return web.json_response(
             {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage,
@@ -376,10 +306,11 @@ class SimServer:
                     # A cut stream never shows a finish_reason, even when EOS comes early.
                     if cut_after is not None and tokens_sent and gen.finish_reason is not None:
                         await cut(request)
+                    lp = None if gen.logprobs is None else numerics.answer_logprobs(chat, [t], gen.logprobs[-1:], gen.top_logprobs)
                     if chat:
-                        c = {"index": 0, "delta": {"content": t.lstrip(" ") if first else t}, "logprobs": None}
+                        c = {"index": 0, "delta": {"content": t.lstrip(" ") if first else t}, "logprobs": lp}
                     else:
-                        c = {"index": 0, "text": t, "logprobs": None}
+                        c = {"index": 0, "text": t, "logprobs": lp}
                     c["finish_reason"] = gen.finish_reason
                     c["stop_reason"] = None
                     first = False
@@ -439,22 +370,6 @@ class SimServer:
     async def metrics(self, request: web.Request) -> web.Response:
         await self.control.enter("metrics")
         return web.Response(body=self.engine.render_metrics(), headers={"Content-Type": CONTENT_TYPE})
-
-async def cut(request: web.Request) -> NoReturn:
-    """Drop the connection the way a dying proxy does: whatever was written goes out,
-    then FIN; no status line if nothing was, no terminating chunk if a body was under way.
-
-    The handler then waits to be cancelled (handler_cancellation, set in __main__):
-    returning would make aiohttp log a response nobody received."""
-    if request.transport is not None:
-        request.transport.close()
-    await hang_forever()
-    raise AssertionError("unreachable")
-
-
-def truncated_json(path: str) -> bytes:
-    return TRUNCATED_JSON.get(path, TRUNCATED_JSON_OTHER)
-
 
 def _is_token_ids(x: object) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from . import lm
 from .metrics import EngineMetrics, StatsDelta
+from .numerics import NumericFaults, Numerics
 
 log = logging.getLogger("vllm.sim")
 
@@ -75,6 +76,7 @@ class EngineConfig:
     load_format: str = "auto"  # vLLM's --load-format: some loaders cannot reload (routes_dev.py)
     per_request_spec_metrics: str = "none"  # --per-request-spec-decode-metrics: none | summary | detailed
     prompt_acceptance: list[tuple[str, float]] = field(default_factory=list)  # (prompt substring, MAL)
+    numeric_faults: NumericFaults = field(default_factory=NumericFaults)
 
 
 class Generation:
@@ -90,6 +92,8 @@ class Generation:
         self.finish_reason: str | None = None
         self.aborted = asyncio.Event()
         self.stats = StatsDelta(prompt_tokens=prompt_tokens)
+        self.logprobs: list[float] | None = None  # each token's, when the request asks for them
+        self.top_logprobs = 0  # alternatives asked for besides the sampled token
 
 
 class SimEngine:
@@ -115,6 +119,7 @@ class SimEngine:
         self.running: set[Generation] = set()
         self._reset_false_left = 0
         self.metrics = EngineMetrics(cfg.served_names[0], self.k if cfg.spec else None, cfg.log_stats)
+        self.numerics = Numerics(cfg.model, cfg.numeric_faults)
 
     # ---- weights -------------------------------------------------------------
 
@@ -145,6 +150,7 @@ class SimEngine:
         # vLLM 0.33: iterates the target model's parameters only; the draft is untouched.
         self.target = "loaded"
         self._junk_nonce = ""
+        self.numerics.reloaded()
 
     def reload_draft(self) -> dict:
         if self.draft == "none":
@@ -217,6 +223,8 @@ class SimEngine:
         if "kv_cache" in tags:
             self.kv_cache_awake = True
         if self.weights_awake and self.kv_cache_awake and self.level is not None:
+            if self.level > 0:  # Level 0 only paused the scheduler: nothing was unmapped
+                self.numerics.woke()
             self.level = None
             self._reset_false_left = self.cfg.reset_prefix_false
             self._admit.set()
@@ -253,6 +261,11 @@ class SimEngine:
         if self.target != "loaded":
             return lm.junk_text(self._junk_nonce, gen.prompt, pos)
         return lm.token_text(self.cfg.model, gen.prompt, pos, gen.salt)
+
+    def _logprob(self, gen: Generation, pos: int) -> float:
+        if self.target != "loaded":
+            return -10.0 * lm.junk_unit(self._junk_nonce, gen.prompt, pos)
+        return self.numerics.logprob(gen.prompt, pos, gen.salt, len(self.running) - 1)
 
     def embed(self, text: str) -> list[float]:
         return lm.embedding(self.cfg.model, text, self._junk_nonce if self.target != "loaded" else None)
@@ -309,6 +322,8 @@ class SimEngine:
                     raise GenerationAborted("Request aborted: engine was put to sleep (mode=abort)")
                 for _ in range(step):
                     text = self._token(gen, gen.completion_tokens)
+                    if gen.logprobs is not None:
+                        gen.logprobs.append(self._logprob(gen, gen.completion_tokens))
                     gen.completion_tokens += 1
                     gen.stats.generation_tokens += 1
                     if gen.completion_tokens == limit:

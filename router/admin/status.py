@@ -68,6 +68,7 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "baseline_mal": e.baseline.mal if e.baseline else None,
         "observed_mal": e.observed_mal,
         "observed_mal_source": e.observed_mal_source,  # "answer" (its own numbers) or "counters"
+        "logprob_drift": _drift(e),
         "collapsed": e.midlife.collapsed,
         "last_collapse": e.midlife.last_collapse,
         "acceptance_watch": e.midlife.last,  # the mid-life window's last MAL and where it came from
@@ -100,3 +101,10 @@ def _swap_dict(record: Optional[SwapRecord]) -> Optional[dict[str, Any]]:
     return {"to": record.to_model, "from": record.from_models, "result": record.result, "seconds": round(record.seconds, 4),
             "predicted_s": round(record.predicted_s, 3), "phases": {k: round(v, 4) for k, v in record.phases.items()},
             "error": record.error, "at": record.at}
+
+
+def _drift(e: Engine) -> dict[str, Any]:
+    """The logprob check's numbers: the last judged canary's drift, the engine's own cold-boot spread, the limit."""
+    v = e.last_verdict
+    return {"last": v.logprob_drift if v is not None and v.result != "baseline" else None, "spread": e.logprob_spread,
+            "max": e.spec.gate.max_logprob_drift}

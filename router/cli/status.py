@@ -28,8 +28,8 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"GPU {d['index']}{size}: awake {d['planned']:.2f}, residual {d['residual']:.2f}, free {d['free']:.2f}  ({held})")
     host = place["host"]
     lines.append(f"host RAM held for sleep: {host['level1_gb']:.2f} of {host['ram_budget_gb']:.2f} GB (host.ram_budget_gb)")
-    rows = [("MODEL", "STATE", "FOR", "LEVEL", "GPUS", "SHARE", "WAKE~", "IN-FLIGHT", "QUEUED", "MAL base/obs", "RESTARTS",
-             "LAST VERDICT")]
+    rows = [("MODEL", "STATE", "FOR", "LEVEL", "GPUS", "SHARE", "WAKE~", "IN-FLIGHT", "QUEUED", "MAL base/obs", "DRIFT last/max",
+             "RESTARTS", "LAST VERDICT")]
     for e in status["engines"]:
         verdict = e["last_verdict"] or {}
         mal = "-" if e["baseline_mal"] is None else f"{e['baseline_mal']:.2f}/{e['observed_mal'] or 0:.2f}"
@@ -37,7 +37,8 @@ def render(status: dict[str, Any]) -> str:
         state += " (leaving the roster)" if e.get("retiring") else " (restart pending: roster)" if e.get("roster_change_pending") else ""
         rows.append((e["name"] + (" [pin]" if e["pin"] else ""), state, f"{e['for_s']:.0f}s", str(e["sleep_level"] or "-"),
                      ",".join(map(str, e["devices"])), f"{e['gpu_share']:g}", f"{e['wake_estimate_s']:.1f}s",
-                     str(e["in_flight"]), str(e["queued"]), mal, str(e["restarts"]), verdict.get("result", "-")))
+                     str(e["in_flight"]), str(e["queued"]), mal, _drift(e.get("logprob_drift") or {}), str(e["restarts"]),
+                     verdict.get("result", "-")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     swap = status["last_swap"]
@@ -81,6 +82,14 @@ def host_memory_lines(engines: list[dict[str, Any]]) -> list[str]:
             line += f"; not at level 1: {host['not_level1_because']}"
         lines.append(line)
     return lines
+
+
+def _drift(drift: dict[str, Any]) -> str:
+    """`0.0012/0.05`: the last judged canary's logprob drift and gate.max_logprob_drift (`-` where unmeasured)."""
+    if drift.get("max") is None:
+        return "off"
+    last = "-" if drift.get("last") is None else f"{drift['last']:.2g}"
+    return f"{last}/{drift['max']:g}"
 
 
 def show(url: str, admin_key: Optional[str]) -> int:

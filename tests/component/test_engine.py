@@ -87,9 +87,10 @@ async def test_a_level1_wake_is_one_wake_up_and_a_prefix_reset(make_engine):
     await engine.sleep()
     await engine.wake()
     calls = [c for c in await sim(engine, "GET", "/sim/log") if c.get("method") not in HOST_MEMORY_RPCS]
-    # the canary runs at boot (baseline) and after the wake, before promotion
-    assert [c["step"] for c in calls] == ["generate", "sleep", "wake", "reset_prefix_cache", "generate"]
-    assert calls[1]["query"] == {"level": "1", "mode": "wait"}
+    # the canary runs twice at boot (the baseline, and its replay for the engine's own logprob
+    # spread) and once after the wake, before promotion
+    assert [c["step"] for c in calls] == ["generate", "generate", "sleep", "wake", "reset_prefix_cache", "generate"]
+    assert calls[2]["query"] == {"level": "1", "mode": "wait"}
 
 
 async def test_reset_prefix_cache_is_retried_while_vllm_answers_false(make_engine):
@@ -311,7 +312,7 @@ async def test_an_unexpected_exception_in_a_step_is_contained_to_the_engine(make
     def broken(exposition: str):
         raise RuntimeError("a defect in the counter reader")
 
-    monkeypatch.setattr("engines.gate.read_counters", broken)
+    monkeypatch.setattr("engines.canary.read_counters", broken)
     with pytest.raises(EngineFailed, match=r"engine a: gate failed: internal error: RuntimeError\('a defect in the counter reader'\)"):
         await engine.wake()
     assert engine.state is State.FAILED and ("gate", False) in engine.observer.steps

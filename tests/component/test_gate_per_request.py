@@ -12,7 +12,7 @@ import time
 
 import aiohttp
 
-from engines.gate import FROM_ANSWER, FROM_COUNTERS, read_counters, mean_acceptance_length
+from engines.canary import FROM_ANSWER, FROM_COUNTERS, read_counters, mean_acceptance_length
 from tests.support import FAST_SIM, client, eventually, roster_dict, sim_model
 
 NOISE = "noise"  # prompts containing it decode at NOISE_MAL (--sim-prompt-acceptance)

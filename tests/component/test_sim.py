@@ -898,3 +898,58 @@ def test_bad_requests_get_a_4xx_in_the_error_shape_never_a_500(shared_sim_engine
     elif resp.status >= 400:
         err = json.loads(raw)["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["code"] == resp.status
+
+
+# ---- logprobs: the numbers a GPU host gets wrong with the tokens unchanged ----------------------
+
+
+async def test_logprobs_come_in_vllms_shapes_and_a_second_greedy_canary_agrees_to_the_bit(start_sim_engine, http):
+    sim = start_sim_engine(*FAST)
+    first, second = [await complete(http, sim, max_tokens=8, logprobs=0) for _ in range(2)]
+    lp = first["choices"][0]["logprobs"]
+    assert lp["tokens"] == second["choices"][0]["logprobs"]["tokens"] and "".join(lp["tokens"]) == first["choices"][0]["text"]
+    assert len(lp["token_logprobs"]) == 8 and all(v <= 0 for v in lp["token_logprobs"]) and lp["top_logprobs"] is None
+    assert lp["token_logprobs"] == second["choices"][0]["logprobs"]["token_logprobs"]
+    assert (await complete(http, sim, max_tokens=8))["choices"][0]["logprobs"] is None, "not asked for, not sent"
+    status, body = await call(http, sim, "POST", "/v1/chat/completions", json_body={
+        "model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 1})
+    assert status == 200 and len(body["choices"][0]["logprobs"]["content"]) == 4, body
+    status, body = await call(http, sim, "POST", "/v1/completions", json_body={"model": "sim-model", "prompt": "x", "logprobs": 21})
+    assert status == 400 and "greater than max allowed: 20" in body["error"]["message"], body
+
+
+@pytest.mark.parametrize("flag, value", [("--sim-wake-logprob-shift", "-0.5"), ("--sim-wake-logprob-noise", "1.0")])
+async def test_a_wake_fault_moves_the_logprobs_and_leaves_the_tokens(start_sim_engine, http, flag, value):
+    sim = start_sim_engine(*FAST, flag, value)
+    before = (await complete(http, sim, logprobs=0))["choices"][0]["logprobs"]
+    await dev(http, sim, "/sleep", params={"level": "1"})
+    await dev(http, sim, "/wake_up")
+    after = (await complete(http, sim, logprobs=0))["choices"][0]["logprobs"]
+    assert after["tokens"] == before["tokens"]
+    moved = [abs(a - b) for a, b in zip(after["token_logprobs"], before["token_logprobs"])]
+    assert sum(moved) / len(moved) > 0.2, moved
+
+
+async def test_jitter_moves_logprobs_only_beside_other_requests(start_sim_engine, http):
+    sim = start_sim_engine("--sim-logprob-jitter", "0.01", "--sim-token-rate", "500")
+    alone = [(await complete(http, sim, max_tokens=16, logprobs=0))["choices"][0]["logprobs"]["token_logprobs"] for _ in range(2)]
+    assert alone[0] == alone[1]
+    busy, _ = await asyncio.gather(complete(http, sim, max_tokens=16, logprobs=0),
+                                   complete(http, sim, prompt="other traffic", max_tokens=64))
+    moved = [abs(a - b) for a, b in zip(busy["choices"][0]["logprobs"]["token_logprobs"], alone[0])]
+    assert 0 < max(moved) <= 0.01, moved
+
+
+async def test_a_perturbed_target_keeps_its_tokens_until_reload_weights_rewrites_it(start_sim_engine, http):
+    sim = start_sim_engine(*FAST, *SPEC)
+    before = (await complete(http, sim, logprobs=0))["choices"][0]["logprobs"]
+    body = lambda *args: {"method": "hotswap_perturb_target", "args": list(args), "kwargs": {}}  # noqa: E731
+    (perturbed,) = (await dev(http, sim, "/collective_rpc", json_body=body(1.5)))["results"]
+    assert perturbed["digest_after"] != perturbed["digest_before"] and not perturbed["restored"]
+    after = (await complete(http, sim, logprobs=0))["choices"][0]["logprobs"]
+    assert after["tokens"] == before["tokens"] and after["token_logprobs"] != before["token_logprobs"]
+    status, refused = await call(http, sim, "POST", "/collective_rpc", json_body=body(-1))
+    assert status == 500 and "scale must be > 0" in refused["error"]["message"]
+    await rpc(http, sim, "reload_weights")
+    assert (await rpc(http, sim, "hotswap_target_digest")) == [perturbed["digest_before"]]
+    assert (await complete(http, sim, logprobs=0))["choices"][0]["logprobs"] == before

@@ -42,7 +42,7 @@ K = 2
 FULL = 1.0 + K  # the target drafting for itself accepts every draft token at temperature 0
 GATE_TOKENS = 64  # the production default canary length (MAL stays exact: see test_vllm_gate_counters)
 PROMPT = "The router wakes the model and"
-HEALTHY_CYCLES = int(os.environ.get("HOTSWAP_VLLM_HEALTHY_CYCLES", "20"))
+HEALTHY_CYCLES = int(os.environ.get("HOTSWAP_VLLM_HEALTHY_CYCLES", "25"))  # two wakes each: 50 staged Level-2 wakes
 INJECTED = int(os.environ.get("HOTSWAP_VLLM_INJECTED_COLLAPSES", "5"))
 RESTART_TIMEOUT_S = BOOT_TIMEOUT_S + 120  # a request whose wake is refused waits for a cold restart
 
@@ -325,7 +325,7 @@ def test_every_injected_collapse_is_caught_and_no_healthy_wake_is_refused(router
     digest0 = digest(router, SPEC)
     # Healthy wake/sleep cycles with draft_restore: reload (tiny-spec), and the plain model's
     # output-only gate on every swap back.
-    healthy_mal = []
+    healthy_mal, healthy_drift = [], []
     for _ in range(HEALTHY_CYCLES):
         for model in (SPEC, PLAIN):
             assert ask(router, model) == reference[model]
@@ -333,12 +333,15 @@ def test_every_injected_collapse_is_caught_and_no_healthy_wake_is_refused(router
             assert swap["to"] == model, swap
             wakes[model].append(steps)  # a false refusal would show in the counters below
             swap_s.append(swap["seconds"])
+            verdict = router.engine(model)["last_verdict"]
+            healthy_drift.append(verdict["logprob_drift"])  # the logprob check ran on every wake, draft or not
             if model == SPEC:
-                healthy_mal.append(router.engine(SPEC)["last_verdict"]["observed_mal"])
+                healthy_mal.append(verdict["observed_mal"])
     healthy = {m: delta(counters(router, m), start[m]) for m in (SPEC, PLAIN)}
     assert healthy[SPEC] == {"passed": HEALTHY_CYCLES}, f"false refusals or restarts in healthy cycles: {healthy}"
     assert healthy[PLAIN] == {"passed": HEALTHY_CYCLES}, healthy
     assert healthy_mal == [FULL] * HEALTHY_CYCLES, healthy_mal
+    assert None not in healthy_drift, healthy_drift
     awake(router, SPEC)
     assert digest(router, SPEC) == digest0, "twenty draft reloads later, still the checkpoint's draft"
 
@@ -367,6 +370,8 @@ def test_every_injected_collapse_is_caught_and_no_healthy_wake_is_refused(router
         "caught": caught,
         "refused_at_mal": observed_mal,
         "healthy_mal": sorted(set(healthy_mal)),
+        "healthy_drift": {"wakes": len(healthy_drift), "max": max(healthy_drift),
+                          "median": statistics.median(healthy_drift), "exactly_zero": sum(d == 0 for d in healthy_drift)},
         "spec_wake_phases": {p: summary([w[p] for w in wakes[SPEC]]) for p in wakes[SPEC][0]} if wakes[SPEC] else {},
         "plain_wake_phases": {p: summary([w[p] for w in wakes[PLAIN]]) for p in wakes[PLAIN][0]} if wakes[PLAIN] else {},
         "healthy_swap_s": summary(swap_s) if swap_s else {},

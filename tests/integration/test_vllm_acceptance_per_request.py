@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from config.schema import Gate
-from engines import gate
+from engines import canary
 from engines.client import VLLMClient
 from tests.integration.harness import EXTENSION, REPORT, VllmServer
 
@@ -57,13 +57,13 @@ async def test_a_canarys_own_acceptance_equals_the_counters_around_it_on_real_vl
                 if state == "discarded":
                     engine.rpc("hotswap_discard_draft")
                 for tokens in (16, 64):
-                    before = gate.read_counters(await client.metrics())
-                    canary = await gate.run_canary(client, engine.name, Gate(max_tokens=tokens), True, timeout=60)
-                    assert canary.source == gate.FROM_ANSWER, canary
+                    before = canary.read_counters(await client.metrics())
+                    canary = await canary.run_canary(client, engine.name, Gate(max_tokens=tokens), True, timeout=60)
+                    assert canary.source == canary.FROM_ANSWER, canary
                     # The gate did not wait for the counters; wait for them here, as the counter path does.
                     after = await gate._landed(client, before, tokens, True, deadline=time.monotonic() + 30)
                     drafts, accepted = after.drafts - before.drafts, after.accepted - before.accepted
-                    from_counters = gate.mean_acceptance_length(drafts, accepted)
+                    from_counters = canary.mean_acceptance_length(drafts, accepted)
                     assert canary.mal == pytest.approx(from_counters), (state, tokens, canary, drafts, accepted)
                     assert (canary.drafts, canary.accepted) == (drafts, accepted), (state, tokens, canary)
                     report[f"{state} T={tokens}"] = {"answer": [canary.drafts, canary.accepted, canary.mal],
@@ -77,7 +77,7 @@ async def test_a_canarys_own_acceptance_equals_the_counters_around_it_on_real_vl
                     "stream": True, "stream_options": {"include_usage": True}}
             async with session.post(engine.url + "/v1/completions", json=body) as r:
                 raw = await r.read()
-            assert gate.answer_spec_counts(raw[-4096:]) is not None, raw[-800:]
+            assert canary.answer_spec_counts(raw[-4096:]) is not None, raw[-800:]
     finally:
         (result,), _ = engine.rpc("hotswap_reload_draft")
         assert result["reloaded"] is True, result

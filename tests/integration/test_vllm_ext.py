@@ -5,7 +5,9 @@ acceptance 3.0 -> 1.0), vLLM's own target-only `reload_weights` does not repair 
 `hotswap_reload_draft` does (digest back to the checkpoint's, acceptance 3.0). The second
 test walks the router's staged Level-2 wake through the real dev endpoints, recording
 their answers. On CPU sleep is bookkeeping only, so `hotswap_discard_draft` stands in for
-what Level-2 sleep does to the draft on GPU.
+what Level-2 sleep does to the draft on GPU. The third proves the stand-in for a numerically
+wrong wake (`hotswap_perturb_target`): canary tokens and acceptance identical, logprobs moved,
+target digest changed, and scale 1.0 puts it all back.
 """
 
 from __future__ import annotations
@@ -134,6 +136,55 @@ def test_staged_level2_wake_through_the_dev_endpoints(spec_engine: VllmServer) -
     assert mal == pytest.approx(FULL), f"MAL after the staged wake {mal}"
     assert tokens(after) == tokens(baseline)
     REPORT["mal_after_staged_wake"] = mal
+
+
+def canary_logprobs(engine: VllmServer, prompt: str = PROMPT, max_tokens: int = 64) -> tuple[list[int], list[float]]:
+    """The gate's canary with `"logprobs": 0`: the sampled tokens and their logprobs."""
+    status, body = http(
+        "POST", engine.url + "/v1/completions",
+        {"model": engine.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+         "logprobs": 0, "return_token_ids": True},
+    )
+    assert status == 200, f"completion -> {status} {body}"
+    choice = body["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def test_perturb_target_moves_logprobs_not_tokens(spec_engine: VllmServer) -> None:
+    """The stand-in for a numerically wrong wake: tokens and acceptance identical, logprobs moved, digest changed."""
+    engine = spec_engine
+    report = REPORT.setdefault("perturb_target", {})
+    ensure_healthy_draft(engine)
+    (digest0,), _ = engine.rpc("hotswap_target_digest")
+    assert isinstance(digest0, str) and len(digest0) == 64
+    http("POST", engine.url + "/reset_prefix_cache")
+    ids0, lp0 = canary_logprobs(engine)
+    assert len(ids0) == len(lp0) == 64
+
+    (perturbed,), t = engine.rpc("hotswap_perturb_target", "1.1")
+    assert perturbed["perturbed"] == "model.norm.weight" and perturbed["scale"] == 1.1, perturbed
+    assert perturbed["digest_before"] == digest0 and perturbed["digest_after"] != digest0, perturbed
+    assert perturbed["restored"] is False
+    (digest,), _ = engine.rpc("hotswap_target_digest")
+    assert digest == perturbed["digest_after"]
+    (again,), _ = engine.rpc("hotswap_perturb_target", "1.1")
+    assert again["digest_after"] == digest, "the scale is relative to the checkpoint, not cumulative"
+    report["rpc_s"] = round(t, 4)
+
+    http("POST", engine.url + "/reset_prefix_cache")
+    ids1, lp1 = canary_logprobs(engine)
+    assert ids1 == ids0, "scaling every logit keeps the argmax: the greedy tokens must not change"
+    drift = sum(abs(a - b) for a, b in zip(lp0, lp1)) / len(lp0)
+    assert drift > 0.01, f"the logprobs must move (mean drift {drift})"
+    mal, _ = engine.canary(PROMPT)
+    assert mal == pytest.approx(FULL), f"acceptance must not change: MAL {mal}"
+    report["drift_at_1.1"] = round(drift, 4)
+
+    (restored,), _ = engine.rpc("hotswap_perturb_target", "1.0")
+    assert restored["restored"] is True and restored["digest_after"] == digest0, restored
+    http("POST", engine.url + "/reset_prefix_cache")
+    ids2, lp2 = canary_logprobs(engine)
+    assert (ids2, lp2) == (ids0, lp0), "scale 1.0 restores the checkpoint bit for bit"
 
 
 def test_the_host_memory_rpcs_answer_on_cpu_and_say_why_they_have_nothing_to_report(spec_engine: VllmServer) -> None:

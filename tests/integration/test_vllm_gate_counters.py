@@ -1,4 +1,4 @@
-"""The gate's own measurement (`engines.gate.run_canary`) against real vLLM's counters on CPU.
+"""The gate's own measurement (`engines.canary.run_canary`) against real vLLM's counters on CPU.
 
 vLLM's spec-decode counters overshoot a completion: a 32-token greedy completion with
 `num_speculative_tokens: 2` counts 11 drafts and 22 accepted tokens (33 > 31 decoded
@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from config.schema import Gate
-from engines import gate
+from engines import canary
 from engines.client import VLLMClient
 from tests.integration.harness import REPORT, VllmServer
 
@@ -42,10 +42,10 @@ async def test_the_gates_counter_wait_reads_complete_deltas_on_real_vllm(spec_en
                 for tokens in (8, 16, 32, 64):
                     cfg = Gate(max_tokens=tokens)
                     for _ in range(REPEATS):
-                        before = gate.read_counters(await client.metrics())
-                        canary = await gate.run_canary(client, engine.name, cfg, True, timeout=60)
-                        now = gate.read_counters(await client.metrics())
-                        assert canary.tokens == tokens and canary.source == gate.FROM_COUNTERS, canary  # no per-request flag here
+                        before = canary.read_counters(await client.metrics())
+                        canary = await canary.run_canary(client, engine.name, cfg, True, timeout=60)
+                        now = canary.read_counters(await client.metrics())
+                        assert canary.tokens == tokens and canary.source == canary.FROM_COUNTERS, canary  # no per-request flag here
                         if state == "healthy":
                             drafts = math.ceil((tokens - 1) / (K + 1))
                             expected = (drafts, K * drafts, 1.0 + K)

@@ -6,8 +6,8 @@ import pytest
 
 from config.schema import Gate
 from engines.client import EngineError
-from engines.gate import (FROM_ANSWER, FROM_COUNTERS, Canary, Counters, MidlifeWatch, acceptance_problems, answer_spec_counts,
-                          judge, read_counters)
+from engines.canary import FROM_ANSWER, FROM_COUNTERS, Canary, Counters, answer_spec_counts, read_counters
+from engines.gate import MidlifeWatch, acceptance_problems, judge
 
 EXPOSITION = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
