@@ -108,7 +108,8 @@ class ModelSpec(Section):
         description="GPU indexes the engine uses (the router sets CUDA_VISIBLE_DEVICES from them).")
     pin: bool = Field(False, description="Never parked to make room (still drained at shutdown).")
     weights_gb: Optional[float] = Field(
-        None, gt=0, description="Host RAM the weights take at sleep level 1; unset: measured from the checkpoint files.")
+        None, gt=0, description="The checkpoint's size: until its first Level-1 sleep is measured, that sleep is "
+                     "expected to hold 1.35 x this in host RAM; unset: read from the checkpoint files.")
     sleep_residual_gb: float = Field(
         1.0, ge=0, description="GPU memory a sleeping engine still holds per device (CUDA context, pools).")
     model: Optional[NonEmptyStr] = Field(None, description="Path or id given to `vllm serve`.")
@@ -122,7 +123,7 @@ class ModelSpec(Section):
     speculative: Optional[dict[str, Any]] = Field(None, description="Becomes --speculative-config (JSON).")
     sleep_level: Literal["auto", 1, 2] = Field(
         "auto", description="vLLM sleep level when parked: 1 keeps weights in host RAM, 2 discards them; "
-        "auto: 1 while host.ram_budget_gb holds the weights, else 2 (else a stop, for a --load-format vLLM cannot "
+        "auto: 1 while host.ram_budget_gb holds what it would hold there, else 2 (else a stop, for a --load-format vLLM cannot "
         "reload from: dummy, ipc_cache, modelexpress, sharded_state, runai_streamer_sharded, tensorizer; 2 is refused for those).")
     draft_restore: Optional[Literal["reload", "preserve", "none"]] = Field(
         None,

@@ -117,7 +117,8 @@ class Gpu(Section):
 
 class Host(Section):
     ram_budget_gb: Optional[float] = Field(
-        None, gt=0, description="Host RAM that Level-1 sleepers' weights may take; unset: half of MemTotal.")
+        None, gt=0, description="Host RAM the engines may hold for sleep (Level-1 copies of the weights, and what stays "
+                     "cached after a wake), as measured after every sleep and wake; unset: half of MemTotal.")
 
 
 class StepTimeouts(Section):

@@ -22,6 +22,7 @@ import aiohttp
 from config.schema import ModelSpec, Swap
 from engines import canary, gate, promotion, reaper, wake
 from engines.client import EngineError, EngineRefused, EngineTLSError, VLLMClient, attached_client
+from engines.host_memory import HostMemory
 from engines.leases import Leases
 from engines.process import EngineProcess, free_port
 from engines.states import TRANSITIONS, EngineFailed, State
@@ -92,6 +93,7 @@ class Engine:
         self._stopping = False
         self._watch: Optional[asyncio.Task[None]] = None
         self.probe: Optional[asyncio.Task[None]] = None  # engines.watch's health probe, one at a time
+        self.host = HostMemory(spec)  # what it holds in host RAM for sleep (engines.host_memory)
 
     # -- what the router reads -----------------------------------------------------------
 
@@ -246,6 +248,7 @@ class Engine:
 
     async def _boot(self) -> None:
         self.last_phases = {}
+        self.host.reset(self.spec)  # a new process holds nothing for sleep
         self._enter(State.BOOTING)
         self.boot_deadline = deadline = time.monotonic() + self.swap.boot_timeout_s
         started = time.monotonic()
@@ -340,9 +343,11 @@ class Engine:
         level = level or self.sleep_levels[-1]
         self.last_phases = {}
         mode = "wait" if await self._drain() else "abort"
+        await self.host.before_sleep(self.client, self.process)
         await self._step("sleep", lambda t: self.client.sleep(level, mode, timeout=t))
         self.sleep_level = level
         self._enter(State.SLEEPING)
+        await self.host.after_sleep(self.client, self.process, level)
 
     # -- wake ----------------------------------------------------------------------------
 
@@ -354,6 +359,7 @@ class Engine:
         self._enter(State.WAKING)
         for step in wake.steps(self.sleep_level or 2, self.spec.draft_restore):
             await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
+        await self.host.after_wake(self.client, self.process, self.sleep_level or 2)
         self._enter(State.VERIFYING)
         verdict = await self._judged_canary()
         if verdict.passed:
@@ -377,10 +383,12 @@ class Engine:
         self._enter(State.WAKING)
         for step in wake.steps(1, self.spec.draft_restore):
             await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
+        await self.host.after_wake(self.client, self.process, 1)  # the host copy is what a demotion is for
         self._enter(State.DRAINING)
         await self._step("sleep", lambda t: self.client.sleep(2, "wait", timeout=t))
         self.sleep_level = 2
         self._enter(State.SLEEPING)
+        await self.host.after_sleep(self.client, self.process, 2)
 
     # -- the promotion gate ------------------------------------------------------------------
 
@@ -418,6 +426,7 @@ class Engine:
             self._enter(State.COLD)  # first: no lease may be handed out to a process that is going away
         if self.process is not None:
             await self.process.stop()
+        self.host.reset(self.spec)  # the process and what it held are gone
         if self._watch is not None:
             await asyncio.gather(self._watch, return_exceptions=True)
 

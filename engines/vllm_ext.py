@@ -1,4 +1,5 @@
-"""The router's vLLM worker extension: restore a speculative draft after a Level-2 wake.
+"""The router's vLLM worker extension: restore a speculative draft after a Level-2 wake, and report
+(and release) the pinned host memory a Level-1 sleep leaves behind.
 
 Loaded INSIDE the vLLM engine process with
 `--worker-extension-cls engines.vllm_ext.HotswapWorkerExtension`; vLLM mixes the class
@@ -30,12 +31,16 @@ import hashlib
 import time
 from typing import Any, Iterable, Iterator
 
+from engines.vllm_host_memory import HostMemoryMethods
+
 PROBE_ROWS = 4
 PROBE_SEED = 0x5EED
 
 
-class HotswapWorkerExtension:
-    """Mixed into vLLM's worker class: `self` is the worker (vllm_config, model_runner, ...)."""
+class HotswapWorkerExtension(HostMemoryMethods):
+    """Mixed into vLLM's worker class: `self` is the worker (vllm_config, model_runner, ...). The
+    host-memory methods are `engines.vllm_host_memory`'s (vLLM's worker_base.py:301 mixes the class in
+    with its bases, so inherited methods are callable the same way)."""
 
     # --- the production method -------------------------------------------------------
 

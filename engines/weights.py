@@ -71,6 +71,14 @@ def weights_gb(spec: ModelSpec) -> tuple[Optional[float], str]:
     return size, reason
 
 
+def folder_weights_gb(folder: Path) -> Optional[float]:
+    """GB of the weight files vLLM would load from the local checkpoint `folder`; None when it has none."""
+    try:
+        return _weight_size(folder)[0]
+    except _Unknown:
+        return None
+
+
 def _checkpoint_dir(model: str, spec: ModelSpec, env: Mapping[str, str]) -> tuple[Path, str]:
     """The directory holding the files of `model` (the spec's), and how to name it in a reason."""
     if Path(model).is_dir():

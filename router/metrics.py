@@ -195,7 +195,7 @@ class _LiveState(Collector):
                 baseline.add_metric(labels, engine.baseline.mal)
             if engine.observed_mal is not None:
                 observed.add_metric(labels, engine.observed_mal)
-        return [state, level, in_flight, queued, baseline, observed, estimate, *self._placement()]
+        return [state, level, in_flight, queued, baseline, observed, estimate, *self._placement(), self._host_memory()]
 
     def _placement(self) -> list[GaugeMetricFamily]:
         scheduler = self.router.placement
@@ -206,11 +206,21 @@ class _LiveState(Collector):
         for view in devices_view(scheduler.ledger()):
             planned.add_metric([str(view.index)], view.planned)
             residual.add_metric([str(view.index)], view.residual)
-        ram = GaugeMetricFamily("hotswap_host_ram_level1_bytes", "Host RAM held by Level-1 sleepers' weights.",
+        ram = GaugeMetricFamily("hotswap_host_ram_level1_bytes", "Host RAM the engines hold for sleep (Level-1 copies, "
+                                "and what stays cached after a wake), measured, else estimated: what the budget counts.",
                                 value=scheduler.level1_gb() * 1e9)
         budget = GaugeMetricFamily("hotswap_host_ram_budget_bytes", "Host RAM Level-1 sleepers may hold (host.ram_budget_gb).",
                                    value=scheduler.capacity.ram_budget_gb * 1e9)
         return [planned, residual, ram, budget]
+
+    def _host_memory(self) -> GaugeMetricFamily:
+        held = GaugeMetricFamily("hotswap_engine_host_memory_bytes", "Host RAM each engine holds for sleep as "
+                                 "host.ram_budget_gb counts it: measured after its last sleep or wake (worker "
+                                 "extension, else /proc), else estimated from its checkpoint.", labels=["model", "group"])
+        scheduler = self.router.placement
+        for engine in self.router.engines.values():
+            held.add_metric([engine.name, group_of(engine)], scheduler.host_gb(engine) * 1e9)
+        return held
 
 
 METRICS_KEY = web.AppKey("metrics", Metrics)

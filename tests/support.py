@@ -35,6 +35,16 @@ def sim_roster(*models: dict[str, Any], **sections: Any) -> Roster:
     return parse_roster(yaml.safe_dump(roster_dict(*models, **sections)), "test-roster.yaml", os.environ)
 
 
+# What the router asks an engine around every sleep and wake to measure its host memory
+# (engines/host_memory.py); left out where a test asserts the staged wake's order.
+HOST_MEMORY_RPCS = frozenset({"hotswap_host_memory", "hotswap_empty_host_cache"})
+
+
+def dev_steps(entries: list[dict[str, Any]]) -> list[str]:
+    """The steps of a simulated engine's /sim/log, without generations and host-memory reports."""
+    return [e["step"] for e in entries if e["step"] != "generate" and e.get("method") not in HOST_MEMORY_RPCS]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,9 +14,14 @@ import logging
 import os
 import signal
 import sys
-import time
+
+from pathlib import Path
+
+from engines.weights import folder_weights_gb
 
 from .control import FAULT_KINDS, STEPS, Control, Fault, InjectedFault
+from .boot_failure import memory_check_failure, print_boot_failure
+from .host_memory import HostModel
 from .memory import DEFAULT_RESIDUAL_GB, DEFAULT_SHARE, EngineMemory, Ledger, OutOfMemory, parse_devices
 
 log = logging.getLogger("vllm.sim")
@@ -107,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sim-lora-lost-on-level2", action="store_true",
                    help="after a Level-2 sleep, adapters answer like the base model (silently wrong)")
     s.add_argument("--sim-reset-prefix-false", type=int, default=0, metavar="N")
+    s.add_argument("--sim-host-bytes-per-gb", type=float, default=None, metavar="N",
+                   help="model vLLM's Level-1 backup in pinned host RAM: a Level-1 sleep really allocates and touches "
+                   "N bytes per GB of weights, each tensor rounded up to a power of two, kept after the wake until "
+                   "hotswap_empty_host_cache (engines/sim/host_memory.py); 1e9 is real size. Unset: not modelled")
+    s.add_argument("--sim-weights-gb", type=float, default=None, metavar="GB",
+                   help="the weights' size for --sim-host-bytes-per-gb; unset: the weight files in MODEL, a local directory")
     s.add_argument("--sim-sleep-residual-gb", type=float, default=DEFAULT_RESIDUAL_GB,
                    help="GB a sleeping engine still holds per device; with --gpu-memory-utilization, modelled "
                    "only when HOTSWAP_SIM_GPU_LEDGER names a ledger (engines/sim/memory.py)")
@@ -172,11 +183,27 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(str(e))
     if args.gpu_memory is not None:
         unknown = rest  # modelled, so no longer ignored
+    args.host_model = host_model(args, parser)
     # `--sleep-preserve-parameter-names a,b` and `... a b` both select several globs.
     args.sleep_preserve_parameter_names = [
         pat for item in args.sleep_preserve_parameter_names for pat in item.split(",") if pat
     ]
     return args, unknown
+
+
+def host_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> HostModel | None:
+    """The Level-1 host-memory model (host_memory.py), when --sim-host-bytes-per-gb asks for it."""
+    if args.sim_host_bytes_per_gb is None:
+        return None
+    if not args.sim_host_bytes_per_gb > 0:
+        parser.error("--sim-host-bytes-per-gb must be a positive number of bytes per GB of weights")
+    weights = args.sim_weights_gb
+    if weights is None and os.path.isdir(args.model):
+        weights = folder_weights_gb(Path(args.model))
+    if weights is None or weights < 0:
+        parser.error("--sim-host-bytes-per-gb needs the weights' size: --sim-weights-gb GB (>= 0), or MODEL a local "
+                     "directory with weight files")
+    return HostModel(weights, args.sim_host_bytes_per_gb)
 
 
 def gpu_memory(args: argparse.Namespace, share_text: str) -> EngineMemory | None:
@@ -206,39 +233,6 @@ def setup_logging() -> None:
     uvicorn_log.addHandler(uv)
     uvicorn_log.setLevel(logging.INFO)
     uvicorn_log.propagate = False
-
-
-LOAD_MODEL_OOM = (
-    '  File "vllm/v1/worker/gpu_model_runner.py", line 2512, in load_model\n'
-    "    self.model = model_loader.load_model(vllm_config=self.vllm_config, model_config=self.model_config)\n"
-    "RuntimeError: simulated boot failure: CUDA out of memory. Tried to allocate 2.00 GiB. "
-    "GPU 0 has a total capacity of 79.11 GiB of which 1.12 GiB is free.\n"
-)
-
-
-def memory_check_failure(e: OutOfMemory) -> str:
-    """The worker's startup memory check failing, as vLLM's traceback ends."""
-    return (
-        '  File "vllm/v1/worker/gpu_worker.py", line 255, in init_device\n'
-        "    self.requested_memory = request_memory(init_snapshot, self.cache_config)\n"
-        '  File "vllm/v1/worker/utils.py", line 383, in request_memory\n'
-        "    raise ValueError(\n"
-        f"ValueError: {e.boot_message()}\n"
-    )
-
-
-def print_boot_failure(root_cause: str = LOAD_MODEL_OOM) -> None:
-    ts = time.strftime("%m-%d %H:%M:%S")
-    print(
-        f"ERROR {ts} [core.py:708] EngineCore failed to start.\n"
-        "Traceback (most recent call last):\n"
-        '  File "vllm/v1/engine/core.py", line 699, in run_engine_core\n'
-        "    engine_core = EngineCoreProc(*args, **kwargs)\n"
-        f"{root_cause}"
-        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
-        file=sys.stderr,
-        flush=True,
-    )
 
 
 async def _until_stopped(stop: asyncio.Event, aw) -> bool:
@@ -345,7 +339,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
     if server.dev_mode:
         log.warning("SECURITY WARNING: Development endpoints are enabled! This should NOT be used in production!")
     runner = web.AppRunner(
-        build_app(server),
+        build_app(server, args.host_model),
         access_log_class=UvicornAccessLogger,
         access_log=logging.getLogger("uvicorn.access"),
         # A client that disconnects aborts its request, as in vLLM.

@@ -6,11 +6,13 @@ from __future__ import annotations
 from aiohttp import web
 
 from . import lora, routes_anthropic, routes_audio, routes_dev, routes_pooling, routes_responses, routes_sim
+from .host_memory import HostModel
 from .http import error_response, read_json
 from .server import SimServer
 
 
-def build_app(server: SimServer) -> web.Application:
+def build_app(server: SimServer, host: HostModel | None = None) -> web.Application:
+    """`host`: the Level-1 host-memory model (host_memory.py); None: not modelled."""
     app = web.Application(middlewares=[server.errors_mw, server.auth_mw])
     r = app.router
     r.add_get("/health", server.health)
@@ -25,6 +27,6 @@ def build_app(server: SimServer) -> web.Application:
     if lora.runtime_updates_allowed():
         lora.add_routes(app, server.adapters, server.names, read_json, error_response)
     if server.dev_mode:
-        routes_dev.add_routes(app, server)
+        routes_dev.add_routes(app, server, host)
     routes_sim.add_routes(app, server)
     return app

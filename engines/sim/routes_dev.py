@@ -12,6 +12,7 @@ from aiohttp import web
 
 from config.argv import NO_RELOAD_FORMATS
 
+from .host_memory import NOT_MODELLED, HostModel
 from .memory import OutOfMemory
 from .http import bad_request, error_response, query_json, read_json
 from .state import WAKE_TAGS
@@ -23,10 +24,11 @@ log = logging.getLogger("vllm.sim")
 
 RPC_STEPS = {"reload_weights": "reload_weights", "hotswap_reload_draft": "reload_draft"}
 EXTENSION_METHODS = ("hotswap_reload_draft", "hotswap_draft_digest", "hotswap_discard_draft", "hotswap_perturb_target",
-                     "hotswap_target_digest")
+                     "hotswap_target_digest", "hotswap_host_memory", "hotswap_empty_host_cache")
 
 
-def add_routes(app: web.Application, server: "SimServer") -> None:
+def add_routes(app: web.Application, server: "SimServer", host: HostModel | None = None) -> None:
+    """`host`: the Level-1 host-memory model, charged at sleep and wake and reported by the extension's RPCs."""
     async def sleep(request: web.Request) -> web.Response:
         try:
             level = int(request.query.get("level", "1"))
@@ -44,6 +46,8 @@ def add_routes(app: web.Application, server: "SimServer") -> None:
         # Levels 1 and 2 unmap weights and KV cache; level 0 only pauses scheduling.
         if server.memory is not None and level > 0:
             server.memory.sleep()
+        if host is not None:
+            host.sleep(level)
         return web.json_response({"status": "sleeping", "level": level})
 
     async def wake_up(request: web.Request) -> web.Response:
@@ -62,6 +66,8 @@ def add_routes(app: web.Application, server: "SimServer") -> None:
                 log.error("Invocation of wake_up method failed (GPU %d: %s GiB free, %s GiB asked): %s",
                           e.device, round(e.free / 2**30, 2), round(e.requested / 2**30, 2), msg)
                 return error_response(500, msg, "InternalServerError")
+        if host is not None:
+            host.wake(list(tags))
         result = server.engine.wake(list(tags))
         log.info("wake_up(tags=%s): %s", tags or "all", result["status"])
         return web.json_response(result)
@@ -113,6 +119,10 @@ def add_routes(app: web.Application, server: "SimServer") -> None:
                 return error_response(500, f"ValueError: {exc}", "InternalServerError")
         elif method == "hotswap_target_digest":
             result = e.numerics.digest()
+        elif method == "hotswap_host_memory":
+            result = host.stats() if host is not None else NOT_MODELLED
+        elif method == "hotswap_empty_host_cache":
+            result = host.empty_cache() if host is not None else NOT_MODELLED
         else:
             result = {"discarded": e.discard_draft()}
         log.info("collective_rpc(%s) -> %s", method, result)

@@ -31,8 +31,8 @@ def placement_status(router: Router) -> dict[str, Any]:
         devices.append({"index": view.index, "memory_gb": view.memory_gb, "planned": round(view.planned, 4),
                         "residual": round(view.residual, 4), "free": round(max(0.0, 1.0 - view.planned - view.residual), 4),
                         "engines": view.engines})
-    return {"devices": devices, "host": {"ram_budget_gb": round(scheduler.capacity.ram_budget_gb, 2),
-                                         "level1_gb": round(scheduler.level1_gb(), 2)}}
+    return {"devices": devices, "host": {"ram_budget_gb": round(scheduler.capacity.ram_budget_gb, 4),
+                                         "level1_gb": round(scheduler.level1_gb(), 4)}}
 
 
 def engine_status(router: Router, e: Engine) -> dict[str, Any]:
@@ -52,6 +52,7 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "sleep_level": e.sleep_level,
         "sleep_level_policy": e.spec.sleep_level,
         "weights_gb": scheduler.weights.get(e.name),
+        "host_memory": host_memory_status(router, e),
         "wake_estimate_s": round(scheduler.predicted_wait(e, scheduler.clock()), 2),
         "in_flight": e.in_flight,
         "queued": scheduler.queued(e),
@@ -79,6 +80,19 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "last_log_lines": e.last_log_lines(20),
         "log_file": str(e.process.log_path) if e.process else None,
     }
+
+
+def host_memory_status(router: Router, e: Engine) -> dict[str, Any]:
+    """What the engine holds in host RAM for sleep: estimated (checkpoint x prior) vs measured, and what
+    the budget counts for it; `source` is where the counted number came from (extension | proc | estimate)."""
+    scheduler = router.scheduler(e)
+    measured = e.host.as_dict()
+    estimate = scheduler.level1_estimate_gb(e)
+    return {**measured,
+            "source": measured["source"] if measured["measured_gb"] is not None else "estimate",
+            "estimated_gb": None if estimate is None else round(estimate, 4),
+            "counted_gb": round(scheduler.host_gb(e), 4),
+            "not_level1_because": scheduler.host_why.get(e.name)}
 
 
 def _swap_dict(record: Optional[SwapRecord]) -> Optional[dict[str, Any]]:

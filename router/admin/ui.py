@@ -47,7 +47,7 @@ def _placement(place: dict[str, Any], booted: bool) -> str:
         rows.append(f"<tr id='gpu-{d['index']}'><td>{d['index']}{size}</td><td>{d['planned']:.2f}</td><td>{d['residual']:.2f}</td>"
                     f"<td>{d['free']:.2f}</td><td><div style='width:20em;background:#eaeef2'>{bar}</div>{held}</td></tr>")
     host = place["host"]
-    rows.append(f"</table><p class='muted'>host RAM for level-1 sleepers: {host['level1_gb']:.1f} of "
+    rows.append(f"</table><p class='muted'>host RAM held for sleep: {host['level1_gb']:.2f} of "
                 f"{host['ram_budget_gb']:.1f} GB</p>")
     return "".join(rows)
 

@@ -27,7 +27,7 @@ def render(status: dict[str, Any]) -> str:
         held = ", ".join(f"{name} {what}" for name, what in d["engines"].items()) or "-"
         lines.append(f"GPU {d['index']}{size}: awake {d['planned']:.2f}, residual {d['residual']:.2f}, free {d['free']:.2f}  ({held})")
     host = place["host"]
-    lines.append(f"host RAM for level-1 sleepers: {host['level1_gb']:.1f} of {host['ram_budget_gb']:.1f} GB")
+    lines.append(f"host RAM held for sleep: {host['level1_gb']:.2f} of {host['ram_budget_gb']:.2f} GB (host.ram_budget_gb)")
     rows = [("MODEL", "STATE", "FOR", "LEVEL", "GPUS", "SHARE", "WAKE~", "IN-FLIGHT", "QUEUED", "MAL base/obs", "DRIFT last/max",
              "RESTARTS", "LAST VERDICT")]
     for e in status["engines"]:
@@ -54,6 +54,7 @@ def render(status: dict[str, Any]) -> str:
                 else ", ".join(f"{k} {v if isinstance(v, list) else sorted(v)}" for k, v in reload["changes"].items()
                                if v and k != "unchanged") or "no changes")
         lines.append(f"  last reload ({reload['trigger']}) at {at}: {reload['result']}: {what}")
+    lines += host_memory_lines(status["engines"])
     for e in status["engines"]:
         if e["failure"]:
             lines.append(f"  {e['name']} failed: {e['failure']}")
@@ -63,6 +64,24 @@ def render(status: dict[str, Any]) -> str:
             lines.append(f"  {e['name']} last acceptance collapse at {at}: MAL {collapse['observed_mal']:.2f} "
                          f"({collapse['reason']})")
     return "\n".join(lines)
+
+
+def host_memory_lines(engines: list[dict[str, Any]]) -> list[str]:
+    """Per engine, what it holds in host RAM for sleep: measured (and from where) against the estimate."""
+    lines = []
+    for e in engines:
+        host = e.get("host_memory")
+        if not host or (host["measured_gb"] is None and not host["counted_gb"] and host["estimated_gb"] is None):
+            continue
+        measured = "unmeasured" if host["measured_gb"] is None else f"{host['measured_gb']:.2f} GB ({host['source']}, after {host['after']})"
+        estimated = "-" if host["estimated_gb"] is None else f"{host['estimated_gb']:.2f} GB"
+        line = f"  {e['name']} host RAM: measured {measured}, estimated {estimated}, counted {host['counted_gb']:.2f} GB"
+        if host.get("released_gb") is not None:
+            line += f", last release gave back {host['released_gb']:.2f} GB"
+        if host.get("not_level1_because"):
+            line += f"; not at level 1: {host['not_level1_because']}"
+        lines.append(line)
+    return lines
 
 
 def _drift(drift: dict[str, Any]) -> str:

@@ -141,6 +141,7 @@ class Actions(Costs, RosterChanges):
         started = time.monotonic()
         await engine.sleep(level)
         self.costs.observe_sleep(engine.name, time.monotonic() - started)
+        self._log_host_memory(engine, level)
         if self.capacity.nvml:
             await asyncio.to_thread(self._measure_residual, engine)
 
@@ -163,6 +164,19 @@ class Actions(Costs, RosterChanges):
         await engine.restart(reason)
         self.costs.observe_boot(engine.name, time.monotonic() - started)
         self._grant(engine)
+
+    def _log_host_memory(self, engine: Engine, level: int) -> None:
+        """What a park left held in host RAM, measured against what was expected, and the budget's total."""
+        host = engine.host
+        expected = self.level1_estimate_gb(engine) if level == 1 else None
+        guess = f"; estimated {expected:.2f} GB from its checkpoint" if expected is not None else ""
+        total = f"the engines hold {self.level1_gb():.2f} of host.ram_budget_gb={self.capacity.ram_budget_gb:g} GB for sleep"
+        if host.held_gb is None:
+            log.info("%s asleep at level %d; its host memory is unmeasured (%s), counted by estimate%s; %s",
+                     engine.name, level, host.problem, guess, total)
+        else:
+            log.info("%s asleep at level %d holds %.2f GB of host RAM for sleep (%s%s); %s",
+                     engine.name, level, host.held_gb, host.source, guess, total)
 
     def _measure_residual(self, engine: Engine) -> None:
         """What a parked engine's processes still hold on each device, through NVML (in a thread:
@@ -234,10 +248,12 @@ class Actions(Costs, RosterChanges):
             if engine.state is not State.AWAKE:
                 return f"not awake ({engine.state.value})"
             level = self._level_alone(engine)
+            reason = self.level_reason(engine, level)
             if level is None:
-                await self._stop(engine, f"on request; no room for it at level 1 in host RAM, and {NO_LEVEL2}")
+                numbers = f"; {reason}" if reason else ""
+                await self._stop(engine, f"on request; no room for it at level 1 in host RAM, and {NO_LEVEL2}{numbers}")
             else:
-                await self._park(engine, "on request", level)
+                await self._park(engine, f"on request; level {level}: {reason}" if reason else "on request", level)
             return self._outcome(engine)
         return await self._exclusively(engine, "sleep", action)
 

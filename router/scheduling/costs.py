@@ -2,8 +2,9 @@
 
 The cost part of `Scheduler` (see `router.scheduling.state`): an engine's expected cost is the waiting its
 absence is likely to cause (predicted wake seconds × likelihood of reuse, from
-`router.scheduling.estimates`); `sleep_level: auto` picks Level 1 while the host-RAM budget holds the
-weights, and makes RAM for a more valuable engine by demoting a Level-1 sleeper.
+`router.scheduling.estimates`); `sleep_level: auto` picks Level 1 while the host-RAM budget holds what
+the engines hold for sleep (measured after every sleep and wake, `engines.host_memory`; estimated until
+then), and makes RAM for a more valuable engine by demoting a Level-1 sleeper.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from typing import Collection, Optional
 
 from engines.engine import Engine, State
+from engines.host_memory import PRIOR_FACTOR
 from router.scheduling.placement import Ledger
 from router.scheduling.state import SchedulerState
 
@@ -34,7 +36,7 @@ class Costs(SchedulerState):
     def _choose_level(self, engine: Engine, now: float, waking: Collection[str] = (),
                       ledger: Optional[Ledger] = None) -> tuple[Optional[int], list[Engine]]:
         """The level to park `engine` at, and the Level-1 sleepers to demote to make RAM for it.
-        `waking`: engines about to wake, whose host copy of the weights is about to go. `ledger`:
+        `waking`: engines about to wake, whose host copy goes once their wake empties the cache. `ledger`:
         the GPU as planned, to tell a sleeper that can pass through it to Level 2 from one that
         would have to be stopped (and pay a cold boot later); without one, demote nobody.
         None: not Level 1, and its --load-format cannot reload from disk, so not Level 2 either:
@@ -42,19 +44,19 @@ class Costs(SchedulerState):
         if engine.spec.sleep_level != "auto":
             return engine.spec.sleep_level, []
         otherwise = 2 if engine.spec.reloads_weights else None
-        weights = self.weights.get(engine.name)
-        if weights is None:
+        need = self.level1_need_gb(engine)
+        if need is None:
             return otherwise, []
-        used = self.level1_gb(exclude=waking)
+        used = self.level1_gb(exclude=self._leaving(engine, waking))
         budget = self.capacity.ram_budget_gb
-        if used + weights <= budget:
+        if used + need <= budget:
             return 1, []
         if ledger is None:
             return otherwise, []
         mine = self._level1_value(engine, now, passes=engine.spec.reloads_weights)
 
         def value(sleeper: Engine) -> float:
-            return self._level1_value(sleeper, now, passes=ledger.fits(sleeper) and sleeper.spec.reloads_weights)
+            return self._level1_value(sleeper, now, passes=self.passes_through(sleeper, ledger))
 
         sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1
                            and e.name not in self.busy and e.name not in waking and not e.spec.pin), key=value)
@@ -65,23 +67,107 @@ class Costs(SchedulerState):
             if lost >= mine:
                 break
             chosen.append(sleeper)
-            used -= self.weights.get(sleeper.name) or 0.0
-            if used + weights <= budget:
+            used -= self.host_gb(sleeper)  # a demotion empties its host cache, a stop ends its process
+            if used + need <= budget:
                 return 1, chosen
         return otherwise, []
 
+    def _leaving(self, engine: Engine, waking: Collection[str]) -> set[str]:
+        """Who the sum for `engine`'s Level 1 leaves out: itself (its own need is counted apart) and the
+        engines about to wake whose wake gives their host copy back."""
+        return {engine.name, *(e.name for e in self.engines if e.name in waking and e.host.releases)}
+
+    def level_reason(self, engine: Engine, level: Optional[int], waking: Collection[str] = ()) -> str:
+        """Why an `auto` engine parks at `level` (or stops, None) rather than Level 1, with the numbers;
+        kept for /admin/status. Empty for Level 1 and for a fixed level."""
+        reason = "" if level == 1 or engine.spec.sleep_level != "auto" else self.level1_why(engine, waking)
+        self.host_why[engine.name] = reason or None
+        # An unknown size was said once at start (sizing.level1_weights); every park need not repeat it.
+        return reason if self.level1_need_gb(engine) is not None else ""
+
+    def over_budget(self, ledger: Ledger, moving: Collection[str], now: float) -> list[tuple[Engine, bool, str]]:
+        """When what the engines hold for sleep, as measured, is over host.ram_budget_gb (a Level-1 sleep
+        that held more than its first guess): the least valuable Level-1 sleepers to demote (True) or stop
+        (False) until it is not. An awake engine's cached copy is not moved: only its stop would free it."""
+        budget = self.capacity.ram_budget_gb
+        # Engines whose wake is under way or waits for its room give their copy back once woken, as the
+        # parks made for them counted (`_leaving`): they are neither counted nor moved here.
+        waking = {n for n in self.making_room} | {n for n, (action, *_) in self.doing.items() if action == "wake"}
+        excess = self.level1_gb(exclude={e.name for e in self.engines if e.name in waking and e.host.releases}) - budget
+        if excess <= 0:
+            return []
+        sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1 and not e.spec.pin
+                           and e.name not in self.busy and e.name not in moving and e.name not in waking
+                           and self.host_gb(e) > 0),
+                          key=lambda e: self._level1_value(e, now, passes=self.passes_through(e, ledger)))
+        out = []
+        for sleeper in sleepers:
+            if excess <= 0:
+                break
+            passes = self.passes_through(sleeper, ledger)
+            if passes:
+                ledger.reserve(sleeper)  # it passes through the GPU on its way to Level 2
+            out.append((sleeper, passes, f"host RAM over host.ram_budget_gb={budget:g} by measurement: the engines hold "
+                                         f"{excess + budget:.2f} GB for sleep, {self.host_gb(sleeper):.2f} GB of it {sleeper.name}'s"
+                                         + ("" if sleeper.spec.reloads_weights else f", and {NO_LEVEL2}")))
+            excess -= self.host_gb(sleeper)
+        return out
+
+    def passes_through(self, sleeper: Engine, ledger: Ledger) -> bool:
+        """Whether demoting a Level-1 sleeper (through the GPU to Level 2) gives its host RAM back: the GPU
+        has room for it, it can reload, and a Level-1 wake empties its host cache (the worker extension);
+        else only stopping it does."""
+        return ledger.fits(sleeper) and sleeper.spec.reloads_weights and sleeper.host.releases
+
+    # -- host RAM: what the engines hold for sleep (measured, else estimated) -----------------------------
+
     def level1_gb(self, exclude: Collection[str] = ()) -> float:
-        """Host RAM held (or about to be) by Level-1 sleepers' weights."""
-        total = 0.0
-        for engine in self.engines:
-            if engine.name in exclude:
-                continue
-            action = self.doing.get(engine.name)
-            parking_l1 = action is not None and action[0] == "park" and self.parking_level.get(engine.name) == 1
-            demoting = action is not None and action[0] in ("demote", "stop")
-            if parking_l1 or (engine.state is State.SLEEPING and engine.sleep_level == 1 and not demoting):
-                total += self.weights.get(engine.name) or 0.0
-        return total
+        """Host RAM the engines hold for sleep, or are about to (what host.ram_budget_gb bounds):
+        Level-1 copies, and what stays cached after a wake. `exclude`: engines left out (about to wake)."""
+        return sum(self.host_gb(e) for e in self.engines if e.name not in exclude)
+
+    def host_gb(self, engine: Engine) -> float:
+        """What the budget counts for `engine`: as its running action will leave it, else as last measured,
+        else its estimate while it may hold a Level-1 copy."""
+        action = self.doing.get(engine.name, ("",))[0]
+        if action == "stop" or engine.state is State.COLD or (engine.state is State.FAILED and not engine.holds_process):
+            return 0.0  # no process, nothing held (its last measurement is of a process that is gone)
+        if action == "demote":  # chosen only where the wake empties the cache (passes_through)
+            return 0.0
+        now = self._host_now_gb(engine)
+        if action == "park" and self.parking_level.get(engine.name) == 1:
+            return max(now, self.level1_need_gb(engine) or 0.0)
+        return now
+
+    def _host_now_gb(self, engine: Engine) -> float:
+        if engine.host.held_gb is not None:
+            return engine.host.held_gb
+        if engine.host.level1_copy or (engine.state is State.SLEEPING and engine.sleep_level == 1):
+            return self.level1_estimate_gb(engine) or 0.0
+        return 0.0
+
+    def level1_need_gb(self, engine: Engine) -> Optional[float]:
+        """What parking `engine` at Level 1 would have it hold: its last Level-1 sleep's measurement, else
+        the estimate (None: neither known, so not Level 1). Not less than it holds already."""
+        measured = engine.host.level1_gb
+        need = measured if measured is not None else self.level1_estimate_gb(engine)
+        return None if need is None else max(need, engine.host.held_gb or 0.0)
+
+    def level1_estimate_gb(self, engine: Engine) -> Optional[float]:
+        """The first guess: the checkpoint × PRIOR_FACTOR (engines/host_memory.py says why that factor)."""
+        weights = self.weights.get(engine.name)
+        return None if weights is None else weights * PRIOR_FACTOR
+
+    def level1_why(self, engine: Engine, waking: Collection[str] = ()) -> str:
+        """The numbers behind a Level-1 refusal, for the log and /admin/status."""
+        need, measured = self.level1_need_gb(engine), engine.host.level1_gb is not None
+        if need is None:
+            return f"its weights' size is unknown ({engine.name}: set weights_gb), so level 1 cannot be sized"
+        others = self.level1_gb(exclude=self._leaving(engine, waking))
+        how = "measured at its last level-1 sleep" if measured else \
+            f"estimated: {self.weights.get(engine.name) or 0:.2f} GB checkpoint x {PRIOR_FACTOR:g}"
+        return (f"host RAM for level 1: it would hold {need:.2f} GB ({how}) beside {others:.2f} GB the others hold "
+                f"for sleep, over host.ram_budget_gb={self.capacity.ram_budget_gb:g}")
 
     def _level1_value(self, engine: Engine, now: float, passes: bool) -> float:
         """Expected seconds of waiting that keeping `engine` at Level 1 saves: over a Level-2 wake

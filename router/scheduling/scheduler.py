@@ -151,6 +151,11 @@ class Scheduler(Actions):
             else:
                 decisions.append(Decision("boot" if first else "wake", target, f"{self.queued(target)} waiting"))
                 started(target, boots)
+        for sleeper, passes, why in self.over_budget(ledger, moving, now):  # a first guess measured too low
+            if clear(sleeper):
+                decisions.append(Decision("demote" if passes else "stop", sleeper, why))
+                moving.add(sleeper.name)
+                started(sleeper)
         idle = self.swap.idle_sleep_s
         for engine in self.engines:
             if idle is None or engine.name in moving or engine.name in self.busy or engine.state is not State.AWAKE \
@@ -251,11 +256,13 @@ class Scheduler(Actions):
         if victim.action == "stop":
             return [Decision("stop", engine, why)]
         level, demoted = self._choose_level(engine, now, waking=ledger.reserved, ledger=ledger)
+        reason = self.level_reason(engine, level, ledger.reserved)
         if level is None:
-            return [Decision("stop", engine, f"{why}; no room for it at level 1 in host RAM, and {NO_LEVEL2}")]
-        out = [Decision("park", engine, why, level)]
+            numbers = f"; {reason}" if reason else ""
+            return [Decision("stop", engine, f"{why}; no room for it at level 1 in host RAM, and {NO_LEVEL2}{numbers}")]
+        out = [Decision("park", engine, f"{why}; level {level}: {reason}" if reason else why, level)]
         for sleeper in demoted:  # host RAM for Level 1 is short: the less valuable sleeper makes way
-            passes = ledger.fits(sleeper) and sleeper.spec.reloads_weights
+            passes = self.passes_through(sleeper, ledger)
             if passes:
                 ledger.reserve(sleeper)
             out.append(Decision("demote" if passes else "stop", sleeper, f"host RAM for {engine.name} at level 1"

@@ -77,6 +77,7 @@ class SchedulerState:
         self.handled: set[str] = set()  # FAILED engines whose failure has been counted and stopped
         self.pending_restart: dict[str, str] = {}  # engine -> reason, for its next wake
         self.residuals: dict[str, dict[int, float]] = {}  # measured per engine and device, GB
+        self.host_why: dict[str, Optional[str]] = {}  # engine -> why its last park was not at Level 1 (numbers)
         self.to_boot: set[str] = set()  # new in a reload (or restarted from a changed entry): boot in the background
         self.startup: set[str] = set()  # not booted yet since the router started (first boots are not swaps)
         self.startup_total = 0

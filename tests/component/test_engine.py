@@ -16,7 +16,7 @@ import pytest
 from engines import wake
 from engines.engine import Engine, EngineFailed, Observer, State
 from engines.process import compose_argv
-from tests.support import eventually, pid_alive, sim_model, sim_roster
+from tests.support import HOST_MEMORY_RPCS, dev_steps, eventually, pid_alive, sim_model, sim_roster
 
 WAKE_L2 = wake.phases(2, "reload")
 
@@ -55,7 +55,7 @@ async def sim(engine: Engine, method: str, path: str, **kw):
 
 
 async def dev_calls(engine: Engine) -> list[str]:
-    return [c["step"] for c in await sim(engine, "GET", "/sim/log") if c["step"] != "generate"]
+    return dev_steps(await sim(engine, "GET", "/sim/log"))
 
 
 async def test_a_level2_wake_calls_the_five_steps_in_order(make_engine):
@@ -86,7 +86,7 @@ async def test_a_level1_wake_is_one_wake_up_and_a_prefix_reset(make_engine):
     await engine.boot()
     await engine.sleep()
     await engine.wake()
-    calls = await sim(engine, "GET", "/sim/log")
+    calls = [c for c in await sim(engine, "GET", "/sim/log") if c.get("method") not in HOST_MEMORY_RPCS]
     # the canary runs twice at boot (the baseline, and its replay for the engine's own logprob
     # spread) and once after the wake, before promotion
     assert [c["step"] for c in calls] == ["generate", "generate", "sleep", "wake", "reset_prefix_cache", "generate"]

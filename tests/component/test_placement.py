@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engines.sim.memory import read_ledger
-from tests.support import RouterProcess, ask, client, eventually, roster_dict, sim_model
+from tests.support import RouterProcess, ask, client, dev_steps, eventually, roster_dict, sim_model
 
 SHARE = "--gpu-memory-utilization"
 
@@ -31,7 +31,7 @@ async def states(router: RouterProcess) -> dict[str, str]:
 async def sim_steps(router: RouterProcess, name: str) -> list[str]:
     port = (await router.engine(name))["port"]
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/sim/log") as r:
-        return [c["step"] for c in await r.json() if c["step"] != "generate"]
+        return dev_steps(await r.json())
 
 
 def ledger(router: RouterProcess) -> dict:
@@ -105,28 +105,40 @@ def checkpoint(tmp_path: Path, name: str, gb: float) -> str:
     return str(folder)
 
 
+# The simulator's Level-1 backup in host RAM, at real size (engines/sim/host_memory.py): with a 20 MB
+# checkpoint a sleeper holds 33.6 MB (its tensors rounded up to powers of two); estimated 27 MB.
+HOST_MODEL = ("--sim-host-bytes-per-gb", "1e9")
+
+
 async def test_the_sleep_level_is_chosen_by_the_host_ram_budget(start_router, tmp_path):
-    # Each 0.6: one awake at a time. 30 GB of weights each; the budget holds one at Level 1.
+    # Each 0.6: one awake at a time. 20 MB of weights each; the budget holds one at Level 1. Speculative,
+    # so the worker extension empties the host cache after a Level-1 wake.
+    spec = {"speculative": {"num_speculative_tokens": 3}}
     roster = roster_dict(
-        model("a", 0.6, model=checkpoint(tmp_path, "a", 30)), model("b", 0.6, model=checkpoint(tmp_path, "b", 30)),
-        model("c", 0.6, model=checkpoint(tmp_path, "c", 30), default=True), host={"ram_budget_gb": 50})
+        model("a", 0.6, *HOST_MODEL, model=checkpoint(tmp_path, "a", 0.02), **spec),
+        model("b", 0.6, *HOST_MODEL, model=checkpoint(tmp_path, "b", 0.02), **spec),
+        model("c", 0.6, *HOST_MODEL, model=checkpoint(tmp_path, "c", 0.02), default=True, **spec), host={"ram_budget_gb": 0.05})
     router = await start_router(roster)
     levels = {e["name"]: (e["state"], e["sleep_level"], e["weights_gb"]) for e in (await router.status())["engines"]}
-    assert levels == {"a": ("sleeping", 1, 30.0), "b": ("sleeping", 2, 30.0), "c": ("awake", None, 30.0)}, \
+    assert levels == {"a": ("sleeping", 1, 0.02), "b": ("sleeping", 2, 0.02), "c": ("awake", None, 0.02)}, \
         "a took the budget at Level 1; b, parked next, did not fit in host RAM and went to Level 2"
-    assert (await router.status())["placement"]["host"] == {"ram_budget_gb": 50.0, "level1_gb": 30.0}
+    a = (await router.engine("a"))["host_memory"]
+    assert (await router.status())["placement"]["host"] == {"ram_budget_gb": 0.05, "level1_gb": pytest.approx(a["measured_gb"], abs=1e-4)}
     assert await ask(client(router), "a")
     assert (await sim_steps(router, "a"))[-2:] == ["wake", "reset_prefix_cache"], "a Level-1 wake: no reload, no draft step"
-    assert (await router.engine("c"))["sleep_level"] == 1, "a's host copy went back to the GPU: c fits in RAM at Level 1"
+    assert (await router.engine("c"))["sleep_level"] == 1, "a's host copy went back to the GPU and its cache was emptied: " \
+        "c fits in RAM at Level 1"
 
 
 async def test_a_level1_sleeper_nobody_asks_for_is_demoted_to_make_ram_for_a_busy_model(start_router, tmp_path):
     slow_l2 = ("--sim-step-delay", "reload_weights=0.4")
+    # Speculative, so their Level-1 wakes give the host RAM back (the worker extension empties the cache).
+    spec = {"speculative": {"num_speculative_tokens": 3}}
     roster = roster_dict(
-        model("idle", 0.6, *slow_l2, model=checkpoint(tmp_path, "idle", 30)),
-        model("hot", 0.6, *slow_l2, model=checkpoint(tmp_path, "hot", 30), default=True),
-        model("other", 0.6, *slow_l2, model=checkpoint(tmp_path, "other", 30)),
-        host={"ram_budget_gb": 50})
+        model("idle", 0.6, *slow_l2, *HOST_MODEL, model=checkpoint(tmp_path, "idle", 0.02), **spec),
+        model("hot", 0.6, *slow_l2, *HOST_MODEL, model=checkpoint(tmp_path, "hot", 0.02), default=True, **spec),
+        model("other", 0.6, *slow_l2, *HOST_MODEL, model=checkpoint(tmp_path, "other", 0.02), **spec),
+        host={"ram_budget_gb": 0.05})
     router = await start_router(roster)
     c = client(router)
     # Measure hot's Level-1 and Level-2 wakes, and make it the popular one.

@@ -13,13 +13,13 @@ import openai
 import pytest
 
 import engines.wake
-from tests.support import RouterProcess, ask, client, direct, eventually, free_port, http, roster_dict, sim_model
+from tests.support import HOST_MEMORY_RPCS, RouterProcess, ask, client, direct, eventually, free_port, http, roster_dict, sim_model
 
 
 async def sim_log(router: RouterProcess, name: str) -> list[str]:
     port = (await router.engine(name))["port"]
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/sim/log") as r:
-        return [c["step"] for c in await r.json()]
+        return [c["step"] for c in await r.json() if c.get("method") not in HOST_MEMORY_RPCS]
 
 
 TWO = roster_dict(sim_model("a", default=True), sim_model("b", spec=True, aliases=["bee"]))

@@ -185,3 +185,21 @@ def test_perturb_target_moves_logprobs_not_tokens(spec_engine: VllmServer) -> No
     http("POST", engine.url + "/reset_prefix_cache")
     ids2, lp2 = canary_logprobs(engine)
     assert (ids2, lp2) == (ids0, lp0), "scale 1.0 restores the checkpoint bit for bit"
+
+
+def test_the_host_memory_rpcs_answer_on_cpu_and_say_why_they_have_nothing_to_report(spec_engine: VllmServer) -> None:
+    """On CPU there is no pinned host allocator (no CUDA): the report and the release answer "not
+    available", with a reason, through a Level-1 sleep and wake, and the router then reads /proc."""
+    engine = spec_engine
+    report = REPORT.setdefault("host_memory", {})
+    status, answer = http("POST", engine.url + "/sleep?level=1&mode=wait")
+    assert status == 200, answer
+    (asleep,), _ = engine.rpc("hotswap_host_memory")
+    status, answer = http("POST", engine.url + "/wake_up")
+    assert status == 200, answer
+    (released,), t = engine.rpc("hotswap_empty_host_cache")
+    report.update(asleep=asleep, released=released, release_rpc_s=round(t, 4))
+    for result in (asleep, released):
+        assert result["available"] is False and "no CUDA" in result["reason"], result
+    mal, _ = engine.canary(PROMPT)
+    assert mal == pytest.approx(FULL), "the engine serves on after the calls"

@@ -10,6 +10,7 @@ import pytest
 
 from config.schema import ModelSpec, Queue, Swap
 from engines.engine import EngineFailed, State
+from engines.host_memory import PRIOR_FACTOR, HostMemory
 from router.scheduling.backoff import MAX_BACKOFF_S
 from router.errors import APIError
 from router.scheduling import Capacity, Decision, Plan, Scheduler, Waiter
@@ -40,6 +41,7 @@ class FakeEngine:
         self.failure: Optional[str] = None
         self.holds_process = False
         self.stopped = 0
+        self.host = HostMemory(self.spec)
 
     def try_lease(self) -> bool:
         if self.state is not State.AWAKE:
@@ -62,8 +64,11 @@ class FakeEngine:
 
 
 def scheduler(*engines: FakeEngine, clock: Clock, gpus: Optional[dict[int, float]] = None, ram_gb: float = 100,
-              weights: Optional[dict[str, float]] = None, **swap) -> Scheduler:
+              estimates: Optional[dict[str, float]] = None, **swap) -> Scheduler:
+    """`estimates`: GB each engine is expected to hold at Level 1 before it is measured (its checkpoint
+    is that over PRIOR_FACTOR)."""
     settings = {"min_active_s": 5, "max_hold_s": 30, **swap}
+    weights = {name: gb / PRIOR_FACTOR for name, gb in (estimates or {}).items()}
     return Scheduler(list(engines), Swap(**settings), Queue(), Capacity(gpus, ram_gb), weights=weights, clock=clock)
 
 
@@ -191,11 +196,11 @@ async def test_the_model_whose_oldest_waiter_waited_longest_goes_first(clock):
 
 async def test_the_sleep_level_follows_the_host_ram_budget(clock):
     a, b = awake("a", clock, share=0.5), awake("b", clock, share=0.5)
-    s = scheduler(a, b, clock=clock, ram_gb=20, weights={"a": 16, "b": 16})
+    s = scheduler(a, b, clock=clock, ram_gb=20, estimates={"a": 16, "b": 16})
     assert s._choose_level(a, clock.now) == (1, []), "16 GB fits in the 20 GB budget"
     a.state, a.sleep_level = State.SLEEPING, 1
     assert s._choose_level(b, clock.now) == (2, []), "a already holds 16 GB; b's 16 would exceed 20 and a is as valuable"
-    assert s.level1_gb() == 16
+    assert s.level1_gb() == pytest.approx(16)
     s.weights["b"] = None
     assert s._choose_level(b, clock.now) == (2, []), "unknown weights: level 2"
 
@@ -203,7 +208,7 @@ async def test_the_sleep_level_follows_the_host_ram_budget(clock):
 async def test_a_model_never_parked_at_level1_is_priced_there_from_its_level2_wake_without_the_reload(clock):
     cold = FakeEngine("cold", share=0.5, level=1)
     hot = awake("hot", clock, share=0.5)
-    s = scheduler(cold, hot, FakeEngine("t", share=0.6), clock=clock, ram_gb=20, weights={"cold": 16, "hot": 16, "t": 16})
+    s = scheduler(cold, hot, FakeEngine("t", share=0.6), clock=clock, ram_gb=20, estimates={"cold": 16, "hot": 16, "t": 16})
     s.costs.observe_boot("hot", 60.0)  # a boot slower than any wake, as on a GPU
     s.costs.observe_wake("hot", 2, 20.0, reload_s=19.0)
     for _ in range(10):
@@ -217,7 +222,7 @@ async def test_a_less_valuable_level1_sleeper_is_demoted_to_make_ram_for_a_popul
     cold = FakeEngine("cold", share=0.5, level=1)
     hot = awake("hot", clock, share=0.5)
     target = FakeEngine("t", share=0.6)
-    s = scheduler(cold, hot, target, clock=clock, ram_gb=20, weights={"cold": 16, "hot": 16, "t": 16})
+    s = scheduler(cold, hot, target, clock=clock, ram_gb=20, estimates={"cold": 16, "hot": 16, "t": 16})
     s.costs.observe_wake("hot", 1, 0.5)
     s.costs.observe_wake("hot", 2, 5.0)
     for _ in range(10):
@@ -411,7 +416,7 @@ async def test_a_level1_sleeper_that_would_have_to_be_stopped_is_valued_at_its_c
     cold = FakeEngine("cold", share=0.5, level=1)
     hot = awake("hot", clock, share=0.5)
     target = FakeEngine("t", share=0.6)
-    s = scheduler(cold, hot, target, clock=clock, ram_gb=20, weights={"cold": 16, "hot": 16, "t": 16})
+    s = scheduler(cold, hot, target, clock=clock, ram_gb=20, estimates={"cold": 16, "hot": 16, "t": 16})
     for name in ("hot", "cold"):
         s.costs.observe_wake(name, 1, 0.5)
         s.costs.observe_wake(name, 2, 5.0)
@@ -447,7 +452,7 @@ async def test_the_demotions_for_one_level1_park_are_weighed_together(clock):
     small = [FakeEngine(f"s{i}", share=0.1, level=1) for i in range(2)]
     hot = awake("hot", clock, share=0.2, group="g")
     target = FakeEngine("t", share=0.2, group="g")
-    s = scheduler(*small, hot, target, clock=clock, ram_gb=20, weights={"s0": 8, "s1": 8, "hot": 16, "t": 1})
+    s = scheduler(*small, hot, target, clock=clock, ram_gb=20, estimates={"s0": 8, "s1": 8, "hot": 16, "t": 1})
     s.costs.observe_wake("hot", 1, 0.5)
     s.costs.observe_wake("hot", 2, 5.0)  # hot at Level 1 saves 4.5 s
     for sleeper in small:
@@ -608,7 +613,7 @@ def no_reload(engine: FakeEngine) -> FakeEngine:
 
 async def test_without_host_ram_for_level_1_an_engine_whose_load_format_cannot_reload_is_stopped_not_put_at_level_2(clock):
     tz, plain, t = no_reload(awake("tz", clock, share=0.4)), awake("plain", clock, share=0.4), FakeEngine("t", share=0.6)
-    s = scheduler(tz, plain, t, clock=clock, ram_gb=4, weights={"tz": 8.0, "plain": 8.0, "t": 8.0})
+    s = scheduler(tz, plain, t, clock=clock, ram_gb=4, estimates={"tz": 8.0, "plain": 8.0, "t": 8.0})
     s.costs.observe_boot("tz", 1.0)  # a cold boot of tz is the cheaper loss: it is the one moved
     s.costs.observe_boot("plain", 60.0)
     wait_for(s, t, clock.now)
@@ -620,7 +625,122 @@ async def test_without_host_ram_for_level_1_an_engine_whose_load_format_cannot_r
 
 async def test_with_host_ram_for_level_1_such_an_engine_parks_there_like_any_other(clock):
     tz, t = no_reload(awake("tz", clock, share=0.6)), FakeEngine("t", share=0.6)
-    s = scheduler(tz, t, clock=clock, ram_gb=16, weights={"tz": 8.0, "t": 8.0})
+    s = scheduler(tz, t, clock=clock, ram_gb=16, estimates={"tz": 8.0, "t": 8.0})
     wait_for(s, t, clock.now)
     plan = s.decide(clock.now)
     assert [(d.action, d.engine.name, d.level) for d in plan.decisions] == [("park", "tz", 1)]
+
+
+# -- host RAM by measurement (engines/host_memory.py): what the engines hold for sleep, not the checkpoint ----
+
+def measured(engine: FakeEngine, gb: float, *, level1: Optional[float] = None, source: str = "extension") -> FakeEngine:
+    """`engine` as its last host-memory measurement left it: `gb` held for sleep (`level1`: what its last
+    Level-1 sleep held)."""
+    engine.host.held, engine.host.source = int(gb * 1e9), source
+    if level1 is not None:
+        engine.host.level1, engine.host.level1_copy = int(level1 * 1e9), True
+    return engine
+
+
+async def test_a_level1_park_the_checkpoint_estimate_allows_is_refused_when_a_sleeper_measured_more(clock):
+    sleeper = FakeEngine("sleeper", share=0.5, level=1)
+    b = awake("b", clock, share=0.5)
+    s = scheduler(sleeper, b, clock=clock, ram_gb=20, estimates={"sleeper": 12, "b": 6})
+    assert s._choose_level(b, clock.now) == (1, []), "by the estimates, 12 + 6 GB fit in 20"
+    measured(sleeper, 18.5, level1=18.5)  # its pinned blocks rounded up to powers of two
+    assert s.level1_gb() == pytest.approx(18.5)
+    assert s._choose_level(b, clock.now) == (2, []), "measured, the sleeper holds 18.5 GB: b's 6 would break the budget"
+    assert s.level1_why(b) == ("host RAM for level 1: it would hold 6.00 GB (estimated: 4.44 GB checkpoint x 1.35) "
+                               "beside 18.50 GB the others hold for sleep, over host.ram_budget_gb=20")
+
+
+async def test_a_level1_sleep_that_measured_less_than_its_estimate_leaves_room_for_another(clock):
+    sleeper = FakeEngine("sleeper", share=0.5, level=1)
+    b = awake("b", clock, share=0.5)
+    s = scheduler(sleeper, b, clock=clock, ram_gb=20, estimates={"sleeper": 16, "b": 6})
+    assert s._choose_level(b, clock.now) == (2, []), "unmeasured, the sleeper counts its 16 GB estimate"
+    measured(sleeper, 10, level1=10)
+    assert s._choose_level(b, clock.now) == (1, [])
+
+
+async def test_what_stays_held_after_a_level1_wake_counts_against_the_budget(clock):
+    woken = awake("woken", clock, share=0.5)  # its wake could not empty the host cache (no worker extension)
+    b = awake("b", clock, share=0.5)
+    s = scheduler(woken, b, clock=clock, ram_gb=20, estimates={"woken": 16, "b": 6})
+    assert s._choose_level(b, clock.now) == (1, []), "an engine that never slept holds nothing for sleep"
+    measured(woken, 16, level1=16, source="proc")
+    assert s.host_gb(woken) == pytest.approx(16), "awake, its cached pinned copy is still held"
+    assert s._choose_level(b, clock.now) == (2, [])
+    woken.host.held = None  # unmeasured after that wake: the copy may still be cached, so its estimate counts
+    assert s.host_gb(woken) == pytest.approx(16)
+
+
+async def test_an_engines_own_level1_cost_is_its_last_measured_level1_sleep(clock):
+    a = awake("a", clock, share=0.5)
+    s = scheduler(a, clock=clock, ram_gb=20, estimates={"a": 12})
+    assert s._choose_level(a, clock.now) == (1, []), "estimated 12 GB fit in 20"
+    measured(a, 0.1, level1=21)  # its last Level-1 sleep held 21 GB; its wake gave most of it back
+    a.host.level1_copy = False
+    assert s._choose_level(a, clock.now) == (2, []), "the next Level-1 sleep is expected to hold what the last one did"
+
+
+async def test_a_level1_sleeper_whose_wake_cannot_give_host_ram_back_is_stopped_for_it_not_demoted(clock):
+    gpus = {0: 100.0}
+    idle = measured(FakeEngine("idle", share=0.3, level=1), 16, level1=16, source="proc")
+    hot = awake("hot", clock, share=0.3, group="g")
+    target = FakeEngine("t", share=0.3, group="g")
+    s = scheduler(idle, hot, target, clock=clock, gpus=gpus, ram_gb=20, estimates={"idle": 16, "hot": 16, "t": 1})
+    s.costs.observe_wake("hot", 1, 0.5)
+    s.costs.observe_wake("hot", 2, 30.0)
+    s.costs.observe_boot("idle", 1.0)
+    for _ in range(10):
+        s.demand.arrived("hot", clock.now - 1)
+    wait_for(s, target, clock.now)
+    idle.host.release_ok = True
+    assert actions(s.decide(clock.now)) == [("park", "hot"), ("demote", "idle")], "its wake empties the cache: demoted"
+    s.busy.clear(), s.doing.clear(), s.parking_level.clear()
+    idle.host.release_ok = False  # no worker extension: a demotion would leave the pinned copy cached
+    assert actions(s.decide(clock.now)) == [("park", "hot"), ("stop", "idle")], "only its stop gives the RAM back"
+
+
+async def test_a_stopped_engine_holds_no_host_ram_whatever_its_last_measurement_said(clock):
+    gone = measured(FakeEngine("gone", State.COLD), 16, level1=16)
+    b = awake("b", clock, share=0.5)
+    s = scheduler(gone, b, clock=clock, ram_gb=20, estimates={"gone": 16, "b": 6})
+    assert s.host_gb(gone) == 0 and s._choose_level(b, clock.now) == (1, [])
+
+
+async def test_a_level1_sleep_that_held_more_than_its_guess_over_the_budget_sends_the_least_valuable_sleeper_down(clock):
+    gpus = {0: 100.0}
+    popular = measured(FakeEngine("popular", share=0.3, level=1), 12, level1=12)
+    unused = measured(FakeEngine("unused", share=0.3, level=1), 10, level1=10)  # estimated 8: it fit, measured it does not
+    s = scheduler(popular, unused, awake("a", clock, share=0.3), clock=clock, gpus=gpus, ram_gb=20,
+                  estimates={"popular": 12, "unused": 8})
+    for name in ("popular", "unused"):
+        s.costs.observe_wake(name, 1, 0.5)
+        s.costs.observe_wake(name, 2, 5.0)
+    for _ in range(10):
+        s.demand.arrived("popular", clock.now - 1)
+    popular.host.release_ok = unused.host.release_ok = True
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("demote", "unused")], "22 GB held for sleep in a 20 GB budget: the one nobody asks for goes"
+    assert plan.decisions[0].why == ("host RAM over host.ram_budget_gb=20 by measurement: the engines hold 22.00 GB "
+                                     "for sleep, 10.00 GB of it unused's")
+    s.busy.clear(), s.doing.clear()
+    unused.host.release_ok = False
+    assert actions(s.decide(clock.now)) == [("stop", "unused")], "its wake cannot give the RAM back: stopped"
+    unused.host.held = int(8e9)
+    assert actions(s.decide(clock.now)) == [], "within the budget: nobody moves"
+
+
+async def test_a_sleeper_whose_room_is_being_made_is_not_sent_down_for_the_ram_its_own_wake_gives_back(clock):
+    target = measured(FakeEngine("target", share=0.6, level=1), 12, level1=12)
+    target.host.release_ok = True
+    parking = awake("parking", clock, share=0.6)
+    s = scheduler(target, parking, clock=clock, ram_gb=20, estimates={"target": 12, "parking": 12})
+    wait_for(s, target, clock.now)
+    assert [(d.action, d.engine.name, d.level) for d in s.decide(clock.now).decisions] == [("park", "parking", 1)], \
+        "the target's wake will empty its cache: parking fits at level 1 beside it"
+    s.busy["parking"], s.doing["parking"] = asyncio.get_running_loop().create_future(), ("park", clock.now, 0.0)
+    s.parking_level["parking"] = 1
+    assert s.decide(clock.now) == Plan(), "12 + 12 GB over 20 while the park runs, but target's 12 are on their way out"
