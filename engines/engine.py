@@ -20,8 +20,8 @@ from typing import Any, Awaitable, Callable, ContextManager, Optional
 import aiohttp
 
 from config.schema import ModelSpec, Swap
-from engines import canary, gate, promotion, reaper, wake
-from engines.client import EngineError, EngineRefused, EngineTLSError, VLLMClient, attached_client
+from engines import canary, gate, handshake, promotion, reaper, wake
+from engines.client import EngineError, EngineRefused, VLLMClient, attached_client
 from engines.host_memory import HostMemory
 from engines.leases import Leases
 from engines.process import EngineProcess, free_port
@@ -29,8 +29,6 @@ from engines.states import TRANSITIONS, EngineFailed, State
 
 __all__ = ["Engine", "EngineFailed", "Observer", "State", "TRANSITIONS"]
 
-HEALTH_POLL_S = 0.25  # how often a booting engine is asked; not a limit
-HEALTH_CALL_S = 5.0  # one /health call; the boot as a whole is bounded by swap.boot_timeout_s
 log = logging.getLogger("hotswap")
 
 
@@ -255,15 +253,12 @@ class Engine:
         client = await self._start_process() if self.spec.managed else self.client
         if client is None:
             raise self.fail("boot failed: no engine URL (internal error)")
-        await self._wait_healthy(client, deadline)
         try:
-            served = await client.served_models(timeout=max(0.1, deadline - time.monotonic()))
-        except EngineError as exc:
-            raise self.fail(f"boot failed: {exc}") from None
-        if self.spec.managed and self.spec.command is None and self.spec.name not in served:
-            # The router composed --served-model-name: someone else answered on this port.
-            raise self.fail(f"boot failed: port {self.port} is answered by an engine serving {served}, not "
-                             f"{self.spec.name!r} (another process took the port this engine was given)")
+            served = await handshake.served_names(client, self.process, self.spec, self.port, deadline, self.swap.boot_timeout_s)
+        except handshake.BootFailed as exc:
+            if exc.exited:
+                await self._reap_briefly()  # the last log lines explain why
+            raise self.fail(str(exc)) from None
         self.served_names = frozenset(served)
         self.boot_names = frozenset(self.spec.names)
         self.served_name = self.spec.name if self.spec.name in served or not served else served[0]
@@ -289,22 +284,6 @@ class Engine:
             raise self.fail(f"cannot start {self.process.argv[0]!r}: {exc}") from None
         self._watch = asyncio.create_task(self._watch_process(self.process), name=f"watch:{self.name}")
         return self.client
-
-    async def _wait_healthy(self, client: VLLMClient, deadline: float) -> None:
-        last_error = "no answer yet"
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.returncode is not None:
-                await self._reap_briefly()  # the last log lines explain why
-                raise self.fail("exited during boot")
-            try:
-                await client.health(timeout=min(HEALTH_CALL_S, max(0.1, deadline - time.monotonic())))
-                return
-            except EngineTLSError as exc:  # the certificate will not change while we wait
-                raise self.fail(f"boot failed: {exc}") from None
-            except EngineError as exc:
-                last_error = str(exc)
-            await asyncio.sleep(HEALTH_POLL_S)
-        raise self.fail(f"not healthy within boot_timeout_s={self.swap.boot_timeout_s:g} s (last: {last_error})")
 
     async def _watch_process(self, process: EngineProcess) -> None:
         """Notice a death at once, in any state: a dead AWAKE engine must stop getting leases."""

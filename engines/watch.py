@@ -18,7 +18,8 @@ import time
 
 from engines import canary
 from engines.client import EngineError, VLLMClient
-from engines.engine import HEALTH_CALL_S, Engine, State
+from engines.engine import Engine, State
+from engines.handshake import HEALTH_CALL_S
 
 log = logging.getLogger("hotswap")
 
