@@ -73,9 +73,10 @@ def host_memory_lines(engines: list[dict[str, Any]]) -> list[str]:
         host = e.get("host_memory")
         if not host or (host["measured_gb"] is None and not host["counted_gb"] and host["estimated_gb"] is None):
             continue
-        measured = "unmeasured" if host["measured_gb"] is None else f"{host['measured_gb']:.2f} GB ({host['source']}, after {host['after']})"
-        estimated = "-" if host["estimated_gb"] is None else f"{host['estimated_gb']:.2f} GB"
-        line = f"  {e['name']} host RAM: measured {measured}, estimated {estimated}, counted {host['counted_gb']:.2f} GB"
+        measured = ("not measured yet" if host["measured_gb"] is None
+                    else f"measured {host['measured_gb']:.2f} GB ({host['source']}, after {host['after']})")
+        estimated = "no estimate (checkpoint size unknown)" if host["estimated_gb"] is None else f"estimated {host['estimated_gb']:.2f} GB"
+        line = f"  {e['name']} host RAM: {measured}, {estimated}, counted {host['counted_gb']:.2f} GB"
         if host.get("released_gb") is not None:
             line += f", last release gave back {host['released_gb']:.2f} GB"
         if host.get("not_level1_because"):
