@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,10 +27,10 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import harness as bench  # noqa: E402  (bench/harness.py, the sibling module)
 from config.schema import ModelSpec  # noqa: E402
 from engines.client import VLLMClient  # noqa: E402
 from engines.host_memory import HostMemory  # noqa: E402
-from engines.process import free_port  # noqa: E402
 
 
 class Tree:
@@ -48,27 +48,20 @@ class Tree:
 
 
 async def cycles(extension: bool, n: int) -> dict[str, list[float]]:
-    port = free_port()
+    port = bench.free_port()
     argv = [sys.executable, "-m", "engines.sim", "serve", "bench/m", "--port", str(port), "--sim-boot-s", "0",
             "--sim-weights-gb", "0.02", "--sim-host-bytes-per-gb", "1e9"]
     if extension:
         argv += ["--worker-extension-cls", "engines.vllm_ext.HotswapWorkerExtension"]
-    proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs = bench.Processes()
+    log = Path(tempfile.mkdtemp(prefix="hotswap-bench-")) / "sim.log"
     times: dict[str, list[float]] = {"awake footprint": [], "after a level-1 sleep": [], "after a level-1 wake": []}
     # (the footprint's row: the first cycle reads, the others return at once; its max is the read)
     try:
+        proc = procs.start("sim", argv, log, env={"VLLM_SERVER_DEV_MODE": "1"})
+        bench.wait_until_ok(f"http://127.0.0.1:{port}/health", proc, log)
         async with aiohttp.ClientSession() as session:
             client = VLLMClient(f"http://127.0.0.1:{port}", session)
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    await client.health(timeout=1)
-                    break
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.05)
             host, tree = HostMemory(ModelSpec(name="m", model="bench/m")), Tree(proc)
             for _ in range(n):
                 started = time.perf_counter()
@@ -84,8 +77,7 @@ async def cycles(extension: bool, n: int) -> dict[str, list[float]]:
                 times["after a level-1 wake"].append(time.perf_counter() - started)
             assert host.source == ("extension" if extension else "proc"), host.as_dict()
     finally:
-        proc.terminate()
-        proc.wait(10)
+        procs.close()
     return times
 
 
