@@ -112,6 +112,9 @@ class HostMemory:
         self.name = spec.name
         # The router composes --worker-extension-cls for a draft it reloads (engines/process.py).
         self.expects_extension = spec.managed and spec.command is None and spec.draft_restore == "reload"
+        # An argv the router composed without it has none: asking would only make vLLM log an
+        # AttributeError and answer 500 at every boot. `command:` and `url:` engines may have one.
+        self.lacks_extension = spec.managed and spec.command is None and not self.expects_extension
         self.baseline: dict[str, int] = {}  # source -> bytes, awake before its first sleep since boot
         self.held: Optional[int] = None  # bytes held for sleep at the last measurement; None: unmeasured
         self.source = UNMEASURED
@@ -237,6 +240,11 @@ class HostMemory:
     async def _report(self, client: Optional[VLLMClient]) -> Optional[int]:
         """PyTorch's pinned bytes through the extension; None when it cannot say (not loaded, no CUDA)."""
         if client is None or self._extension is False:
+            return None
+        if self.lacks_extension:
+            self._extension = False
+            self._no_extension = self.problem = ("no worker extension: the router loads it only into engines whose draft it "
+                                                 "reloads (draft_restore: reload)")
             return None
         try:
             pinned = pinned_bytes(await client.collective_rpc(REPORT_RPC, timeout=RPC_S))

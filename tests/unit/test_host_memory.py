@@ -77,7 +77,7 @@ async def test_a_measurement_that_fails_on_an_unexpected_answer_is_logged_with_i
     from config.schema import ModelSpec
     from engines.host_memory import UNMEASURED, HostMemory
 
-    host = HostMemory(ModelSpec(name="m", model="/m"))
+    host = HostMemory(ModelSpec(name="m", command=["vllm", "serve", "/m", "--port", "{port}"]))  # it may have the extension
     await host.before_sleep(BrokenClient(), None)
     await host.after_sleep(BrokenClient(), None, 1)
     assert (host.held, host.source, host.level1_copy) == (None, UNMEASURED, True)
