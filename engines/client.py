@@ -74,7 +74,9 @@ class VLLMClient:
         params: Any = None,
         json: Any = None,
         expect_json: bool = True,
+        close: bool = False,
     ) -> Any:
+        """`close`: not over a pooled connection, and not pooled after (`Connection: close`)."""
         endpoint = f"{method} {path}"
         try:
             async with self.session.request(
@@ -82,7 +84,7 @@ class VLLMClient:
                 self.base_url + path,
                 params=params,
                 json=json,
-                headers=self.headers,
+                headers={**self.headers, "Connection": "close"} if close else self.headers,
                 timeout=aiohttp.ClientTimeout(total=timeout),
                 ssl=self.tls if self.tls is not None else True,
             ) as resp:
@@ -140,7 +142,9 @@ class VLLMClient:
 
     async def collective_rpc(self, method: str, timeout: float, args: Sequence[Any] = (), kwargs: Optional[dict] = None) -> list[Any]:
         body = {"method": method, "args": list(args), "kwargs": kwargs or {}, "timeout": timeout}
-        answer = await self.request("POST", "/collective_rpc", json=body, timeout=timeout + 5)
+        # Not pooled: a method the worker lacks (or one that fails) raises through vLLM's ASGI app, after which
+        # uvicorn closes the connection without a word, and the next call sent on it (a sleep) is reset.
+        answer = await self.request("POST", "/collective_rpc", json=body, timeout=timeout + 5, close=True)
         return answer.get("results", []) if isinstance(answer, dict) else []
 
     async def reset_prefix_cache(self, timeout: float = 30) -> bool:

@@ -13,7 +13,7 @@ from .server import SimServer
 
 def build_app(server: SimServer, host: HostModel | None = None) -> web.Application:
     """`host`: the Level-1 host-memory model (host_memory.py); None: not modelled."""
-    app = web.Application(middlewares=[server.errors_mw, server.auth_mw])
+    app = web.Application(middlewares=[routes_dev.doomed_connections_mw, server.errors_mw, server.auth_mw])
     r = app.router
     r.add_get("/health", server.health)
     r.add_get("/v1/models", server.models)

@@ -5,8 +5,10 @@ with the memory oracle's charges at sleep and wake (memory.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -25,6 +27,18 @@ log = logging.getLogger("vllm.sim")
 RPC_STEPS = {"reload_weights": "reload_weights", "hotswap_reload_draft": "reload_draft"}
 EXTENSION_METHODS = ("hotswap_reload_draft", "hotswap_draft_digest", "hotswap_discard_draft", "hotswap_perturb_target",
                      "hotswap_target_digest", "hotswap_host_memory", "hotswap_empty_host_cache")
+
+
+# Connections uvicorn would close after an unhandled exception: the next request on one gets no answer.
+DOOMED: "weakref.WeakSet[asyncio.BaseTransport]" = weakref.WeakSet()
+
+
+@web.middleware
+async def doomed_connections_mw(request: web.Request, handler: Any) -> web.StreamResponse:
+    if request.transport is not None and request.transport in DOOMED:
+        request.transport.close()
+        raise web.HTTPServiceUnavailable()  # never sent: the connection is gone
+    return await handler(request)
 
 
 def add_routes(app: web.Application, server: "SimServer", host: HostModel | None = None) -> None:
@@ -96,6 +110,11 @@ def add_routes(app: web.Application, server: "SimServer", host: HostModel | None
             # What a worker raises for a method neither it nor its extension defines.
             msg = f"AttributeError: 'CPUWorker' object has no attribute '{method}'"
             log.error("collective_rpc(%s) failed: %s", method, msg)
+            # vLLM raises through its ASGI app here: uvicorn answers 500 and then closes the connection,
+            # without a `Connection: close` and without answering what arrives on it meanwhile (seen on
+            # the vLLM 0.32 CPU tier: the router's next call, a /sleep, was reset). DOOMED does that.
+            if request.transport is not None:
+                DOOMED.add(request.transport)
             return error_response(500, msg, "InternalServerError")
         e = server.engine
         if method in ("reload_weights", "hotswap_reload_draft") and e.cfg.load_format in NO_RELOAD_FORMATS:
