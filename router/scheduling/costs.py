@@ -75,7 +75,11 @@ class Costs(SchedulerState):
     def _leaving(self, engine: Engine, waking: Collection[str]) -> set[str]:
         """Who the sum for `engine`'s Level 1 leaves out: itself (its own need is counted apart) and the
         engines about to wake whose wake gives their host copy back."""
-        return {engine.name, *(e.name for e in self.engines if e.name in waking and e.host.releases)}
+        return {engine.name, *self._releasing(waking)}
+
+    def _releasing(self, waking: Collection[str]) -> set[str]:
+        """Of the engines about to wake, those whose wake empties their host cache (the worker extension)."""
+        return {e.name for e in self.engines if e.name in waking and e.host.releases}
 
     def level_reason(self, engine: Engine, level: Optional[int], waking: Collection[str] = ()) -> str:
         """Why an `auto` engine parks at `level` (or stops, None) rather than Level 1, with the numbers;
@@ -93,7 +97,7 @@ class Costs(SchedulerState):
         # Engines whose wake is under way or waits for its room give their copy back once woken, as the
         # parks made for them counted (`_leaving`): they are neither counted nor moved here.
         waking = {n for n in self.making_room} | {n for n, (action, *_) in self.doing.items() if action == "wake"}
-        excess = self.level1_gb(exclude={e.name for e in self.engines if e.name in waking and e.host.releases}) - budget
+        excess = self.level1_gb(exclude=self._releasing(waking)) - budget
         if excess <= 0:
             return []
         sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1 and not e.spec.pin
