@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import aiohttp
 import openai
@@ -221,3 +222,27 @@ async def ask(c: openai.AsyncOpenAI, model: str, prompt: str = "hello", max_toke
 async def close_sdk_clients() -> None:
     while _sdk_clients:
         await _sdk_clients.pop().close()
+
+
+@contextlib.asynccontextmanager
+async def traffic_beside(base_url: str, model: str, prompt: str, max_tokens: int, workers: int) -> AsyncIterator[list[int]]:
+    """Other clients of an engine, straight to its port, back to back while the block runs (so a canary
+    judged meanwhile shares the engine with them); yields the count of their answered requests."""
+    answered = [0]
+
+    async def one(s: aiohttp.ClientSession) -> None:
+        while True:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+            with contextlib.suppress(aiohttp.ClientError):
+                async with s.post(base_url + "/v1/completions", json=body) as r:
+                    await r.read()
+                    answered[0] += r.status == 200
+
+    async with aiohttp.ClientSession() as s:
+        tasks = [asyncio.create_task(one(s)) for _ in range(workers)]
+        try:
+            yield answered
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -4,15 +4,12 @@ only the canary's per-token logprobs, compared with its cold-boot baseline's, ca
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 import aiohttp
 import pytest
 
 from engines.engine import EngineFailed
 from tests.component.test_gate import metric, router_metrics
-from tests.support import ask, client, eventually, roster_dict, sim_model
+from tests.support import ask, client, eventually, roster_dict, sim_model, traffic_beside
 
 
 async def rpc(port: int, method: str, *args: object) -> object:
@@ -20,29 +17,6 @@ async def rpc(port: int, method: str, *args: object) -> object:
                                                     json={"method": method, "args": list(args)}) as r:
         assert r.status == 200, await r.text()
         return (await r.json())["results"][0]
-
-
-@contextlib.asynccontextmanager
-async def traffic_beside(base_url: str, model: str, workers: int = 3):
-    """Other clients of the engine, straight to its port: the canary then runs in a bigger batch."""
-    answered = [0]
-
-    async def one(s: aiohttp.ClientSession) -> None:
-        while True:
-            body = {"model": model, "prompt": "other traffic", "max_tokens": 32, "ignore_eos": True}
-            with contextlib.suppress(aiohttp.ClientError):
-                async with s.post(base_url + "/v1/completions", json=body) as r:
-                    await r.read()
-                    answered[0] += r.status == 200
-
-    async with aiohttp.ClientSession() as s:
-        tasks = [asyncio.create_task(one(s)) for _ in range(workers)]
-        try:
-            yield answered
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def test_a_wake_that_shifts_every_logprob_but_no_token_is_refused_then_restarted_clean(start_router):
@@ -104,7 +78,7 @@ async def test_a_canary_in_a_busy_batch_passes_when_the_batch_moves_its_logprobs
     engine = engine_factory(sim_model("a", args=("--sim-logprob-jitter", "0.01", "--sim-token-rate", "300")))
     await engine.boot()
     await engine.sleep()
-    async with traffic_beside(engine.client.base_url, "a") as answered:
+    async with traffic_beside(engine.client.base_url, "a", "other traffic", max_tokens=32, workers=3) as answered:
         await engine.wake()  # the traffic waits for the wake, then decodes beside the canary
         await eventually(lambda: answered[0] >= 3, timeout=20, what="the other traffic answered")
     verdict = engine.last_verdict

@@ -5,15 +5,13 @@ whose answers do not carry it is judged from the counter deltas, as before."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import sys
 import time
 
 import aiohttp
 
 from engines.canary import FROM_ANSWER, FROM_COUNTERS, read_counters, mean_acceptance_length
-from tests.support import FAST_SIM, client, eventually, roster_dict, sim_model
+from tests.support import FAST_SIM, client, eventually, roster_dict, sim_model, traffic_beside
 
 NOISE = "noise"  # prompts containing it decode at NOISE_MAL (--sim-prompt-acceptance)
 NOISE_MAL = 1.2
@@ -24,29 +22,11 @@ def spec_model(name: str, **extra):
     return sim_model(name, spec=True, **extra)
 
 
-@contextlib.asynccontextmanager
-async def noise_on(base_url: str, workers: int = 4):
+def noise_on(base_url: str):
     """Other clients of engine `a`, straight to its port, at NOISE_MAL; yields the count answered.
     Short answers: the simulator counts a request's drafts when it ends, so many must end inside
     the canary for its counter deltas to show the mix (vLLM counts every step)."""
-    answered = [0]
-
-    async def one(s: aiohttp.ClientSession) -> None:
-        while True:
-            body = {"model": "a", "prompt": f"{NOISE} traffic", "max_tokens": 8, "ignore_eos": True}
-            with contextlib.suppress(aiohttp.ClientError):
-                async with s.post(base_url + "/v1/completions", json=body) as r:
-                    await r.read()
-                    answered[0] += r.status == 200
-
-    async with aiohttp.ClientSession() as s:
-        tasks = [asyncio.create_task(one(s)) for _ in range(workers)]
-        try:
-            yield answered
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    return traffic_beside(base_url, "a", f"{NOISE} traffic", max_tokens=8, workers=4)
 
 
 async def engine_counters(base_url: str):
