@@ -49,9 +49,9 @@ def junk_text(nonce: str, prompt: str, pos: int) -> str:
     return " " + "".join(JUNK[b % len(JUNK)] for b in d[1 : 1 + n])
 
 
-def junk_unit(nonce: str, prompt: str, pos: int) -> float:
-    """A number in [0, 1) from uninitialised weights, for what they make of a token's logprob."""
-    return int.from_bytes(_digest("junk-lp", nonce, prompt, pos)[:4], "little") / 2**32
+def unit(*parts: object) -> float:
+    """A number in [0, 1), a pure function of the parts (a token's logprob is drawn from one)."""
+    return int.from_bytes(_digest(*parts)[:8], "little") / 2**64
 
 
 def natural_length(model: str, prompt: str) -> int:

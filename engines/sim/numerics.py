@@ -22,15 +22,10 @@ which is what makes these faults invisible to acceptance and to the output check
 from __future__ import annotations
 
 import hashlib
-import os
-import struct
+import random
 from dataclasses import dataclass
 
-
-def _unit(*parts: object) -> float:
-    """A deterministic number in [0, 1) from the parts."""
-    h = hashlib.blake2b("\0".join(map(str, parts)).encode(), digest_size=8).digest()
-    return struct.unpack("<Q", h)[0] / 2**64
+from . import lm
 
 
 @dataclass
@@ -71,13 +66,13 @@ class Numerics:
 
     def logprob(self, prompt: str, pos: int, salt: str, others: int) -> float:
         """The logprob of the token at `pos`, with `others` requests running alongside."""
-        healthy = -0.05 - 3.0 * _unit("lp", self.model, salt, prompt, pos)
+        healthy = -0.05 - 3.0 * lm.unit("lp", self.model, salt, prompt, pos)
         # log_softmax(s * z) for the argmax token, approximated: s times its healthy logprob.
         value = healthy * self.scale + self.shift
         if self.noise:
-            value += self.noise * (2 * _unit("noise", os.urandom(8).hex()) - 1)
+            value += random.uniform(-self.noise, self.noise)
         if others and self.faults.jitter:
-            value += self.faults.jitter * (2 * _unit("jitter", os.urandom(8).hex()) - 1)
+            value += random.uniform(-self.faults.jitter, self.faults.jitter)
         return min(value, 0.0)
 
 

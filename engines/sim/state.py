@@ -264,7 +264,7 @@ class SimEngine:
 
     def _logprob(self, gen: Generation, pos: int) -> float:
         if self.target != "loaded":
-            return -10.0 * lm.junk_unit(self._junk_nonce, gen.prompt, pos)
+            return -10.0 * lm.unit("junk-lp", self._junk_nonce, gen.prompt, pos)  # what uninitialised weights make of it
         return self.numerics.logprob(gen.prompt, pos, gen.salt, len(self.running) - 1)
 
     def embed(self, text: str) -> list[float]:
