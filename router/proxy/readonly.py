@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from router import node
+from router.fleet import card as node_card
 from router.auth import grant_of
 from router.errors import APIError
 from router.keys import Grant
@@ -19,7 +19,7 @@ def _model_cards(router: Router, grant: Grant) -> list[dict]:
     """Every name `grant` may use: roster names and aliases, then the engines' LoRA adapters."""
     scheduler = router.placement
     now = scheduler.clock()
-    where = node.card(router.roster)
+    where = node_card(router.roster)
 
     def card(name: str, engine, parent, root) -> dict:
         return {"id": name, "object": "model", "created": router.started, "owned_by": "hotswap", "root": root,

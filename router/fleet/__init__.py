@@ -1,0 +1,10 @@
+"""The fleet: what this node says to the others in front of and beside it — the card a front reads
+in /v1/models (`card`). A front (HAProxy, an Inference Extension endpoint picker) or a peer node
+reads these; nothing here proxies a request (that is `router.proxy`).
+
+Imports nothing of `router.proxy`, `router.admin` or `router.cli` (tests/unit/test_layout.py).
+"""
+
+from router.fleet.node import card
+
+__all__ = ["card"]
