@@ -67,4 +67,6 @@ async def admin_lora(request: web.Request) -> web.Response:
 
 
 async def status_page(request: web.Request) -> web.Response:
-    return web.Response(text=ui.render(router_status(request.app[ROUTER_KEY], request.app[RELOADS_KEY])), content_type="text/html")
+    router = request.app[ROUTER_KEY]
+    page = ui.render(router_status(router, request.app[RELOADS_KEY]), timeline.window(router.history, timeline.UI_MINUTES))
+    return web.Response(text=page, content_type="text/html")
