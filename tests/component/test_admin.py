@@ -115,6 +115,29 @@ async def test_hotswap_status_prints_a_readable_table(start_router):
     assert any(l.strip().startswith("last wake: b ok in") and "(parked a)" in l for l in lines), lines
 
 
+async def test_a_booting_engine_says_why_it_boots_and_which_step_it_is_in(start_router):
+    # b's boots take 2 s (its first, and the restart after its gate refuses a Level-2 wake without its draft)
+    slow_b = sim_model("b", spec=True, draft_restore="none", args=("--sim-boot-s", "2"))
+    router = await start_router(roster_dict(sim_model("a", default=True), slow_b))
+    first = await router.engine("b")
+    assert first["boot_reason"] == "first" and first["step"] is None and first["gate_story"] == ["baseline"]
+    asked = asyncio.ensure_future(ask(client(router), "b"))
+
+    async def restarting() -> dict | None:
+        engine = await router.engine("b")
+        return engine if engine["state"] == "booting" and engine["step"] == "load" else None
+    engine = await eventually(restarting, timeout=10, what="b cold-restarting after the refusal, waiting to load")
+    assert engine["boot_reason"] == "gate" and engine["gate_story"] == ["refused", "restarted"]
+    assert engine["boot_deadline_in_s"] > 0
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/ui") as r:
+        page = await r.text()
+    row = page[page.index("<tr id='engine-b'>"):]
+    assert "restart: the gate refused a wake, step: load, deadline in" in row[:row.index("</tr>")]
+    assert await asked
+    done = await router.engine("b")
+    assert done["step"] is None and done["gate_story"] == ["refused", "restarted", "passed"] and done["boot_reason"] == "gate"
+
+
 def chromium(*args: str, profile: Path) -> str:
     run = subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -139,6 +162,11 @@ async def test_the_status_page_renders_the_roster_and_shows_a_swap_in_a_real_bro
     before = await asyncio.to_thread(chromium, "--dump-dom", router.url + "/ui", profile=tmp_path / "p1")
     assert "id=\"engine-a\"" in before and "id=\"engine-b\"" in before and "no swaps yet" in before
     assert await ask(client(router), "b")  # refused by the gate, restarted, promoted
+
+    async def host_copy_sampled() -> bool:
+        _, _, timeline = await http(router, "GET", "/admin/timeline")
+        return timeline["samples"][-1]["host_gb"] > 0
+    await eventually(host_copy_sampled, timeout=10, what="a's host copy in the history's samples")
     after = await asyncio.to_thread(chromium, "--dump-dom", router.url + "/ui", profile=tmp_path / "p2")
     assert "a → b" in after and ">refused<" in after and "restart" in after
 

@@ -27,10 +27,11 @@ async def test_the_timeline_tells_a_swap_whose_gate_refused_as_refused_restarted
         assert all(x["to"] == y["from"] for x, y in zip(lane, lane[1:])), lane
         assert lane[-1]["to"] is None and all(i["to"] is not None for i in lane[:-1])
     # both booted and recorded their baseline, one at a time (one fits on GPU 0); a then parked to make room for b
-    assert states(body["engines"]["a"]) == ["cold", "booting", "awake", "draining", "sleeping L2"]
+    a, b = states(body["engines"]["a"]), states(body["engines"]["b"])
+    assert a[:3] == b[:3] == ["cold", "booting", "awake"], (a, b)
+    assert a[-3:] == ["awake", "draining", "sleeping L2"], a
     # b: woken from Level 2, refused at its gate, cold-restarted, verified against its baseline, promoted
-    assert states(body["engines"]["b"]) == ["cold", "booting", "awake", "draining", "sleeping L2",
-                                            "waking", "verifying", "cold", "booting", "awake"]
+    assert b[-6:] == ["sleeping L2", "waking", "verifying", "cold", "booting", "awake"], b
 
     swap = next(s for s in body["swaps"] if s["to"] == "b")
     assert swap["from"] == ["a"] and swap["result"] == "ok" and swap["gates"] == ["refused", "restarted", "passed"]
