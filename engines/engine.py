@@ -1,11 +1,10 @@
 """One engine's lifecycle as an explicit state machine (see DESIGN.md, "Engine states").
 
-Only an AWAKE engine may be leased to client traffic: a vLLM engine that is asleep accepts
-generation requests and hangs them. Every transition goes through `_enter`, which refuses
-any that `TRANSITIONS` does not list, and every step of a sleep or wake through `_step`, so
-both are visible in one place (and to the observer). The wake's steps are `engines.wake`'s.
-A failure, expected or not, leaves the engine FAILED with a message naming the step and the
-cause; the first failure's message is the one kept.
+Only an AWAKE engine may be leased to client traffic: a vLLM engine that is asleep accepts generation
+requests and hangs them. Every transition goes through `_enter`, which refuses any that `TRANSITIONS`
+does not list, and every step of a sleep or wake through `_step`, so both are visible in one place (and
+to the observer). The wake's steps are `engines.wake`'s. A failure, expected or not, leaves the engine
+FAILED with a message naming the step and the cause; the first failure's message is the one kept.
 """
 
 from __future__ import annotations
@@ -20,11 +19,12 @@ from typing import Any, Awaitable, Callable, ContextManager, Optional
 import aiohttp
 
 from config.schema import ModelSpec, Swap
-from engines import canary, gate, handshake, promotion, reaper, wake
+from engines import canary, gate, handshake, promotion, wake
 from engines.client import EngineError, EngineRefused, VLLMClient, attached_client
 from engines.host_memory import HostMemory
 from engines.leases import Leases
 from engines.process import EngineProcess, free_port
+from engines.progress import ROSTER, Progress
 from engines.states import TRANSITIONS, EngineFailed, State
 
 __all__ = ["Engine", "EngineFailed", "Observer", "State", "TRANSITIONS"]
@@ -71,7 +71,7 @@ class Engine:
         self.process: Optional[EngineProcess] = None
         self.client: Optional[VLLMClient] = attached_client(spec, session)
         self.port: Optional[int] = spec.port
-        self.boot_deadline: Optional[float] = None
+        self.progress = Progress()  # why it boots, the step it is in, the gate's story (engines.progress)
         self.last_phases: dict[str, float] = {}
         self.last_verdict: Optional[gate.Verdict] = None
         self.baseline: Optional[canary.Canary] = None  # from the first cold boot; kept across restarts
@@ -204,14 +204,15 @@ class Engine:
         timeout = timeout if timeout is not None else getattr(self.swap.timeouts, phase)
         started = time.monotonic()
         self._no_step.clear()
+        self.progress.step = phase
         try:
             async with asyncio.timeout(timeout):
                 result = await action(timeout)
         except (EngineError, TimeoutError, OSError) as exc:
             self._step_done(phase, started, False)
             cause = f"no answer within {timeout:.3g} s" if isinstance(exc, TimeoutError) else str(exc)
-            if isinstance(exc, EngineRefused):
-                await self._reap_briefly()  # so the message can say how the process ended
+            if isinstance(exc, EngineRefused) and self.process is not None:
+                await self.process.reap_briefly()  # so the message can say how the process ended
             raise self.fail(f"{phase} failed: {cause}") from None
         except Exception as exc:  # a defect, ours or an answer nothing anticipated: contained to this engine
             self._step_done(phase, started, False)
@@ -219,6 +220,7 @@ class Engine:
             raise self.fail(f"{phase} failed: internal error: {exc!r} (traceback in the router log)") from None
         finally:
             self._no_step.set()
+            self.progress.step = None
         self._step_done(phase, started, True)
         return result
 
@@ -226,45 +228,40 @@ class Engine:
         self.last_phases[phase] = seconds = time.monotonic() - started
         self.observer.step_done(self, phase, seconds, ok)
 
-    async def _reap_briefly(self) -> None:
-        # A crashed engine drops its connections a moment before its reaper reports the exit
-        # code; an engine that only dropped a connection and lives on is not waited on longer.
-        if self.process is not None and self.process.proc is not None:
-            await asyncio.wait({asyncio.ensure_future(self.process.wait())}, timeout=reaper.REPORT_S)
-
     # -- boot --------------------------------------------------------------------------------
 
-    async def boot(self) -> None:
-        """Start (or attach), wait until healthy, learn the served name, record the baseline."""
+    async def boot(self, reason: Optional[str] = None) -> None:
+        """Start (or attach), wait until healthy, learn the served name, record the baseline. Why: `reason`, see engines.progress."""
         started = time.monotonic()
         try:
-            await self._boot()
+            await self._boot(reason)
         except EngineFailed:
-            self.boot_deadline = None  # a FAILED engine has no boot deadline to show
+            self.progress.boot_over()  # a FAILED engine has no boot deadline or step to show
             self.observer.step_done(self, "boot", time.monotonic() - started, False)
             raise
 
-    async def _boot(self) -> None:
+    async def _boot(self, reason: Optional[str]) -> None:
         self.last_phases = {}
         self.host.reset(self.spec)  # a new process holds nothing for sleep
+        deadline = self.progress.booting(reason, self.swap.boot_timeout_s)
         self._enter(State.BOOTING)
-        self.boot_deadline = deadline = time.monotonic() + self.swap.boot_timeout_s
         started = time.monotonic()
         client = await self._start_process() if self.spec.managed else self.client
         if client is None:
             raise self.fail("boot failed: no engine URL (internal error)")
+        self.progress.step = "load"  # until it answers /health and /v1/models
         try:
             served = await handshake.served_names(client, self.process, self.spec, self.port, deadline, self.swap.boot_timeout_s)
         except handshake.BootFailed as exc:
-            if exc.exited:
-                await self._reap_briefly()  # the last log lines explain why
+            if exc.exited and self.process is not None:
+                await self.process.reap_briefly()  # the last log lines explain why
             raise self.fail(str(exc)) from None
         self.served_names = frozenset(served)
         self.boot_names = frozenset(self.spec.names)
         self.served_name = self.spec.name if self.spec.name in served or not served else served[0]
         self.last_phases["boot"] = time.monotonic() - started
         self.observer.step_done(self, "boot", self.last_phases["boot"], True)
-        self.boot_deadline = None
+        self.progress.boot_over()
         verdict = await self._judged_canary()
         if not verdict.passed:
             raise self.fail(f"gate refused promotion after a cold boot: {verdict.reason}")
@@ -335,6 +332,7 @@ class Engine:
         if self.state is not State.SLEEPING:
             raise self._refuse_transition(self.state, State.WAKING)
         self.last_phases = {}
+        self.progress.waking()
         self._enter(State.WAKING)
         for step in wake.steps(self.sleep_level or 2, self.spec.draft_restore):
             await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
@@ -379,6 +377,7 @@ class Engine:
             verdict = verdict.allowed()
             log.error("engine %s: PROMOTED DESPITE A REFUSED GATE (gate.on_fail: allow): %s", self.name, verdict.reason)
         self.last_verdict = verdict
+        self.progress.gates.append(verdict.result)
         if verdict.observed_mal is not None:
             self.observed_mal, self.observed_mal_source = verdict.observed_mal, verdict.acceptance_source
         self.observer.verdict(self, verdict)
@@ -433,6 +432,7 @@ class Engine:
         self.baseline = self.lora_baseline = self.logprob_spread = self.observed_mal = self.observed_mal_source = None
         self.midlife = gate.MidlifeWatch(spec.gate)
         self.needs_restart = None
+        self.progress.next_boot = ROSTER
 
     async def restart(self, reason: str) -> None:
         """Cold restart, after a drain when awake; the boot's canary is judged against the original baseline."""
@@ -441,4 +441,4 @@ class Engine:
         if self.state is State.AWAKE:
             await self._drain()  # in-flight requests finish (bounded) before their process goes
         await self.stop()
-        await self.boot()
+        await self.boot(reason)

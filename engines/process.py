@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 from config.argv import ROUTER_OWNED_FLAGS
 from config.schema import ModelSpec
+from engines import reaper
 
 WORKER_EXTENSION = "engines.vllm_ext.HotswapWorkerExtension"
 PRESERVE_DRAFT = "draft.*"
@@ -147,6 +148,12 @@ class EngineProcess:
         if self.proc is None:
             raise RuntimeError(f"engine {self.spec.name}: wait() before start()")
         return await self.proc.wait()
+
+    async def reap_briefly(self) -> None:
+        """Wait a moment for the reaper's exit report: a crashed engine drops its connections a moment
+        before it; an engine that only dropped a connection and lives on is not waited on longer."""
+        if self.proc is not None:
+            await asyncio.wait({asyncio.ensure_future(self.wait())}, timeout=reaper.REPORT_S)
 
     async def stop(self) -> Optional[int]:
         """Stop the engine and everything below it; returns the reaper's exit code.

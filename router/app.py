@@ -48,6 +48,7 @@ def build_app(router: Router) -> web.Application:
     add.add_get("/ready", proxy.ready)
     add.add_get("/metrics", serve_metrics)
     add.add_get("/admin/status", admin.admin_status)
+    add.add_get("/admin/timeline", admin.admin_timeline)
     add.add_post(r"/admin/{action:swap|sleep|restart}", admin.admin_action)
     add.add_post("/admin/reload", admin.admin_reload)
     add.add_post(r"/admin/lora/{action:load|unload}", admin.admin_lora)

@@ -23,10 +23,12 @@ from engines.gate import Verdict
 from router.errors import APIError
 from router.keys import EVERYTHING, Grant, KeyTable
 from router.metrics import Metrics
-from router.scheduling import Events, Scheduler, SwapRecord, capacity, level1_weights
+from router.scheduling import Events, History, Scheduler, SwapRecord, capacity, devices_view, level1_weights
 from router.tasks import spawn
 
 log = logging.getLogger("hotswap")
+
+SAMPLE_S = 1.0  # how often the history looks at host RAM and GPU shares (kept only when they changed)
 
 
 class ConnectionPools(Protocol):
@@ -47,7 +49,10 @@ class Router(Observer, Events):
         self.upstreams = upstreams
         self.metrics = Metrics()
         self.started = int(time.time())
+        self.history = History()  # before any engine exists: each reports its states there from its first
         self.engines: dict[str, Engine] = {m.name: self.new_engine(m) for m in roster.models}
+        for name in self.engines:
+            self.history.state(name, State.COLD.value)
         self.by_name: dict[str, Engine] = {n: self.engines[m.name] for m in roster.models for n in m.names}
         self.keys = KeyTable(roster.auth)
         self.placement = Scheduler(list(self.engines.values()), roster.swap, roster.queue, capacity(roster),
@@ -64,6 +69,7 @@ class Router(Observer, Events):
         self.engines[engine.name] = engine
         self.verdicts[engine.name] = collections.deque(maxlen=10)
         self.metrics.engine_added(engine)
+        self.history.state(engine.name, engine.state.value)
         self.placement.add(engine)
 
     def scheduler(self, engine: Engine) -> Scheduler:
@@ -109,7 +115,8 @@ class Router(Observer, Events):
     def start(self) -> None:
         log.info("hotswap: %d engines; engine logs in %s", len(self.engines), next(iter(self.engines.values())).log_dir)
         self.placement.start()
-        self._tasks = [spawn(self._watch_acceptance(), "acceptance-watch"), spawn(self._report_boot(), "boot-report")]
+        self._tasks = [spawn(self._watch_acceptance(), "acceptance-watch"), spawn(self._report_boot(), "boot-report"),
+                       spawn(self._sample_placement(), "history-sample")]
 
     async def _report_boot(self) -> None:
         """Once every engine has booted, say plainly what came up and what did not, and why."""
@@ -126,6 +133,22 @@ class Router(Observer, Events):
             log.error("hotswap: boot finished: %d of %d engines FAILED (%s); serving the others. "
                       "A failed one is retried when a request for it arrives. Why:\n%s",
                       len(failed), len(self.engines), ", ".join(e.name for e in failed), why)
+
+    async def _sample_placement(self) -> None:
+        """Host RAM held for Level 1 (measured after each sleep and wake, so not at a state change) and each
+        GPU's shares, into the history whenever they change."""
+        failed = False
+        while True:
+            scheduler = self.placement
+            try:
+                gpus = {view.index: {name: (state, round(share, 4)) for name, (state, share) in view.shares.items()}
+                        for view in devices_view(scheduler.ledger())}
+                self.history.sample(scheduler.level1_gb(), scheduler.capacity.ram_budget_gb, gpus)
+            except Exception:  # a defect: the pictures miss a sample, nothing else; logged once, not every second
+                if not failed:
+                    log.exception("history: cannot sample host RAM and GPU shares (internal error); retrying each second")
+                failed = True
+            await asyncio.sleep(SAMPLE_S)
 
     async def _watch_acceptance(self) -> None:
         """Keep measuring acceptance on the awake engines: a collapse can also appear mid-life."""
@@ -172,6 +195,7 @@ class Router(Observer, Events):
 
     def state_changed(self, engine: Engine, old: State, new: State) -> None:
         self.metrics.state_changed(engine, old, new)
+        self.history.state(engine.name, new.value, engine.sleep_level if new is State.SLEEPING else None)
         if new is State.COLD and engine.client is not None:
             # Its process is stopping (a stop, a restart, a reload's retire or respec), and a new boot
             # may take another port: keeping these connections would only leak them, and an
@@ -186,11 +210,14 @@ class Router(Observer, Events):
     def verdict(self, engine: Engine, verdict: Verdict) -> None:
         self.verdicts[engine.name].append(verdict)
         self.metrics.verdict(engine, verdict)
+        if verdict.result in ("refused", "allowed"):
+            self.history.mark(engine.name, verdict.result, verdict.reason)
         log.log(logging.INFO if verdict.result in ("passed", "baseline", "skipped") else logging.ERROR,
                 "gate %s: %s (%s)", engine.name, verdict.result, verdict.reason)
 
     def restarted(self, engine: Engine, reason: str) -> None:
         self.metrics.restarted(engine, reason)
+        self.history.mark(engine.name, "restart", reason)
 
     def midlife_collapse(self, engine: Engine, observed_mal: float, reason: str) -> None:
         self.metrics.midlife_collapse(engine, observed_mal, reason)
@@ -199,6 +226,7 @@ class Router(Observer, Events):
 
     def swap_done(self, record: SwapRecord) -> None:
         self.metrics.swap_done(record)
+        self.history.swap(record)
 
     def evicted(self, engine: Engine, reason: str) -> None:
         self.metrics.evicted(engine, reason)

@@ -5,7 +5,8 @@ administration (`lora`). The rest of the router uses the names exported here.
 Imports nothing of `router.cli` (tests/unit/test_layout.py).
 """
 
-from router.admin.handlers import RELOADS_KEY, admin_action, admin_lora, admin_reload, admin_status, status_page
+from router.admin.handlers import RELOADS_KEY, admin_action, admin_lora, admin_reload, admin_status, admin_timeline, status_page
 from router.admin.reload import Reloads
 
-__all__ = ["RELOADS_KEY", "Reloads", "admin_action", "admin_lora", "admin_reload", "admin_status", "status_page"]
+__all__ = ["RELOADS_KEY", "Reloads", "admin_action", "admin_lora", "admin_reload", "admin_status", "admin_timeline",
+           "status_page"]

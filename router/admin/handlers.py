@@ -1,4 +1,4 @@
-"""The operators' routes: /admin/status, /admin/{swap,sleep,restart}, /admin/reload,
+"""The operators' routes: /admin/status, /admin/timeline, /admin/{swap,sleep,restart}, /admin/reload,
 /admin/lora/{load,unload} and the /ui page. `router.auth` lets only the admin key (or, without
 one, loopback) reach them."""
 
@@ -10,7 +10,7 @@ import logging
 from aiohttp import web
 
 from config import RosterError
-from router.admin import lora, ui
+from router.admin import lora, timeline, ui
 from router.admin.reload import Reloads
 from router.admin.status import engine_status, router_status
 from router.errors import APIError, error_body
@@ -23,6 +23,10 @@ RELOADS_KEY = web.AppKey("reloads", Reloads)
 
 async def admin_status(request: web.Request) -> web.Response:
     return web.json_response(router_status(request.app[ROUTER_KEY], request.app[RELOADS_KEY]))
+
+
+async def admin_timeline(request: web.Request) -> web.Response:
+    return web.json_response(timeline.timeline(request.app[ROUTER_KEY].history, request.query))
 
 
 async def admin_action(request: web.Request) -> web.Response:
@@ -63,4 +67,6 @@ async def admin_lora(request: web.Request) -> web.Response:
 
 
 async def status_page(request: web.Request) -> web.Response:
-    return web.Response(text=ui.render(router_status(request.app[ROUTER_KEY], request.app[RELOADS_KEY])), content_type="text/html")
+    router = request.app[ROUTER_KEY]
+    page = ui.render(router_status(router, request.app[RELOADS_KEY]), timeline.window(router.history, timeline.UI_MINUTES))
+    return web.Response(text=page, content_type="text/html")

@@ -58,7 +58,10 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "queued": scheduler.queued(e),
         "port": e.port,
         "pid": e.process.pid if e.process else None,
-        "boot_deadline_in_s": round(e.boot_deadline - now, 1) if e.boot_deadline else None,
+        "boot_deadline_in_s": round(e.progress.boot_deadline - now, 1) if e.progress.boot_deadline else None,
+        "boot_reason": e.progress.boot_reason,  # engines.progress: first, stopped, roster, gate, failed, midlife, admin
+        "step": e.progress.step,  # booting: start, load, gate; waking: the wake step running
+        "gate_story": list(e.progress.gates),  # since its last wake or boot began: e.g. refused, restarted, passed
         "last_phases": {k: round(v, 4) for k, v in e.last_phases.items()},
         "last_verdict": e.last_verdict.as_dict() if e.last_verdict else None,
         "verdicts": [v.as_dict() for v in reversed(router.verdicts[e.name])],
@@ -100,7 +103,7 @@ def _swap_dict(record: Optional[SwapRecord]) -> Optional[dict[str, Any]]:
         return None
     return {"to": record.to_model, "from": record.from_models, "result": record.result, "seconds": round(record.seconds, 4),
             "predicted_s": round(record.predicted_s, 3), "phases": {k: round(v, 4) for k, v in record.phases.items()},
-            "error": record.error, "at": record.at}
+            "error": record.error, "at": record.at, "gates": record.gates}
 
 
 def _drift(e: Engine) -> dict[str, Any]:

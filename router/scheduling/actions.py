@@ -192,7 +192,7 @@ class Actions(Costs, RosterChanges):
     def _record(self, target: Engine, moved: list[str], result: str, started: float,
                 phases: dict[str, float], predicted: float, error: Optional[str] = None) -> None:
         record = SwapRecord(target.name, moved, result, time.monotonic() - started, phases, predicted,
-                            target.spec.group or "", error=error)
+                            target.spec.group or "", error=error, gates=list(target.progress.gates))
         self.history.append(record)
         steps = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
         made_room = f" (made room: parked {', '.join(moved)})" if moved else ""

@@ -23,6 +23,9 @@ class SwapRecord:
     group: str = ""
     at: float = field(default_factory=time.time)
     error: Optional[str] = None
+    # What the gate said during it, in order, with the restart between: ["refused", "restarted", "passed"]
+    # is a wake the gate refused and a cold restart repaired (its `result` is still "ok").
+    gates: list[str] = field(default_factory=list)
 
 
 class Events:

@@ -190,6 +190,7 @@ class DeviceView:
     planned: float = 0.0  # shares of engines awake or on their way in or out
     residual: float = 0.0  # residuals of sleeping engines
     engines: dict[str, str] = field(default_factory=dict)  # name -> "awake 0.25" / "asleep 0.01"
+    shares: dict[str, tuple[str, float]] = field(default_factory=dict)  # the same as data: name -> ("awake", 0.25)
 
 
 def devices_view(ledger: Ledger) -> list[DeviceView]:
@@ -201,9 +202,11 @@ def devices_view(ledger: Ledger) -> list[DeviceView]:
             if engine.state is State.SLEEPING and engine.name not in ledger.reserved:
                 view.residual += fraction
                 view.engines[engine.name] = f"asleep {fraction:.3g}"
+                view.shares[engine.name] = ("asleep", fraction)
             elif fraction > 0:
                 view.planned += fraction
                 view.engines[engine.name] = f"{engine.state.value} {fraction:.3g}"
+                view.shares[engine.name] = (engine.state.value, fraction)
     return [views[i] for i in sorted(views)]
 
 

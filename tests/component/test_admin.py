@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 import aiohttp
 import pytest
@@ -114,6 +115,29 @@ async def test_hotswap_status_prints_a_readable_table(start_router):
     assert any(l.strip().startswith("last wake: b ok in") and "(parked a)" in l for l in lines), lines
 
 
+async def test_a_booting_engine_says_why_it_boots_and_which_step_it_is_in(start_router):
+    # b's boots take 2 s (its first, and the restart after its gate refuses a Level-2 wake without its draft)
+    slow_b = sim_model("b", spec=True, draft_restore="none", args=("--sim-boot-s", "2"))
+    router = await start_router(roster_dict(sim_model("a", default=True), slow_b))
+    first = await router.engine("b")
+    assert first["boot_reason"] == "first" and first["step"] is None and first["gate_story"] == ["baseline"]
+    asked = asyncio.ensure_future(ask(client(router), "b"))
+
+    async def restarting() -> dict | None:
+        engine = await router.engine("b")
+        return engine if engine["state"] == "booting" and engine["step"] == "load" else None
+    engine = await eventually(restarting, timeout=10, what="b cold-restarting after the refusal, waiting to load")
+    assert engine["boot_reason"] == "gate" and engine["gate_story"] == ["refused", "restarted"]
+    assert engine["boot_deadline_in_s"] > 0
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/ui") as r:
+        page = await r.text()
+    row = page[page.index("<tr id='engine-b'>"):]
+    assert "restart: the gate refused a wake, step: load, deadline in" in row[:row.index("</tr>")]
+    assert await asked
+    done = await router.engine("b")
+    assert done["step"] is None and done["gate_story"] == ["refused", "restarted", "passed"] and done["boot_reason"] == "gate"
+
+
 def chromium(*args: str, profile: Path) -> str:
     run = subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -128,15 +152,67 @@ def chromium(*args: str, profile: Path) -> str:
                     reason="chromium is not installed (.ci/install-tools.sh installs it)")
 async def test_the_status_page_renders_the_roster_and_shows_a_swap_in_a_real_browser(start_router, tmp_path):
     assert CHROMIUM, "HOTSWAP_REQUIRE_TOOLS=1 but chromium is missing"
-    router = await start_router(TWO)
+    # a parks at Level 1 and holds its host copy for real (a 20 MB checkpoint, so the host RAM chart has
+    # something to show); b, woken from Level 2 without its draft, is refused by the gate and restarted
+    checkpoint = tmp_path / "a-weights"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").open("wb").truncate(20_000_000)  # sparse; the router and the sim size from it
+    a = sim_model("a", default=True, model=str(checkpoint), args=("--sim-host-bytes-per-gb", "1e9"))
+    router = await start_router(roster_dict(a, sim_model("b", spec=True, draft_restore="none"), host={"ram_budget_gb": 0.05}))
     before = await asyncio.to_thread(chromium, "--dump-dom", router.url + "/ui", profile=tmp_path / "p1")
     assert "id=\"engine-a\"" in before and "id=\"engine-b\"" in before and "no swaps yet" in before
     assert await ask(client(router), "b")  # refused by the gate, restarted, promoted
+
+    async def host_copy_sampled() -> bool:
+        _, _, timeline = await http(router, "GET", "/admin/timeline")
+        return timeline["samples"][-1]["host_gb"] > 0
+    await eventually(host_copy_sampled, timeout=10, what="a's host copy in the history's samples")
     after = await asyncio.to_thread(chromium, "--dump-dom", router.url + "/ui", profile=tmp_path / "p2")
     assert "a → b" in after and ">refused<" in after and "restart" in after
+
+    # the swaps table and the engine's row tell the refusal a restart repaired, not a plain "ok" / "passed"
+    swaps = svg_or_table(after, "<table class=\"swaps\">", "</table>")
+    assert "refused → restarted → passed" in swaps and ">ok<" not in swaps
+    assert "refused → restarted → passed" in svg_or_table(after, "<tr id=\"engine-b\">", "</tr>")
+    assert "0: 0.90" in svg_or_table(after, "<tr id=\"engine-b\">", "</tr>"), "the GPU: share column"
+
+    # the timeline: a lane per engine under its GPU, the refusal marker and the restart in b's lane, the
+    # swap's end marked in the woken engine's lane
+    timeline = ElementTree.fromstring(svg_or_table(after, "<svg id=\"timeline\"", "</svg>"))
+    lanes = {g.get("data-engine"): g for g in timeline.iter(SVG + "g") if g.get("class") == "lane"}
+    assert set(lanes) == {"a", "b"} and [t.text for t in timeline.iter(SVG + "text") if t.get("class") == "gpu-group"] == ["GPU 0"]
+    assert classes(lanes["b"], "refusal-marker") == 1 and classes(lanes["b"], "restart-marker") == 1
+    assert classes(lanes["a"], "refusal-marker") == 0 and classes(lanes["b"], "swap-marker") == 1
+    assert classes(lanes["b"], "interval state-verifying") >= 1 and classes(lanes["a"], "interval state-sleeping-L1") == 1
+    # the swap's phases beside its prediction, told as refused -> restarted -> passed
+    bars = ElementTree.fromstring(svg_or_table(after, "<svg id=\"swap-phases\"", "</svg>"))
+    swap = next(g for g in bars.iter(SVG + "g") if "swap-phases" in (g.get("class") or ""))
+    assert swap.get("data-to") == "b" and "warn" in swap.get("class")
+    assert [t.text for t in swap.iter(SVG + "text") if t.get("class") == "swap-story"] == ["refused → restarted → passed"]
+    assert {"phase phase-gate", "phase phase-restart", "predicted"} <= {r.get("class") for r in swap.iter(SVG + "rect")}
+    memory = ElementTree.fromstring(svg_or_table(after, "<svg id=\"memory\"", "</svg>"))
+    assert [g.get("id") for g in memory.iter(SVG + "g") if g.get("class") == "gpu-shares"] == ["gpu-shares-0"]
+    assert any(float(r.get("height")) > 10 for r in memory.iter(SVG + "rect") if r.get("class") == "host-ram"), "a's host copy"
+    assert "id=\"legend\"" in after and "sleeping L1" in after and "gate refused" in after
+    # (the activity log's rows are asserted here once it is merged: issue 25, the activity table)
+
     shot = tmp_path / "ui.png"
-    await asyncio.to_thread(chromium, f"--screenshot={shot}", "--window-size=1280,1000", "--hide-scrollbars",
+    await asyncio.to_thread(chromium, f"--screenshot={shot}", "--window-size=1280,1650", "--hide-scrollbars",
                             router.url + "/ui", profile=tmp_path / "p3")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
     if os.environ.get("HOTSWAP_DOCS_SCREENSHOT"):
         shutil.copy(shot, os.environ["HOTSWAP_DOCS_SCREENSHOT"])
+
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def svg_or_table(dom: str, start: str, end: str) -> str:
+    """The first element of the dumped DOM that begins with `start`, up to its first `end`."""
+    assert start in dom, f"{start!r} is not on the page"
+    begin = dom.index(start)
+    return dom[begin:dom.index(end, begin) + len(end)]
+
+
+def classes(element: ElementTree.Element, css: str) -> int:
+    return sum(1 for e in element.iter() if e.get("class") == css)

@@ -166,7 +166,7 @@ async def test_a_boot_that_never_gets_healthy_times_out(make_engine):
     engine = await make_engine(sim_model("a", args=("--sim-boot-s", "30")), swap={"boot_timeout_s": 0.5})
     with pytest.raises(EngineFailed, match=r"not healthy within boot_timeout_s=0.5 s"):
         await engine.boot()
-    assert engine.boot_deadline is None, "a FAILED engine must not show a boot deadline"
+    assert engine.progress.boot_deadline is None, "a FAILED engine must not show a boot deadline"
 
 
 async def test_a_missing_launcher_is_reported_not_raised_raw(make_engine):

@@ -79,6 +79,7 @@ async def test_a_reload_adds_removes_and_restarts_models_while_streams_on_the_ot
     await eventually(settled, timeout=30, what="the added model booted, the removed one stopped, the changed one restarted")
     now = await engines(router)
     assert now["changed"]["pid"] != pids["changed"] and now["changed"]["restarts_by_reason"] == {"roster": 1}
+    assert now["changed"]["boot_reason"] == "roster" and now["added"]["boot_reason"] == "first"  # as /ui says why it booted
     assert now["changed"]["verdicts"][0]["result"] == "baseline"  # a new entry: a new cold-boot baseline
     assert now["kept"]["pid"] == pids["kept"] and now["renamed"]["pid"] == pids["renamed"]
     assert not pid_alive(pids["gone"])

@@ -1,0 +1,125 @@
+"""The last hour, kept in memory: each engine's state intervals (sleeping split by level), the swaps,
+the gate's refusals and the restarts, and samples of the host RAM held for Level 1 and of each GPU's
+shares. The Router records it (it observes the engines
+and the scheduler); `/admin/timeline` serves it as JSON and `/ui` draws it. Bounded by time (KEEP_S) and by count,
+so a router that runs for months holds the same few hundred kilobytes."""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from router.scheduling.events import SwapRecord
+
+KEEP_S = 3600.0  # /admin/timeline?minutes= goes up to 60; /ui draws the last 30
+MAX_INTERVALS = 2000  # per engine: a swap every second for half an hour
+MAX_SWAPS = 500
+MAX_MARKS = 1000
+MAX_SAMPLES = 3600  # taken on change, at most one a second
+
+
+@dataclass
+class Interval:
+    state: str  # an engine state's value
+    start: float  # epoch seconds
+    end: Optional[float] = None  # None: it is still in it
+    level: Optional[int] = None  # sleeping: the vLLM sleep level it went to sleep at
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"state": self.state, "from": round(self.start, 3),
+                               "to": None if self.end is None else round(self.end, 3)}
+        if self.level is not None:
+            out["level"] = self.level
+        return out
+
+
+@dataclass
+class Mark:
+    """Something that happened to an engine at one moment: a gate's `refused` or `allowed`, or a `restart`."""
+
+    at: float
+    engine: str
+    kind: str  # "refused" | "allowed" | "restart"
+    detail: str = ""  # the refusal's reason, the restart's reason
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"at": round(self.at, 3), "engine": self.engine, "kind": self.kind, "detail": self.detail}
+
+
+@dataclass
+class Sample:
+    """Host RAM held for sleep and each GPU's shares (engine -> state and share), as placement counts them."""
+
+    at: float
+    host_gb: float
+    budget_gb: float
+    gpus: dict[int, dict[str, tuple[str, float]]] = field(default_factory=dict)
+
+    def same(self, other: Sample) -> bool:
+        return (self.host_gb, self.budget_gb, self.gpus) == (other.host_gb, other.budget_gb, other.gpus)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"at": round(self.at, 3), "host_gb": self.host_gb, "budget_gb": self.budget_gb,
+                "gpus": {str(d): {name: {"state": state, "share": share} for name, (state, share) in held.items()}
+                         for d, held in self.gpus.items()}}
+
+
+class History:
+    def __init__(self, clock: Callable[[], float] = time.time, keep_s: float = KEEP_S):
+        self.clock = clock
+        self.keep_s = keep_s
+        self.started = clock()  # the router's start: nothing is known before it
+        self.lanes: dict[str, collections.deque[Interval]] = {}
+        self.swaps: collections.deque[SwapRecord] = collections.deque(maxlen=MAX_SWAPS)
+        self.marks: collections.deque[Mark] = collections.deque(maxlen=MAX_MARKS)
+        self.samples: collections.deque[Sample] = collections.deque(maxlen=MAX_SAMPLES)
+
+    def state(self, engine: str, state: str, level: Optional[int] = None) -> None:
+        """`engine` entered `state` now: its open interval ends, a new one begins."""
+        now = self.clock()
+        lane = self.lanes.setdefault(engine, collections.deque(maxlen=MAX_INTERVALS))
+        if lane and lane[-1].end is None:
+            lane[-1].end = now
+        lane.append(Interval(state, now, level=level))
+        self._forget(now)
+
+    def swap(self, record: SwapRecord) -> None:
+        self.swaps.append(record)
+        self._forget(self.clock())
+
+    def mark(self, engine: str, kind: str, detail: str = "") -> None:
+        self.marks.append(Mark(self.clock(), engine, kind, detail))
+        self._forget(self.clock())
+
+    def sample(self, host_gb: float, budget_gb: float, gpus: dict[int, dict[str, tuple[str, float]]]) -> None:
+        """Kept only when something differs from the last sample: a step chart needs nothing more."""
+        sample = Sample(self.clock(), round(host_gb, 4), round(budget_gb, 4), gpus)
+        if not self.samples or not sample.same(self.samples[-1]):
+            self.samples.append(sample)
+
+    def window(self, minutes: float) -> dict[str, Any]:
+        """The last `minutes` as plain data, times in epoch seconds. An interval that began before the
+        window keeps its real `from`; the open one has `to: null`. The sample in force when the window
+        began is included, so a chart can start at its left edge."""
+        now = self.clock()
+        since = now - minutes * 60
+        engines = {name: [i.as_dict() for i in lane if i.end is None or i.end >= since] for name, lane in self.lanes.items()}
+        samples = [s for s in self.samples if s.at >= since]
+        earlier = [s for s in self.samples if s.at < since]
+        return {"now": round(now, 3), "since": round(since, 3), "started": round(self.started, 3), "engines": engines,
+                "swaps": [r for r in self.swaps if r.at >= since],
+                "marks": [m.as_dict() for m in self.marks if m.at >= since],
+                "samples": [s.as_dict() for s in earlier[-1:] + samples]}
+
+    def _forget(self, now: float) -> None:
+        cutoff = now - self.keep_s
+        for lane in self.lanes.values():
+            while len(lane) > 1 and lane[0].end is not None and lane[0].end < cutoff:
+                lane.popleft()
+        for items in (self.swaps, self.marks):
+            while items and items[0].at < cutoff:
+                items.popleft()
+        while len(self.samples) > 1 and self.samples[1].at < cutoff:  # the first still in force at the cutoff stays
+            self.samples.popleft()
