@@ -103,3 +103,17 @@ async def test_the_router_stops_at_once_with_a_follower_still_connected(start_ro
             async for _ in lines:  # the stream ends (the engine's shutdown lines may come first)
                 pass
         assert await stopping == 0, router.log()
+
+
+
+async def test_the_status_page_offers_to_follow_each_log_and_stops_refreshing_while_it_does(start_router):
+    router = await start_router(KEYED, env=KEYS, admin_key="ops-key")
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/ui", headers=ADMIN) as r:
+        page = await r.text()
+    pre, after = page.split("<pre id='log-a'")[1].split("</pre>", 1)
+    assert "starting a" not in pre and "Uvicorn running" in pre  # the tail of this run
+    assert "data-model='a'" in after.split("</details>")[0] and "followLog(this)" in after
+    head = page.split("</head>")[0]
+    assert "<noscript><meta http-equiv='refresh'" in head and head.count("http-equiv='refresh'") == 1
+    script = page.split("<script>")[1]
+    assert "new EventSource('/admin/logs/'" in script and "clearTimeout(refresh)" in script
