@@ -61,8 +61,9 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
                 if grant is None or not grant.admin:
                     response = error_response(401, "Missing or invalid admin key (a key with admin: true, or auth.admin_key).",
                                               "invalid_admin_key")
-                    if path == "/ui":
-                        response.headers["WWW-Authenticate"] = 'Basic realm="hotswap"'
+                    # A browser answers the challenge with the credentials it logged in to /ui with: the
+                    # page's own requests to /admin/* (its log follower) need it, as /ui does.
+                    response.headers["WWW-Authenticate"] = 'Basic realm="hotswap"'
                     return response
             elif not _is_loopback(request.remote):
                 return error_response(403, f"{path} is loopback-only until an admin key is set (auth.admin_key, "

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
 import aiohttp
+import pytest
 
 from router.admin.logs import MAX_LINE_CHARS, MAX_LINES
-from tests.support import ask, client, http, roster_dict, sim_model
+from tests.component.test_admin import CHROMIUM
+from tests.support import ask, client, eventually, http, roster_dict, sim_model, until
 
 ADMIN = {"Authorization": "Bearer ops-key"}
 KEYED = roster_dict(sim_model("a", default=True), auth={"api_keys": ["${LOG_CLIENT}"], "admin_key": "${LOG_ADMIN}"})
@@ -117,3 +120,62 @@ async def test_the_status_page_offers_to_follow_each_log_and_stops_refreshing_wh
     assert "<noscript><meta http-equiv='refresh'" in head and head.count("http-equiv='refresh'") == 1
     script = page.split("<script>")[1]
     assert "new EventSource('/admin/logs/'" in script and "clearTimeout(refresh)" in script
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/install-tools.sh installs it)")
+async def test_a_browser_on_the_status_page_follows_an_engines_log_live(start_router, tmp_path):
+    router = await start_router(KEYED, env=KEYS, admin_key="ops-key")
+    log_file = Path((await router.engine("a"))["log_file"])
+    profile = tmp_path / "profile"
+    # The operator logged in with Basic auth (the admin key as password); /ui#follow=a follows a's log at once.
+    url = router.url.replace("http://", "http://operator:ops-key@") + "/ui#follow=a"
+    browser = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                                "--remote-debugging-port=0", f"--user-data-dir={profile}", url],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        port = until(lambda: (profile / "DevToolsActivePort").read_text().split()[0], 30, "chromium's debugging port")
+        async with aiohttp.ClientSession() as s:
+            async def page_target() -> str:
+                async with s.get(f"http://127.0.0.1:{port}/json/list") as r:
+                    pages = [t for t in await r.json() if t["type"] == "page" and "/ui" in t["url"]]
+                    return pages[0]["webSocketDebuggerUrl"] if pages else ""
+
+            async with s.ws_connect(await eventually(page_target, 30, what="the /ui page open in chromium")) as ws:
+                calls = iter(range(1, 10_000))
+
+                async def evaluate(expression: str):
+                    call = next(calls)
+                    await ws.send_json({"id": call, "method": "Runtime.evaluate",
+                                        "params": {"expression": expression, "returnByValue": True}})
+                    while (answer := await ws.receive_json()).get("id") != call:
+                        pass  # the page's events, and nothing else: one call at a time
+                    return answer["result"]["result"].get("value")
+
+                async def log_shown() -> str:
+                    return await evaluate("(document.getElementById('log-a') || {}).textContent || ''")
+
+                await eventually(lambda: evaluate("document.readyState === 'complete' && following === 1"), 30,
+                                 what="the page loaded and following a's log")
+                await evaluate("window.stillTheSamePage = true")
+                with log_file.open("ab") as log:
+                    log.write(b"written after the page loaded <b>1</b>\n")
+                assert "written after the page loaded <b>1</b>" in await eventually(
+                    lambda: _containing(log_shown(), "after the page loaded <b>1</b>"), 15, what="the new line in the page")
+                # Past the page's 2 s refresh (or until it refreshed, which the assert below reports).
+                past = await evaluate("performance.now()") + 2500
+                await eventually(lambda: evaluate(f"window.stillTheSamePage !== true || performance.now() > {past}"), 15,
+                                 what="the page's refresh interval to pass")
+                assert await evaluate("window.stillTheSamePage === true"), "the page refreshed while following a log"
+                with log_file.open("ab") as log:
+                    log.write(b"and another\n")
+                await eventually(lambda: _containing(log_shown(), "and another"), 15, what="the second line in the page")
+                assert await evaluate("window.stillTheSamePage === true"), "the page refreshed while following a log"
+    finally:
+        browser.kill()
+        browser.wait(10)
+
+
+async def _containing(text, part: str) -> str:
+    value = await text
+    return value if part in value else ""
