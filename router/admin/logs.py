@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -65,7 +66,8 @@ async def engine_log(request: web.Request) -> web.StreamResponse:
     if follow in ("1", "true"):
         return await _follow(request, path, lines, request.app[FOLLOWERS_KEY].closing)
     tail = await asyncio.to_thread(read_tail, path, lines)
-    return web.json_response({"model": engine.name, "log_file": str(path), "lines": tail.lines + tail.partial})
+    shown = (tail.lines + tail.partial)[-lines:] if lines else []  # the line still being written counts as one
+    return web.json_response({"model": engine.name, "log_file": str(path), "lines": shown})
 
 
 def _lines_wanted(text: Optional[str]) -> int:
@@ -81,13 +83,13 @@ def _lines_wanted(text: Optional[str]) -> int:
     return n
 
 
+@dataclass(frozen=True)
 class Tail:
-    def __init__(self, lines: list[str], partial: list[str], end: int, identity: Optional[tuple[int, int]], rest: bytes):
-        self.lines = lines  # the last N complete lines
-        self.partial = partial  # the line being written (no end of line yet), if any
-        self.end = end  # the offset read up to
-        self.identity = identity  # (device, inode) of the file read; None while it does not exist
-        self.rest = rest  # the bytes of `partial`, which a follower completes with what comes next
+    lines: list[str]  # the last N complete lines
+    partial: list[str]  # the line being written (no end of line yet), if any
+    end: int  # the offset read up to
+    identity: Optional[tuple[int, int]]  # (device, inode) of the file read; None while it does not exist
+    rest: bytes  # the bytes of `partial`, which a follower completes with what comes next
 
 
 def read_tail(path: Path, n: int) -> Tail:

@@ -10,7 +10,7 @@ from typing import AsyncIterator, Callable
 import aiohttp
 import pytest
 
-from router.admin.logs import MAX_LINE_CHARS, MAX_LINES
+from router.admin.logs import HEARTBEAT_S, MAX_LINE_CHARS, MAX_LINES
 from tests.component.test_admin import CHROMIUM
 from tests.support import ask, client, eventually, http, roster_dict, sim_model, until
 
@@ -94,6 +94,16 @@ async def test_a_follower_gets_odd_bytes_and_long_lines_as_lines_and_follows_the
         log_file.unlink()  # replaced, as `logrotate` without copytruncate does
         log_file.write_bytes(b"another file\n")
         assert (await read_until(lines, lambda seen: seen[-1] == "another file"))[-1] == "another file"
+
+
+async def test_a_quiet_log_gets_a_comment_now_and_then_so_proxies_keep_the_connection(start_router):
+    router = await start_router(KEYED, env=KEYS, admin_key="ops-key")
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/admin/logs/a?follow=1&lines=0", headers=ADMIN) as r:
+        async with asyncio.timeout(HEARTBEAT_S + 15):
+            async for raw in r.content:
+                if raw.startswith(b":"):
+                    assert raw == b": keep-alive\n"
+                    break
 
 
 async def test_the_router_stops_at_once_with_a_follower_still_connected(start_router):
