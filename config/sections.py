@@ -32,6 +32,10 @@ class Listen(Section):
         0, ge=0, description="On SIGTERM the router keeps listening at least this long (and until in-flight and queued "
         "requests finish), answering /ready and new requests with 503 and Retry-After, so a load balancer or Kubernetes "
         "moves traffic away before the port closes. Behind a front: its health-check interval × fall count, or more.")
+    access_log: bool = Field(
+        False, description="One line per request in the router's log (logger hotswap.access): client, method, path "
+        "without the query, status, seconds, bytes, the key's name (never the key) and the model. Every request, "
+        "401s and 404s included.")
 
 
 class ApiKey(Section):

@@ -23,7 +23,7 @@ from engines import canary, gate, handshake, promotion, wake
 from engines.client import EngineError, EngineRefused, VLLMClient, attached_client
 from engines.host_memory import HostMemory
 from engines.leases import Leases
-from engines.process import EngineProcess, free_port
+from engines.process import EngineProcess, free_port, log_file
 from engines.progress import ROSTER, Progress
 from engines.states import TRANSITIONS, EngineFailed, State
 
@@ -132,6 +132,11 @@ class Engine:
         if not self.spec.managed:
             return True
         return self.process is not None and self.process.returncode is None
+
+    @property
+    def log_path(self) -> Optional[Path]:
+        """The file its process writes (it may not exist yet); None for an attached (`url:`) engine."""
+        return log_file(self.log_dir, self.name) if self.spec.managed else None
 
     def last_log_lines(self, n: int = 20) -> list[str]:
         return self.process.last_lines(n) if self.process else []

@@ -51,6 +51,11 @@ ROUTER_FLAG_VALUES: dict[str, FlagRule] = {
 }
 
 
+def log_file(log_dir: Path, name: str) -> Path:
+    """Where engine `name` writes its output: one file per roster entry, appended to by every run."""
+    return log_dir / f"{name}.log"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -85,7 +90,7 @@ class EngineProcess:
         self.spec = spec
         self.port = port
         self.kill_grace_s = kill_grace_s  # swap.kill_grace_s: SIGTERM, then SIGKILL after this long
-        self.log_path = log_dir / f"{spec.name}.log"
+        self.log_path = log_file(log_dir, spec.name)
         self.proc: Optional[asyncio.subprocess.Process] = None
         self._log_start = 0  # where this run's output begins in the (appended) log file
 

@@ -37,6 +37,8 @@ def build_app(router: Router) -> web.Application:
     app[METRICS_KEY] = router.metrics
     app[proxy.RESPONSE_IDS_KEY] = proxy.ResponseIds()
     app[admin.RELOADS_KEY] = admin.Reloads(router)
+    app[admin.LOG_FOLLOWERS_KEY] = followers = admin.LogFollowers()
+    app.on_shutdown.append(followers.close)
     add = app.router
     for route in proxy.PROXIED:
         add.add_post(route.path, proxy.proxy_endpoint)
@@ -52,5 +54,6 @@ def build_app(router: Router) -> web.Application:
     add.add_post(r"/admin/{action:swap|sleep|restart}", admin.admin_action)
     add.add_post("/admin/reload", admin.admin_reload)
     add.add_post(r"/admin/lora/{action:load|unload}", admin.admin_lora)
+    add.add_get("/admin/logs/{model:.+}", admin.engine_log)
     add.add_get("/ui", admin.status_page)
     return app

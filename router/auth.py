@@ -22,6 +22,7 @@ from router.keys import EVERYTHING, NOTHING, Grant, KeyTable
 
 
 GRANT = "hotswap.grant"  # request[GRANT]: the Grant of the client key on /v1/* and the proxied routes
+KEY_NAME = "hotswap.key_name"  # request[KEY_NAME]: the name of the key presented, for the access log (never the key)
 
 
 def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str]):
@@ -49,25 +50,26 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
         table = keys()
         path = request.path
         if path.startswith("/v1/") or path in client_paths:
-            grant = table.identify(client_key(request)) if table.client_auth else EVERYTHING
+            grant = _identify(request, table, client_key(request)) if table.client_auth else EVERYTHING
             if grant is None or not grant.models:  # an admin-only key is no client key
                 how = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if anthropic_path(path) else "'Authorization: Bearer <key>'"
                 raise APIError(401, f"Missing or invalid API key: send {how}.", "invalid_api_key")
             request[GRANT] = grant
         if path.startswith("/admin/") or path == "/ui":
             if table.admin_auth:
-                grant = table.identify(presented(request))
+                grant = _identify(request, table, presented(request))
                 if grant is None or not grant.admin:
                     response = error_response(401, "Missing or invalid admin key (a key with admin: true, or auth.admin_key).",
                                               "invalid_admin_key")
-                    if path == "/ui":
-                        response.headers["WWW-Authenticate"] = 'Basic realm="hotswap"'
+                    # A browser answers the challenge with the credentials it logged in to /ui with: the
+                    # page's own requests to /admin/* (its log follower) need it, as /ui does.
+                    response.headers["WWW-Authenticate"] = 'Basic realm="hotswap"'
                     return response
             elif not _is_loopback(request.remote):
                 return error_response(403, f"{path} is loopback-only until an admin key is set (auth.admin_key, "
                                            "or a key with admin: true).", "admin_loopback_only")
         if path == "/metrics" and table.metrics_auth:
-            grant = table.identify(presented(request))
+            grant = _identify(request, table, presented(request))
             if grant is None or not grant.metrics:
                 return error_response(401, "Missing or invalid metrics key: with client keys configured, /metrics (it names "
                                            "every model and key) takes a key with metrics: true or an admin key, as "
@@ -75,11 +77,18 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
                                            "or set auth.open_metrics: true.", "invalid_metrics_key")
         if path == "/ready" and table.client_auth:
             # /ready is for probes, which send no key: they get the status; a key gets the names it may see.
-            grant = table.identify(presented(request))
+            grant = _identify(request, table, presented(request))
             request[GRANT] = NOTHING if grant is None else EVERYTHING if grant.metrics else grant
         return await handler(request)
 
     return auth
+
+
+def _identify(request: web.Request, table: KeyTable, key: bytes) -> Optional[Grant]:
+    """The grant of `key`; its name is left on the request for the access log ("unknown": a key no grant has)."""
+    grant = table.identify(key)
+    request[KEY_NAME] = grant.name if grant is not None else "unknown" if key else None
+    return grant
 
 
 def _as_sent(value: str) -> bytes:

@@ -16,11 +16,13 @@ from typing import Optional
 import aiohttp
 import uvloop
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 
 from config.schema import Roster
 from router import admin
 from router.app import build_app, build_router
-from router.live import Router
+from router.auth import KEY_NAME
+from router.live import ROUTED_MODEL, Router
 
 # Clients that open hundreds of connections at once (an agent fleet, a load balancer's warm-up)
 # overflow a short accept queue; past it Linux answers with SYN cookies, the client's request is
@@ -29,6 +31,20 @@ from router.live import Router
 BACKLOG = 2048
 
 log = logging.getLogger("hotswap")
+ACCESS_LOG = logging.getLogger("hotswap.access")
+
+
+class AccessLog(AbstractAccessLogger):
+    """`listen.access_log: true`: a line per request, written by aiohttp once the answer is sent, so
+    refused keys, unknown routes and models, bad input, /admin/* and /metrics leave one too:
+    `access 127.0.0.1 POST /v1/chat/completions 200 0.412s 1893B key=api_keys[0] model=chat`.
+    The path is as sent, without its query (where a careless client may put a key); `key=` is the
+    name of the key presented (`router.keys`; `unknown` for a key no grant has), never the key."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        self.logger.info("access %s %s %s %d %.3fs %dB key=%s model=%s", request.remote or "-", request.method,
+                         request.raw_path.partition("?")[0], response.status, time, response.body_length,
+                         request.get(KEY_NAME) or "-", request.get(ROUTED_MODEL) or "-")
 
 
 def log_tasks() -> None:
@@ -81,7 +97,8 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
         app = build_app(router)
         # aiohttp's keep-alive timer is armed when a connection opens and after each answer, and closes the
         # connection if no complete request head has arrived when it fires: that is the header timeout.
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=ACCESS_LOG if roster.listen.access_log else None,
+                               access_log_class=AccessLog,
                                keepalive_timeout=roster.listen.client_header_timeout_s)
         await runner.setup()
         site = web.TCPSite(runner, host, port, backlog=BACKLOG)

@@ -237,3 +237,4 @@ class Router(Observer, Events):
 
 
 ROUTER_KEY = web.AppKey("router", Router)
+ROUTED_MODEL = "hotswap.model"  # request[ROUTED_MODEL]: the roster name a request was routed to (the access log says it)

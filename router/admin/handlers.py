@@ -14,7 +14,7 @@ from router.admin import lora, timeline, ui
 from router.admin.reload import Reloads
 from router.admin.status import engine_status, router_status
 from router.errors import APIError, error_body
-from router.live import ROUTER_KEY
+from router.live import ROUTED_MODEL, ROUTER_KEY
 
 log = logging.getLogger("hotswap")
 
@@ -37,6 +37,7 @@ async def admin_action(request: web.Request) -> web.Response:
     if not model:
         raise APIError(400, f"POST /admin/{action} needs ?model=NAME", "missing_model", param="model")
     engine = router.lookup(model)
+    request[ROUTED_MODEL] = engine.name
     scheduler = router.scheduler(engine)
     run = {"swap": scheduler.swap_in, "sleep": scheduler.sleep, "restart": scheduler.restart}[action]
     log.info("admin: %s %s", action, engine.name)

@@ -33,7 +33,8 @@ th { background: #f6f8fa; } .state { color: #fff; border-radius: 4px; padding: .
 
 def render(status: dict[str, Any], timeline: Optional[dict[str, Any]] = None) -> str:
     """The page; `timeline`: /admin/timeline's window (router.admin.timeline.window) for the pictures."""
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='{REFRESH_S}'>",
+    # The page refreshes itself by script (a <meta> refresh without it), so following a log can pause it.
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><noscript><meta http-equiv='refresh' content='{REFRESH_S}'></noscript>",
              f"<title>hotswap</title><style>{STYLE}</style></head><body>",
              f"<h1>hotswap <span class='muted'>— {'ready' if status['ready'] else 'not ready'}, "
              f"{time.strftime('%H:%M:%S')}</span></h1>"]
@@ -44,7 +45,7 @@ def render(status: dict[str, Any], timeline: Optional[dict[str, Any]] = None) ->
         parts.append(_pictures(timeline, status["engines"]))
     for engine in status["engines"]:
         parts.append(_engine_details(engine))
-    parts.append("</body></html>")
+    parts.append(f"<script>{FOLLOW_SCRIPT % (REFRESH_S * 1000, LOG_LINES)}</script></body></html>")
     return "".join(parts)
 
 
@@ -149,12 +150,50 @@ def _engine_details(e: dict[str, Any]) -> str:
         f"<td>{_mal(v['baseline_mal'])}</td><td>{_mal(v['observed_mal'])}</td><td>{escape(v['reason'])}</td></tr>"
         for v in e["verdicts"])
     failure = f"<p class='bad'>{escape(e['failure'])}</p>" if e["failure"] else ""
-    lines = escape("\n".join(e["last_log_lines"][-15:])) or "(no output yet)"
+    lines = escape("\n".join(e["last_log_lines"][-LOG_LINES:])) or "(no output yet)"
     attention = e["failure"] or any(v["result"] in ("refused", "allowed") for v in e["verdicts"])
     return (f"<details {'open' if attention else ''}><summary>{escape(e['name'])}: gate verdicts and last log lines"
             f"{' — ' + escape(e['log_file']) if e['log_file'] else ''}</summary>{failure}"
             f"<table><tr><th>at</th><th>verdict</th><th>baseline MAL</th><th>observed MAL</th><th>reason</th></tr>{verdicts}</table>"
-            f"<pre>{lines}</pre></details>")
+            f"<pre id='log-{escape(e['name'])}' style='max-height:30em;overflow-y:auto'>{lines}</pre>{_follow_button(e)}</details>")
+
+
+def _follow_button(e: dict[str, Any]) -> str:
+    if not e["log_file"]:
+        return ""
+    return (f"<button type='button' data-model='{escape(e['name'])}' data-log='log-{escape(e['name'])}' "
+            "onclick='followLog(this)'>follow</button>")
+
+
+LOG_LINES = 15
+# Refresh every REFRESH_S, except while a log is followed: each "follow" button streams its engine's
+# log (GET /admin/logs/M?follow=1, server-sent events) into the <pre> above it, and a refresh would cut it.
+FOLLOW_SCRIPT = """
+var refreshMs = %d, refresh = setTimeout(function () { location.reload(); }, refreshMs), following = 0;
+function followLog(button) {
+  var pre = document.getElementById(button.dataset.log);
+  if (button.source) {
+    button.source.close(); button.source = null; button.textContent = 'follow';
+    if (--following === 0) refresh = setTimeout(function () { location.reload(); }, refreshMs);
+    return;
+  }
+  clearTimeout(refresh); following++;
+  pre.textContent = ''; button.textContent = 'stop following (the page does not refresh meanwhile)';
+  button.source = new EventSource('/admin/logs/' + encodeURIComponent(button.dataset.model) + '?follow=1&lines=%d');
+  button.source.onmessage = function (event) {
+    var lines = (pre.textContent + event.data + '\\n').split('\\n');
+    pre.textContent = lines.slice(-500).join('\\n');
+    pre.scrollTop = pre.scrollHeight;
+  };
+}
+// /ui#follow=M opens M's details and follows its log at once (a link that stays on it).
+var wanted = decodeURIComponent(location.hash.replace(/^#follow=/, ''));
+document.querySelectorAll('button[data-model]').forEach(function (button) {
+  if (location.hash.indexOf('#follow=') === 0 && button.dataset.model === wanted) {
+    button.closest('details').open = true; followLog(button);
+  }
+});
+"""
 
 
 def _mal(value: Any) -> str:

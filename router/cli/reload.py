@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
 from typing import Optional
+
+from router.cli.admin_api import admin_request, refusal
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_ROSTER = 0, 1, 2
 TIMEOUT_S = 60  # validation reads the file and sizes new models' checkpoints; applying is instant
 
 
 def reload(url: str, admin_key: Optional[str]) -> int:
-    request = urllib.request.Request(url.rstrip("/") + "/admin/reload", data=b"", method="POST")
-    key = admin_key or os.environ.get("HOTSWAP_ADMIN_KEY")
-    if key:
-        request.add_header("Authorization", f"Bearer {key}")
+    request = admin_request(url, "/admin/reload", admin_key, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
             answer = json.load(response)
     except urllib.error.HTTPError as exc:
+        refused = refusal("reload", url, exc.code, admin_key)
+        if refused:
+            print(refused, file=sys.stderr)
+            return EXIT_FAILED
         text = exc.read().decode(errors="replace")
         try:
             body = json.loads(text)

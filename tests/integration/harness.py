@@ -6,11 +6,13 @@ through `cpu_launcher`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -30,6 +32,36 @@ BOOT_TIMEOUT_S = float(os.environ.get("HOTSWAP_VLLM_BOOT_TIMEOUT_S", "420"))
 # Measurements the tests record; conftest prints them at the end of the run and keeps
 # them as JSON beside the engine log, so docs/vllm-cpu.md can quote real numbers.
 REPORT: dict[str, Any] = {}
+
+# A single test of this tier runs for minutes (building models, booting engines, wake cycles);
+# without a word on the terminal it looks hung. conftest's pytest_configure attaches pytest's
+# config, and progress() writes through its terminal reporter past output capture (no -s needed).
+_pytest_config: Any = None
+_started = time.monotonic()
+
+
+def attach_progress(config: Any) -> None:
+    global _pytest_config
+    _pytest_config = config
+
+
+def progress(message: str) -> None:
+    """`[vllm tier 3m12s] message` on the terminal now, whatever pytest captures."""
+    line = f"[vllm tier {_clock(time.monotonic() - _started)}] {message}"
+    reporter = _pytest_config.pluginmanager.get_plugin("terminalreporter") if _pytest_config is not None else None
+    if reporter is None:  # outside pytest, or with its terminal plugin off
+        print(line, file=sys.stderr, flush=True)
+        return
+    capture = _pytest_config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        reporter.ensure_newline()
+        reporter.write_line(line)
+        reporter.flush()
+
+
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s"
 
 
 # --- HTTP and metrics helpers ----------------------------------------------------------
@@ -102,6 +134,7 @@ class VllmServer:
     def start(self) -> "VllmServer":
         self._log = self.log_path.open("wb")
         started = time.monotonic()
+        progress(f"booting {self.name} (vllm serve on CPU; its log: {self.log_path})")
         self.proc = subprocess.Popen(
             self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -115,6 +148,7 @@ class VllmServer:
                 status, _ = http("GET", self.url + "/health", timeout=5)
                 if status == 200 and http("GET", self.url + "/v1/models", timeout=5)[0] == 200:
                     self.boot_s = time.monotonic() - started
+                    progress(f"{self.name} serving after {self.boot_s:.0f} s")
                     return self
             except OSError:
                 pass

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.harness import http, poll
+from tests.integration.harness import http, poll, progress
 from tests.support import RouterProcess, pid_alive
 
 
@@ -49,10 +49,13 @@ class LiveRouter:
             status = self.status()
             return status if status["booted"] else None
 
+        progress(f"router at {self.url} booting its real engines (up to {timeout:.0f} s; engine logs in {self.log_dir})")
+        started = time.monotonic()
         try:
             status = poll(booted, timeout, "every group booted", interval=0.5)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n--- router log ---\n{self.log_tail()}") from None
+        progress(f"router booted {len(status['engines'])} engine(s) in {time.monotonic() - started:.0f} s")
         failed = [e for e in self.engines(status).values() if e["state"] == "failed"]
         assert not failed, f"engines failed at boot: {failed}\n{self.log_tail()}"
         assert http("GET", self.url + "/ready")[0] == 200

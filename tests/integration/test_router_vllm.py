@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import yaml
 
-from tests.integration.harness import BOOT_TIMEOUT_S, REPORT, Background, LAUNCHER, poll
+from tests.integration.harness import BOOT_TIMEOUT_S, REPORT, Background, LAUNCHER, poll, progress
 from tests.integration.live_router import LiveRouter
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -326,7 +326,8 @@ def test_every_injected_collapse_is_caught_and_no_healthy_wake_is_refused(router
     # Healthy wake/sleep cycles with draft_restore: reload (tiny-spec), and the plain model's
     # output-only gate on every swap back.
     healthy_mal, healthy_drift = [], []
-    for _ in range(HEALTHY_CYCLES):
+    for cycle in range(HEALTHY_CYCLES):
+        progress(f"healthy wake cycle {cycle + 1} of {HEALTHY_CYCLES} ({SPEC} and {PLAIN} swapped in turn)")
         for model in (SPEC, PLAIN):
             assert ask(router, model) == reference[model]
             steps, swap = phases(router)
@@ -347,7 +348,8 @@ def test_every_injected_collapse_is_caught_and_no_healthy_wake_is_refused(router
 
     # Injected collapses with draft_restore: none: each one caught by the gate and remediated.
     caught, observed, observed_mal, restart_s = 0, [], [], []
-    for _ in range(INJECTED):
+    for injected in range(INJECTED):
+        progress(f"injected draft loss {injected + 1} of {INJECTED}: the gate must refuse, then a cold restart")
         awake(router, PLAIN)
         before, logged_before = counters(router, NONE), len(REFUSAL.findall(router.proc.log()))
         discard(router, NONE)
