@@ -10,7 +10,7 @@ from router.scheduling.events import Events, SwapRecord
 from router.scheduling.placement import Capacity, devices_view
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.sizing import capacity, level1_weights
-from router.scheduling.state import Decision, Plan, Waiter
+from router.scheduling.state import Decision, Lease, Plan, Waiter
 
-__all__ = ["Capacity", "DEMAND_TAU_S", "Decision", "Demand", "Events", "Plan", "Scheduler", "SwapRecord", "Waiter",
+__all__ = ["Capacity", "DEMAND_TAU_S", "Decision", "Demand", "Events", "Lease", "Plan", "Scheduler", "SwapRecord", "Waiter",
            "capacity", "devices_view", "level1_weights"]

@@ -23,6 +23,7 @@ class SwapRecord:
     group: str = ""
     at: float = field(default_factory=time.time)
     error: Optional[str] = None
+    id: int = 0  # unique within the router process: the activity records of the requests that waited for it carry it
 
 
 class Events:
