@@ -1,11 +1,13 @@
 """Operators: the /admin/* handlers and /ui (`handlers`), the status serializer (`status`) that
-`hotswap status`, /ui and scripts read, the /ui page (`ui`), hot reload (`reload`) and LoRA
-administration (`lora`). The rest of the router uses the names exported here.
+`hotswap status`, /ui and scripts read, the /ui page (`ui`), hot reload (`reload`), LoRA
+administration (`lora`), and the activity log (`activity`, its SQLite file `activity_file`)
+that the proxy records each request in. The rest of the router uses the names exported here.
 
 Imports nothing of `router.cli` (tests/unit/test_layout.py).
 """
 
-from router.admin.handlers import RELOADS_KEY, admin_action, admin_lora, admin_reload, admin_status, status_page
+from router.admin.activity import ActivityLog
+from router.admin.handlers import RELOADS_KEY, admin_action, admin_activity, admin_lora, admin_reload, admin_status, status_page
 from router.admin.reload import Reloads
 
-__all__ = ["RELOADS_KEY", "Reloads", "admin_action", "admin_lora", "admin_reload", "admin_status", "status_page"]
+__all__ = ["ActivityLog", "RELOADS_KEY", "Reloads", "admin_action", "admin_activity", "admin_lora", "admin_reload", "admin_status", "status_page"]

@@ -19,7 +19,7 @@ th { background: #f6f8fa; } .state { color: #fff; border-radius: 4px; padding: .
 """
 
 
-def render(status: dict[str, Any]) -> str:
+def render(status: dict[str, Any], recent_requests: str = "") -> str:
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='{REFRESH_S}'>",
              f"<title>hotswap</title><style>{STYLE}</style></head><body>",
              f"<h1>hotswap <span class='muted'>— {'ready' if status['ready'] else 'not ready'}, "
@@ -27,6 +27,7 @@ def render(status: dict[str, Any]) -> str:
     parts.append(_placement(status["placement"], status["booted"]))
     parts.append(_engines(status["engines"]))
     parts.append(_swaps(status["swaps"]))
+    parts.append(recent_requests)  # router.admin.ui_activity
     for engine in status["engines"]:
         parts.append(_engine_details(engine))
     parts.append("</body></html>")
