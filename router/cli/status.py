@@ -11,8 +11,8 @@ import urllib.request
 from typing import Any, Optional
 
 
-def fetch(url: str, admin_key: Optional[str], timeout: float = 10) -> dict[str, Any]:
-    request = urllib.request.Request(url.rstrip("/") + "/admin/status")
+def fetch(url: str, admin_key: Optional[str], timeout: float = 10, path: str = "/admin/status") -> dict[str, Any]:
+    request = urllib.request.Request(url.rstrip("/") + path)
     if admin_key:
         request.add_header("Authorization", f"Bearer {admin_key}")
     with urllib.request.urlopen(request, timeout=timeout) as response:
