@@ -1,28 +1,29 @@
 """`activity.path`: the activity log's SQLite file, so records survive a restart.
 
-Rows are written by one thread of its own, in batches, never on the event loop: a request only
-puts its row on a bounded queue. Past `activity.max_rows` the oldest rows are deleted (by
-rowid, so rotation costs a range delete). A file that cannot be written is logged once, with
-its traceback, and its rows are dropped: the activity log never fails a request.
+Rows are written by one thread of its own, never on the event loop: a request appends its row
+to a bounded deque (no lock, no wake-up but the first of a batch), and the thread writes what
+gathered in one transaction at most FLUSH_S later (WAL journal, so a commit does not wait for
+the disk). Past `activity.max_rows` the oldest rows are deleted (by rowid: a range delete). A
+file that cannot be written is logged once, with its traceback, and its rows are dropped: the
+activity log never fails a request. A crash loses at most the last FLUSH_S of rows.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 log = logging.getLogger("hotswap")
 
 TABLE = "activity"
-QUEUE_ROWS = 10_000  # rows waiting for the writer; past it (a stuck disk) new rows are dropped
-BATCH_ROWS = 500
+QUEUE_ROWS = 100_000  # rows waiting for the writer; past it (a stuck disk) new rows are dropped
+FLUSH_S = 0.5  # a row is written at most this long after its request ended
 CLOSE_S = 5.0  # how long stop waits for the writer to flush
 CONNECT_S = 5.0  # sqlite3's wait for a lock held by another process
-_STOP = None
 
 
 class ActivityFile:
@@ -30,11 +31,14 @@ class ActivityFile:
         self.path = Path(path)
         self.max_rows = max_rows
         self.columns = tuple(columns)
-        self.queue: queue.Queue[Optional[tuple[Any, ...]]] = queue.Queue(QUEUE_ROWS)
+        self.rows: collections.deque[tuple[Any, ...]] = collections.deque()  # append and popleft are thread-safe
         self.dropped = 0
         self._failed = False
+        self._pending = threading.Event()  # rows are waiting
+        self._closing = threading.Event()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as db:  # here, so a file that cannot be opened fails the start, plainly
+            db.execute("PRAGMA journal_mode=WAL")
             db.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (id INTEGER PRIMARY KEY, {', '.join(self.columns)})")
         self._thread = threading.Thread(target=self._write, name="activity-file", daemon=True)
         self._thread.start()
@@ -52,43 +56,40 @@ class ActivityFile:
         return rows[::-1]
 
     def put(self, row: tuple[Any, ...]) -> None:
-        try:
-            self.queue.put_nowait(row)
-        except queue.Full:
+        if len(self.rows) >= QUEUE_ROWS:
             self.dropped += 1
             if self.dropped == 1:
                 log.error("activity file %s: the writer is %d rows behind; new rows are dropped until it catches up",
                           self.path, QUEUE_ROWS)
+            return
+        self.rows.append(row)
+        if not self._pending.is_set():
+            self._pending.set()
 
     def close(self) -> None:
-        """Flush what is queued (for at most CLOSE_S) and stop the writer."""
-        try:
-            self.queue.put(_STOP, timeout=CLOSE_S)
-        except queue.Full:
-            pass
+        """Write what is waiting (for at most CLOSE_S) and stop the writer."""
+        self._closing.set()
+        self._pending.set()
         self._thread.join(CLOSE_S)
 
     def _write(self) -> None:
         db = self._connect()
+        db.execute("PRAGMA synchronous=NORMAL")  # with WAL: durable across a process crash, not a power cut
         insert = f"INSERT INTO {TABLE} ({', '.join(self.columns)}) VALUES ({', '.join('?' * len(self.columns))})"
         try:
             while True:
-                batch = [self.queue.get()]
-                while len(batch) < BATCH_ROWS and batch[-1] is not _STOP:
-                    try:
-                        batch.append(self.queue.get_nowait())
-                    except queue.Empty:
-                        break
-                stop = batch[-1] is _STOP
-                rows = [row for row in batch if row is not _STOP]
+                self._pending.wait()
+                self._closing.wait(FLUSH_S)  # let a batch gather (at once when closing)
+                self._pending.clear()  # before taking the rows: one appended meanwhile sets it again
+                rows = [self.rows.popleft() for _ in range(len(self.rows))]
                 if rows:
                     self._insert(db, insert, rows)
-                if stop:
+                if self._closing.is_set() and not self.rows:
                     return
         finally:
             db.close()
 
-    def _insert(self, db: sqlite3.Connection, insert: str, rows: list) -> None:
+    def _insert(self, db: sqlite3.Connection, insert: str, rows: list[tuple[Any, ...]]) -> None:
         try:
             with db:
                 db.executemany(insert, rows)

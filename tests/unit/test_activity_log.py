@@ -9,6 +9,7 @@ import sqlite3
 
 from config.schema import Activity
 from router.admin.activity import ActivityLog, answer_numbers
+from tests.support import until
 
 
 def done(log: ActivityLog, engine: str = "a", status: int = 200, answer: bytes | None = None) -> None:
@@ -53,8 +54,9 @@ def test_a_file_that_cannot_be_written_is_logged_once_and_never_fails_a_request(
     with sqlite3.connect(path) as db:
         db.execute("DROP TABLE activity")  # every insert fails from now on
     with caplog.at_level(logging.ERROR, logger="hotswap"):
-        for _ in range(3):
+        for _ in range(3):  # three batches, each failing
             done(log)
+            until(lambda: not log.file.rows, 10, "the writer took the row")
         log.close()
     assert len(log.query()) == 3, "the ring still has them"
     failures = [r for r in caplog.records if "writing" in r.getMessage() and "failed" in r.getMessage()]
