@@ -31,6 +31,9 @@ log = logging.getLogger("hotswap")
 _USAGE_KEY = b'"usage":'  # JSON escapes a quote inside a string, so generated text cannot match
 _DECODER = json.JSONDecoder()
 MAX_MODEL_CHARS = 200  # a client's `model` that names nothing is kept, cut to this
+# `usage` and `metrics` close an answer's JSON (and a stream's kept tail is small already): only
+# this many bytes at its end are searched, so a large body (many embeddings) costs no more.
+END_BYTES = 16_384
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,7 @@ def answer_numbers(tail: Optional[bytes]) -> tuple[Optional[int], Optional[int],
     (`input_tokens`, `output_tokens`)."""
     if not tail:
         return None, None, None
+    tail = tail[-END_BYTES:]
     prompt = completion = None
     at = tail.rfind(_USAGE_KEY)
     if at >= 0:
