@@ -18,8 +18,9 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import sqlite3
 import time
-from dataclasses import asdict, astuple, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Optional
 
 from config.schema import Activity as Settings
@@ -92,9 +93,17 @@ class ActivityLog:
     def __init__(self, settings: Settings) -> None:
         self.ring: collections.deque[Record] = collections.deque(maxlen=settings.ring or 1)
         self.enabled = settings.ring > 0
-        self.file = ActivityFile(settings.path, settings.max_rows, FIELDS) if settings.path else None
-        if self.file is not None:
-            self.ring.extend(map(_from_row, self.file.last(settings.ring)))
+        self.file: Optional[ActivityFile] = None
+        if settings.path:
+            try:
+                self.file = ActivityFile(settings.path, settings.max_rows, FIELDS)
+                self.ring.extend(map(_from_row, self.file.last(settings.ring)))
+            except (sqlite3.Error, OSError, TypeError):  # TypeError: a table of other columns
+                if self.file is not None:
+                    self.file.close()
+                    self.file = None
+                log.exception("activity.path %s cannot be opened as the activity log's file; the log is kept in "
+                              "memory only until the router restarts", settings.path)
 
     @property
     def wants_answers(self) -> bool:
@@ -108,13 +117,11 @@ class ActivityLog:
             return
         asked = model[:MAX_MODEL_CHARS] if isinstance(model, str) else None
         prompt, completion, mal = answer_numbers(answer)
-        self.add(Record(time.time(), key_name or None, asked, engine, endpoint, status, found_awake,
-                        _round(queue_wait_s), swap_id, _round(ttfb_s), round(duration_s, 6), prompt, completion, mal))
-
-    def add(self, record: Record) -> None:
-        self.ring.append(record)
+        row = (time.time(), key_name or None, asked, engine, endpoint, status, found_awake, _round(queue_wait_s), swap_id,
+               _round(ttfb_s), round(duration_s, 6), prompt, completion, mal)
+        self.ring.append(Record(*row))
         if self.file is not None:
-            self.file.put(astuple(record))
+            self.file.put(row)
 
     def query(self, model: Optional[str] = None, since: Optional[float] = None, limit: int = 100) -> list[Record]:
         """The newest `limit` records (newest first) that ended after `since`, for `model` (asked by that
@@ -128,10 +135,6 @@ class ActivityLog:
                 if len(out) >= limit:
                     break
         return out
-
-    def models(self) -> list[str]:
-        """The engines the ring has records of, for /ui's filter."""
-        return sorted({r.engine for r in self.ring if r.engine})
 
     def close(self) -> None:
         if self.file is not None:

@@ -92,5 +92,6 @@ async def status_page(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
     activity = cast(ActivityLog, router.activity)
     model = request.query.get("model") or None
-    recent = ui_activity.recent_requests(activity.query(model, limit=ui_activity.ROWS), activity.models(), model, activity.enabled)
+    recent = ui_activity.recent_requests(activity.query(model, limit=ui_activity.ROWS), sorted(router.engines), model,
+                                             activity.enabled)
     return web.Response(text=ui.render(router_status(router, request.app[RELOADS_KEY]), recent), content_type="text/html")

@@ -75,3 +75,14 @@ def test_the_numbers_come_from_the_answers_usage_and_its_own_acceptance_never_it
     assert answer_numbers(anthropic) == (4, 2, None)
     assert answer_numbers(b'data: {"usage":{"prompt_to') == (None, None, None)  # a tail cut inside the event
     assert answer_numbers(None) == (None, None, None)
+
+
+def test_a_file_that_is_not_an_activity_log_leaves_the_log_in_memory_and_says_so(tmp_path, caplog):
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE activity (id INTEGER PRIMARY KEY, something_else)")
+    with caplog.at_level(logging.ERROR, logger="hotswap"):
+        log = ActivityLog(Activity(ring=10, path=str(path)))
+    assert log.file is None and "cannot be opened as the activity log's file" in caplog.text
+    done(log)
+    assert len(log.query()) == 1
