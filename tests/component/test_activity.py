@@ -204,3 +204,15 @@ async def test_a_record_names_the_clients_key_and_never_holds_the_key(start_rout
     no_text(record, PROMPT, "sk-team-secret-5678")
     status, _, body = await http(router, "GET", "/admin/activity", headers={"Authorization": "Bearer sk-team-secret-5678"})
     assert status in (401, 403), "a client key does not read the activity log"
+
+
+async def test_a_request_whose_wake_the_gate_refused_for_good_is_recorded_as_the_503_it_got(start_router):
+    refuse = roster_dict(sim_model("a", default=True), sim_model("b", spec=True, draft_restore="none", gate={"on_fail": "refuse"}))
+    router = await start_router(refuse)
+    status, _, body = await http(router, "POST", "/v1/completions", json={"model": "b", "prompt": PROMPT})
+    assert status == 503 and body["error"]["code"] == "engine_failed", body
+    [record] = await newest(router, 1)
+    assert record["engine"] == "b" and record["status"] == 503
+    assert record["found_awake"] is None and record["swap_id"] is None, "no lease was taken"
+    assert record["duration_s"] > 0 and record["completion_tokens"] is None
+    no_text(record, PROMPT)
