@@ -160,16 +160,20 @@ async def test_hotswap_activity_prints_the_table_and_follows_new_requests(start_
 
     follow = subprocess.Popen([sys.executable, "-m", "router.cli", "activity", "--url", router.url, "--follow", "--limit", "1"],
                               stdout=subprocess.PIPE, text=True)
-    try:
+
+    async def next_line() -> str:
         assert follow.stdout is not None
-        assert follow.stdout.readline().startswith("TIME")
-        assert follow.stdout.readline().split()[2] == "c"  # the newest so far
+        return await asyncio.wait_for(asyncio.to_thread(follow.stdout.readline), timeout=15)
+
+    try:
+        assert (await next_line()).startswith("TIME")
+        assert (await next_line()).split()[2] == "c"  # the newest so far
         await ask(client(router), "a")
-        line = await asyncio.to_thread(follow.stdout.readline)  # the next poll brings it
+        line = await next_line()  # a later poll brings it
         assert line.split()[2:4] == ["a", "a"], line
     finally:
         follow.send_signal(signal.SIGINT)
-        assert follow.wait(timeout=10) == 0
+        assert follow.wait(timeout=10) == 0, "Ctrl-C ends --follow cleanly"
 
 
 async def test_the_ui_shows_recent_requests_filtered_by_model(start_router):
