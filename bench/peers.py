@@ -13,6 +13,9 @@ is as cheap as it gets) that every target forwards to:
   litellm     clients -> LiteLLM proxy (PyPI `litellm[proxy]`; one `openai/` model with api_base = the sim) -> sim
   hotswap     clients -> `python -m router.cli serve` (client API keys on; the sim attached by `url:`) -> sim
   floor       clients -> bench/floor_proxy.py (hotswap's engine side, no web framework; opt-in) -> sim
+  hotswap-no-activity, hotswap-activity-file   hotswap with the activity log off (`activity.ring: 0`),
+              and with it also written to an SQLite file (`activity.path`); opt-in, to price the log
+              beside `hotswap` (its default: the in-memory ring) in one run
 
 The Python peers live in their own venvs under ~/.cache/hotswap/bench-venvs/ (created on first run
 with pip, unless --no-install); nginx comes from `apt-get install -y nginx` (run once by this script
@@ -52,10 +55,14 @@ PIP_PEERS = {  # peer -> (venv dir, pip requirement, console script)
     "vllm-router": ("vllm-router", "vllm-router", "vllm-router"),
     "litellm": ("litellm", "litellm[proxy]", "litellm"),
 }
-ALL_TARGETS = ["direct", "nginx", "bare", "vllm-router", "litellm", "hotswap", "floor", "hotswap-ab"]
+ALL_TARGETS = ["direct", "nginx", "bare", "vllm-router", "litellm", "hotswap", "floor", "hotswap-ab", "hotswap-no-activity",
+               "hotswap-activity-file"]
 # Opt-in: `floor` (bench/floor_proxy.py: hotswap's engine side without a web framework, how close
-# a Python proxy gets to nginx at all) and `hotswap-ab` (hotswap from --ab-src, to A/B a router patch).
-DEFAULT_TARGETS = ALL_TARGETS[:-2]
+# a Python proxy gets to nginx at all), `hotswap-ab` (hotswap from --ab-src, to A/B a router patch),
+# and the activity log's two prices (issue 25).
+DEFAULT_TARGETS = ALL_TARGETS[:-4]
+ACTIVITY_TARGETS = {"hotswap-no-activity": "activity: {{ring: 0}}\n",  # the roster's section, {tmp}: the run's temp dir
+                    "hotswap-activity-file": "activity: {{path: {tmp}/activity.db}}\n"}
 # issue 14's targets (issue 8's were 1.0, 1.5 and 1.2)
 TARGET_STREAM_VS_VLLM_ROUTER = 0.9
 TARGET_STREAM_VS_NGINX = 1.25
@@ -245,11 +252,14 @@ def start_hotswap(procs: h.Processes, tmp: Path, upstream: int, key: str, src: P
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
         "auth:\n"
         '  api_keys: ["${BENCH_KEY}"]\n'
+        + ACTIVITY_TARGETS.get(name, "").format(tmp=tmp) +
         "models:\n"
         f"  - name: {MODEL}\n"
         f"    url: http://127.0.0.1:{upstream}\n")
     proc, _ = h.start_router(procs, tmp, name, port, roster, env={"BENCH_KEY": key}, src=src)
     note = "client API key auth on, Prometheus metrics on, the sim attached with `url:` (the same upstream)"
+    if name in ACTIVITY_TARGETS:
+        note += f"; {ACTIVITY_TARGETS[name].format(tmp='TMP').strip()}"
     return h.Target(name, f"http://127.0.0.1:{port}", proc.pid, 0, key=key, note=note if src == REPO else f"{note}; run from {src}")
 
 
@@ -340,6 +350,13 @@ def report(phases: list[h.Phase], targets: list[h.Target], unavailable: dict[str
             r, per = ratio("hotswap-ab", "hotswap", mode)
             if r is not None:
                 verdict.append(f"- A/B, {mode}: hotswap-ab ÷ hotswap = {r:.2f}× (per rep {', '.join(f'{x:.2f}' for x in per)}).")
+    for name in ("hotswap", "hotswap-activity-file"):
+        if name in names and "hotswap-no-activity" in names:
+            for mode in modes:
+                r, per = ratio(name, "hotswap-no-activity", mode)
+                if r is not None:
+                    verdict.append(f"- activity log, {mode}: {name} ÷ hotswap-no-activity = {r:.2f}× "
+                                   f"(per rep {', '.join(f'{x:.2f}' for x in per)}).")
     ticks = [p.proxy_us * p.ok / 1e6 * h.CLK_TCK for p in phases if p.proxy_us]
     if ticks:
         verdict.append(f"- CPU resolution: {1e3 / h.CLK_TCK:g} ms ticks; the smallest proxy CPU in one phase was {min(ticks):.0f} ticks "
@@ -413,6 +430,7 @@ def main(argv: list[str]) -> int:
             "litellm": lambda: start_litellm(procs, tmp, sim_port, not args.no_install, versions),
             "hotswap": lambda: start_hotswap(procs, tmp, sim_port, key, args.router_src),
             "hotswap-ab": lambda: start_hotswap(procs, tmp, sim_port, key, args.ab_src, "hotswap-ab"),
+            **{n: (lambda n=n: start_hotswap(procs, tmp, sim_port, key, args.router_src, n)) for n in ACTIVITY_TARGETS},
         }
         targets = []
         for name in wanted:

@@ -17,7 +17,7 @@ from config.schema import ModelSpec, Roster
 ENGINE_KEYS = ("model", "url", "tls_ca_file", "port", "command", "launcher", "args", "env", "speculative", "devices", "draft_restore")
 CANARY_KEYS = ("enabled", "prompt", "max_tokens", "lora_canary")  # gate keys that make the canary another one
 SECTIONS = ("auth", "queue", "swap", "gpus", "host", "node")  # router-wide, changed in place
-RESTART_SECTIONS = ("listen",)  # the listener is bound once: a change needs a router restart
+RESTART_SECTIONS = ("listen", "activity")  # bound or opened once at start: a change needs a router restart
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class RosterDiff:
     changed: tuple[ModelChange, ...] = ()
     unchanged: tuple[str, ...] = ()
     sections: tuple[str, ...] = ()  # router-wide sections changed in place
-    needs_restart: tuple[str, ...] = ()  # dotted keys under listen: not applied
+    needs_restart: tuple[str, ...] = ()  # dotted keys under listen and activity: not applied
 
     @property
     def empty(self) -> bool:
@@ -71,7 +71,8 @@ class RosterDiff:
             what = "restarts at its next idle moment" if c.restart else "changed in place"
             out.append(f"~ {c.name}: {what} ({', '.join(c.fields)})")
         out += [f"~ {section}: changed in place" for section in self.sections]
-        out += [f"! {key}: NOT applied: the listener needs a router restart (still on the old one)" for key in self.needs_restart]
+        out += [f"! {key}: NOT applied: {'the listener' if key.startswith('listen.') else 'the activity log'} needs a router "
+                "restart (still on the old one)" for key in self.needs_restart]
         return out or ["no changes"]
 
 

@@ -24,8 +24,8 @@ from pydantic import BaseModel, ValidationError
 
 from config.merge import Path_, blame, format_field, merge_defaults
 from config.placement_check import check_placement
-from config.schema import IDENTITY_KEYS, Auth, Gpu, Host, Listen, ModelDefaults, ModelSpec, Node, Queue, Roster, Swap
-SECTIONS: dict[str, type[BaseModel]] = {"listen": Listen, "auth": Auth, "queue": Queue, "swap": Swap, "host": Host, "node": Node}
+from config.schema import IDENTITY_KEYS, Activity, Auth, Gpu, Host, Listen, ModelDefaults, ModelSpec, Node, Queue, Roster, Swap
+SECTIONS: dict[str, type[BaseModel]] = {"listen": Listen, "auth": Auth, "queue": Queue, "swap": Swap, "host": Host, "node": Node, "activity": Activity}
 TOP_LEVEL_KEYS = (*SECTIONS, "gpus", "defaults", "models")
 SECRET_PATHS = (("auth", "admin_key"), ("auth", "api_keys"), ("auth", "keys", int, "key"))
 ARGV_KEYS = ("args", "launcher", "command")

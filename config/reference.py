@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from config.schema import ApiKey, Auth, Gate, Gpu, Host, Listen, ModelSpec, Node, Queue, StepTimeouts, Swap
+from config.schema import Activity, ApiKey, Auth, Gate, Gpu, Host, Listen, ModelSpec, Node, Queue, StepTimeouts, Swap
 
 SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("listen", Listen),
@@ -24,6 +24,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("gpus[] (optional)", Gpu),
     ("host", Host),
     ("node", Node),
+    ("activity", Activity),
     ("models[] (and defaults)", ModelSpec),
     ("models[].gate", Gate),
 ]

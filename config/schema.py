@@ -40,9 +40,9 @@ from config.argv import (
     split_argv,
 )
 from config.secrets import mask_argv, mask_env
-from config.sections import ApiKey, Auth, Gpu, Host, Listen, Node, NonEmptyStr, Queue, Section, StepTimeouts, Swap
+from config.sections import Activity, ApiKey, Auth, Gpu, Host, Listen, Node, NonEmptyStr, Queue, Section, StepTimeouts, Swap
 
-__all__ = ["ApiKey", "Auth", "Gate", "Gpu", "Host", "Listen", "ModelSpec", "Node", "Queue", "Roster", "RosterFile", "Section", "StepTimeouts", "Swap"]
+__all__ = ["Activity", "ApiKey", "Auth", "Gate", "Gpu", "Host", "Listen", "ModelSpec", "Node", "Queue", "Roster", "RosterFile", "Section", "StepTimeouts", "Swap"]
 
 DEFAULT_GATE_PROMPT = (
     "Write one paragraph about the history of the printing press, in plain words."
@@ -314,6 +314,7 @@ class RosterFile(Section):
     gpus: Optional[list[Gpu]] = Field(None, description="GPU sizes; unset: discovered through NVML, else each device is 1.0 of itself.")
     host: Host = Field(default_factory=Host)
     node: Node = Field(default_factory=Node)
+    activity: Activity = Field(default_factory=Activity)
     defaults: ModelDefaults = Field(default_factory=ModelDefaults)  # type: ignore[valid-type]
     models: list[ModelSpec] = Field(min_length=1)
 
@@ -329,6 +330,7 @@ class Roster(Section):
     gpus: Optional[list[Gpu]] = None
     host: Host = Host()
     node: Node = Node()
+    activity: Activity = Activity()
     models: list[ModelSpec]
     _located: Optional[Callable[[tuple[Any, ...]], tuple[str, int, int]]] = PrivateAttr(None)  # config.loader.Locations
 

@@ -1,4 +1,4 @@
-"""The roster's router-wide sections: listen, auth (keys and their scopes), queue, swap, gpus, host, node.
+"""The roster's router-wide sections: listen, auth (keys and their scopes), queue, swap, gpus, host, node, activity.
 
 The models' own keys and the roster as a whole are in `config.schema`.
 """
@@ -112,6 +112,25 @@ class Node(Section):
     labels: dict[NonEmptyStr, str] = Field(
         default_factory=dict, description="Free-form labels shown with the name (e.g. `{zone: a}`), for a front that "
         "prefers some nodes.")
+
+
+class Activity(Section):
+    """The activity log: one record per proxied request (docs/observability.md)."""
+
+    ring: int = Field(
+        10_000, ge=0, description="Records kept in memory, the newest (what GET /admin/activity, `hotswap activity` and "
+        "/ui read); 0 turns the activity log off.")
+    path: Optional[NonEmptyStr] = Field(
+        None, description="An SQLite file the records are also written to (off the event loop), so they survive a "
+        "restart: the ring is refilled from it at start. Unset: memory only.")
+    max_rows: int = Field(
+        1_000_000, ge=1, description="Rows the SQLite file keeps; the oldest are deleted past it.")
+
+    @model_validator(mode="after")
+    def _path_needs_the_ring(self) -> "Activity":
+        if self.path is not None and self.ring == 0:
+            raise ValueError("path is set but ring: 0 turns the activity log off; give ring: N >= 1 (N records in memory)")
+        return self
 
 
 class Gpu(Section):

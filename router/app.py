@@ -25,7 +25,7 @@ from router.metrics import METRICS_KEY, serve_metrics
 
 
 def build_router(roster: Roster, log_dir: Path, session: aiohttp.ClientSession) -> Router:
-    return Router(roster, log_dir, session, proxy.Upstreams())
+    return Router(roster, log_dir, session, proxy.Upstreams(), admin.ActivityLog(roster.activity))
 
 
 def build_app(router: Router) -> web.Application:
@@ -51,6 +51,7 @@ def build_app(router: Router) -> web.Application:
     add.add_get("/metrics", serve_metrics)
     add.add_get("/admin/status", admin.admin_status)
     add.add_get("/admin/timeline", admin.admin_timeline)
+    add.add_get("/admin/activity", admin.admin_activity)
     add.add_post(r"/admin/{action:swap|sleep|restart}", admin.admin_action)
     add.add_post("/admin/reload", admin.admin_reload)
     add.add_post(r"/admin/lora/{action:load|unload}", admin.admin_lora)

@@ -10,7 +10,7 @@ import collections
 import logging
 import time
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -39,14 +39,31 @@ class ConnectionPools(Protocol):
     def close_all(self) -> None: ...
 
 
+class RequestLog(Protocol):
+    """Where each proxied request is recorded when it ends (`router.admin.ActivityLog`, the activity log)."""
+
+    @property
+    def wants_answers(self) -> bool:
+        """Whether `request_done` reads the answer's end (a stream then keeps its last bytes)."""
+
+    def request_done(self, *, key_name: str, model: Any, engine: Optional[str], endpoint: str, status: int,
+                     found_awake: Optional[bool], swap_id: Optional[int], queue_wait_s: Optional[float],
+                     ttfb_s: Optional[float], duration_s: float, answer: Optional[bytes]) -> None: ...
+
+    def close(self) -> None:
+        """Flush and close (it may block: called off the event loop)."""
+
+
 class Router(Observer, Events):
     """The roster made live: engines, their scheduler, and the name -> engine table."""
 
-    def __init__(self, roster: Roster, log_dir: Path, session: aiohttp.ClientSession, upstreams: ConnectionPools):
+    def __init__(self, roster: Roster, log_dir: Path, session: aiohttp.ClientSession, upstreams: ConnectionPools,
+                 activity: RequestLog):
         self.roster = roster
         self.log_dir = log_dir
         self.session = session
         self.upstreams = upstreams
+        self.activity = activity
         self.metrics = Metrics()
         self.started = int(time.time())
         self.history = History()  # before any engine exists: each reports its states there from its first
@@ -190,6 +207,7 @@ class Router(Observer, Events):
         await self.placement.stop()
         await asyncio.gather(*(e.stop() for e in self.engines.values()), return_exceptions=True)
         self.upstreams.close_all()
+        await asyncio.to_thread(self.activity.close)
 
     # -- Observer: engines report here --------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The operators' routes: /admin/status, /admin/timeline, /admin/{swap,sleep,restart}, /admin/reload,
+"""The operators' routes: /admin/status, /admin/timeline, /admin/activity, /admin/{swap,sleep,restart}, /admin/reload,
 /admin/lora/{load,unload} and the /ui page. `router.auth` lets only the admin key (or, without
 one, loopback) reach them."""
 
@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Optional, cast
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from config import RosterError
-from router.admin import lora, timeline, ui
+from router.admin import lora, timeline, ui, ui_activity
+from router.admin.activity import ActivityLog
 from router.admin.reload import Reloads
 from router.admin.status import engine_status, router_status
 from router.errors import APIError, error_body
@@ -21,12 +24,34 @@ log = logging.getLogger("hotswap")
 RELOADS_KEY = web.AppKey("reloads", Reloads)
 
 
+class ActivityQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = Field(None, min_length=1)  # asked by that name, or served by that engine
+    since: Optional[float] = Field(None, ge=0, allow_inf_nan=False)  # epoch seconds: records that ended after it
+    limit: int = Field(100, ge=1, le=10_000)
+
+
 async def admin_status(request: web.Request) -> web.Response:
     return web.json_response(router_status(request.app[ROUTER_KEY], request.app[RELOADS_KEY]))
 
 
 async def admin_timeline(request: web.Request) -> web.Response:
     return web.json_response(timeline.timeline(request.app[ROUTER_KEY].history, request.query))
+
+
+async def admin_activity(request: web.Request) -> web.Response:
+    """GET /admin/activity?model=&since=&limit=: the newest records first (see router.admin.activity)."""
+    activity = cast(ActivityLog, request.app[ROUTER_KEY].activity)  # the one app.build_router handed the Router
+    try:
+        query = ActivityQuery.model_validate(dict(request.query))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = ".".join(map(str, first["loc"]))
+        raise APIError(400, f"?{name}: {first['msg']} (found {str(first.get('input'))[:40]!r})", "invalid_parameter",
+                       param=name) from None
+    records = activity.query(query.model, query.since, query.limit)
+    return web.json_response({"enabled": activity.enabled, "records": [r.as_dict() for r in records]})
 
 
 async def admin_action(request: web.Request) -> web.Response:
@@ -68,6 +93,11 @@ async def admin_lora(request: web.Request) -> web.Response:
 
 
 async def status_page(request: web.Request) -> web.Response:
+    """GET /ui[?model=NAME]: the status page; `model` filters its recent requests."""
     router = request.app[ROUTER_KEY]
-    page = ui.render(router_status(router, request.app[RELOADS_KEY]), timeline.window(router.history, timeline.UI_MINUTES))
+    activity = cast(ActivityLog, router.activity)
+    model = request.query.get("model") or None
+    recent = ui_activity.recent_requests(activity.query(model, limit=ui_activity.ROWS), sorted(router.engines), model,
+                                         activity.enabled)
+    page = ui.render(router_status(router, request.app[RELOADS_KEY]), timeline.window(router.history, timeline.UI_MINUTES), recent)
     return web.Response(text=page, content_type="text/html")

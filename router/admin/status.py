@@ -101,7 +101,7 @@ def host_memory_status(router: Router, e: Engine) -> dict[str, Any]:
 def _swap_dict(record: Optional[SwapRecord]) -> Optional[dict[str, Any]]:
     if record is None:
         return None
-    return {"to": record.to_model, "from": record.from_models, "result": record.result, "seconds": round(record.seconds, 4),
+    return {"id": record.id, "to": record.to_model, "from": record.from_models, "result": record.result, "seconds": round(record.seconds, 4),
             "predicted_s": round(record.predicted_s, 3), "phases": {k: round(v, 4) for k, v in record.phases.items()},
             "error": record.error, "at": record.at, "gates": record.gates}
 

@@ -31,8 +31,9 @@ th { background: #f6f8fa; } .state { color: #fff; border-radius: 4px; padding: .
 """
 
 
-def render(status: dict[str, Any], timeline: Optional[dict[str, Any]] = None) -> str:
-    """The page; `timeline`: /admin/timeline's window (router.admin.timeline.window) for the pictures."""
+def render(status: dict[str, Any], timeline: Optional[dict[str, Any]] = None, recent_requests: str = "") -> str:
+    """The page; `timeline`: /admin/timeline's window (router.admin.timeline.window) for the pictures;
+    `recent_requests`: the activity log's table (router.admin.ui_activity)."""
     # The page refreshes itself by script (a <meta> refresh without it), so following a log can pause it.
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><noscript><meta http-equiv='refresh' content='{REFRESH_S}'></noscript>",
              f"<title>hotswap</title><style>{STYLE}</style></head><body>",
@@ -43,6 +44,7 @@ def render(status: dict[str, Any], timeline: Optional[dict[str, Any]] = None) ->
     parts.append(_swaps(status["swaps"]))
     if timeline is not None:
         parts.append(_pictures(timeline, status["engines"]))
+    parts.append(recent_requests)
     for engine in status["engines"]:
         parts.append(_engine_details(engine))
     parts.append(f"<script>{FOLLOW_SCRIPT % (REFRESH_S * 1000, LOG_LINES)}</script></body></html>")

@@ -1,4 +1,4 @@
-"""`hotswap` command line: serve, check, schema, status, reload."""
+"""`hotswap` command line: serve, check, schema, status, activity, reload."""
 
 from __future__ import annotations
 
@@ -68,6 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--url", default="http://127.0.0.1:8080", help="the router (default %(default)s)")
     status.add_argument("--admin-key", help="admin key (default: $HOTSWAP_ADMIN_KEY)")
 
+    activity = commands.add_parser(
+        "activity",
+        help="show a running router's recent requests",
+        description="Print a running router's activity log (GET /admin/activity): one line per proxied request, "
+        "oldest first: key name, model, engine, status, how it got its engine (awake at once, or the swap it "
+        "waited for), queue wait, first byte, total, tokens and acceptance. --follow prints new ones until Ctrl-C.",
+    )
+    activity.add_argument("--url", default="http://127.0.0.1:8080", help="the router (default %(default)s)")
+    activity.add_argument("--admin-key", help="admin key (default: $HOTSWAP_ADMIN_KEY)")
+    activity.add_argument("--model", help="only requests for this model (as asked, or the engine that served)")
+    activity.add_argument("--limit", type=int, default=20, help="how many of the newest to show first (default %(default)s)")
+    activity.add_argument("--follow", action="store_true", help="keep printing new requests until Ctrl-C")
+
     reload = commands.add_parser(
         "reload",
         help="make a running router re-read its roster",
@@ -84,7 +97,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _writing_stdout(build_parser().parse_args, argv)  # --help prints
     if args.command == "serve":
         return cmd_serve(args)  # logs to stderr: a broken pipe in there is a real error, not a reader gone
-    handler = {"check": cmd_check, "schema": cmd_schema, "status": cmd_status, "reload": cmd_reload}[args.command]
+    handler = {"check": cmd_check, "schema": cmd_schema, "status": cmd_status, "activity": cmd_activity,
+               "reload": cmd_reload}[args.command]
     return _writing_stdout(handler, args)
 
 
@@ -173,6 +187,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     from router.cli.status import show
 
     return show(args.url, args.admin_key)
+
+
+def cmd_activity(args: argparse.Namespace) -> int:
+    from router.cli.activity import show
+
+    return show(args.url, args.admin_key, args.model, args.limit, args.follow)
 
 
 def cmd_reload(args: argparse.Namespace) -> int:

@@ -12,8 +12,8 @@ from typing import Any, Optional
 from router.cli.admin_api import admin_request, refusal
 
 
-def fetch(url: str, admin_key: Optional[str], timeout: float = 10) -> dict[str, Any]:
-    with urllib.request.urlopen(admin_request(url, "/admin/status", admin_key), timeout=timeout) as response:
+def fetch(url: str, admin_key: Optional[str], timeout: float = 10, path: str = "/admin/status") -> dict[str, Any]:
+    with urllib.request.urlopen(admin_request(url, path, admin_key), timeout=timeout) as response:
         return json.load(response)
 
 

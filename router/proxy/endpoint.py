@@ -24,8 +24,9 @@ from router.keys import Grant
 from router.live import ROUTED_MODEL, ROUTER_KEY
 from router.metrics import UNKNOWN_MODEL
 from router.proxy.body import read_json
-from router.proxy.forward import forward, json_for
+from router.proxy.forward import ANSWER_END, forward, json_for
 from router.proxy.responses import Pin, ResponseIds, StreamSniffer, id_in_answer
+from router.scheduling import Lease
 
 RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
@@ -72,13 +73,17 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
     route = routes.BY_PATH[request.match_info.route.resource.canonical]  # type: ignore[union-attr]
     started = time.monotonic()
     label, group, status, stream, queued_s = UNKNOWN_MODEL, "", 500, "false", None
+    asked: Any = None
+    lease: Optional[Lease] = None
     try:
         if route.multipart:
             form = await multipart.read_form(request, router.roster.listen)
-            engine, _ = resolve(router, form.value("model"), grant_of(request))
+            asked = form.value("model")
+            engine, _ = resolve(router, asked, grant_of(request))
             stream = "true" if (form.value("stream") or "").lower() == "true" else "false"
         else:
             body, raw = await read_json(request, router.roster.listen)
+            asked = body.get("model")
             engine, name = _engine_for(request, router, body, route)
             if body.get("model") is None and name in engine.other_names:
                 # A follow-up of an adapter's conversation stays on the adapter (a key may be scoped to it alone).
@@ -92,21 +97,23 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
         interval = router.roster.queue.stream_keepalive_s
         limit = max_wait(request)
         if interval and stream == "true":
-            prepared = await keepalive.acquire(request, scheduler, engine, interval, route.anthropic, max_wait_s=limit)
+            prepared, lease = await keepalive.acquire(request, scheduler, engine, interval, route.anthropic, max_wait_s=limit)
         else:
-            await scheduler.acquire(engine, max_wait_s=limit)
+            lease = await scheduler.acquire(engine, max_wait_s=limit)
         queued_s = time.monotonic() - started
         try:
             if route.multipart:
                 model = form.value("model")
                 form_type, data = await form.encode(model if model in engine.served_names else engine.served_name)
                 response = await forward(request, router.upstreams, engine, route.path, data, content_type=form_type,
-                                         prepared=prepared, stall_s=router.roster.queue.stall_timeout_s)
+                                         prepared=prepared, stall_s=router.roster.queue.stall_timeout_s,
+                                         keep_tail=router.activity.wants_answers)
             else:
                 kw = _pinning(request, engine, name, body) if route.creates_response else {}
                 response = await forward(request, router.upstreams, engine, route.path, json_for(engine, body, raw),
                                          prepared=prepared, anthropic=route.anthropic,
-                                         stall_s=router.roster.queue.stall_timeout_s, **kw)
+                                         stall_s=router.roster.queue.stall_timeout_s,
+                                         keep_tail=router.activity.wants_answers, **kw)
         except APIError as exc:
             if prepared is None:
                 raise
@@ -125,8 +132,20 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         done = time.monotonic()
-        router.metrics.request_done(label, group, route.endpoint, stream, status, queued_s, request.get("first_byte_at", done) - started,
+        first_byte_s = request.get("first_byte_at", done) - started
+        router.metrics.request_done(label, group, route.endpoint, stream, status, queued_s, first_byte_s,
                                     done - started, key=grant_of(request).name)
+        _record(request, router, asked, label, route.endpoint, status, lease, queued_s,
+                first_byte_s if stream == "true" else None, done - started)
+
+
+def _record(request: web.Request, router, asked: Any, label: str, endpoint: str, status: int, lease: Optional[Lease],
+            queued_s: Optional[float], ttfb_s: Optional[float], duration_s: float) -> None:
+    """The request's line in the activity log (router.admin.activity)."""
+    router.activity.request_done(
+        key_name=grant_of(request).name, model=asked, engine=None if label == UNKNOWN_MODEL else label, endpoint=endpoint,
+        status=status, found_awake=None if lease is None else lease.found_awake, swap_id=None if lease is None else lease.swap_id,
+        queue_wait_s=queued_s, ttfb_s=ttfb_s, duration_s=duration_s, answer=request.get(ANSWER_END))
 
 
 def _engine_for(request: web.Request, router, body: dict[str, Any], route: routes.Route) -> tuple[Engine, str]:
@@ -166,6 +185,7 @@ async def response_pinned(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
     response_id = request.match_info["response_id"]
     started, status, label, group = time.monotonic(), 500, UNKNOWN_MODEL, ""
+    lease: Optional[Lease] = None
     cancel = request.path.endswith("/cancel")
     try:
         engine = _usable(router, request.app[RESPONSE_IDS_KEY].pin(response_id), grant_of(request))
@@ -177,7 +197,7 @@ async def response_pinned(request: web.Request) -> web.StreamResponse:
         path = f"/v1/responses/{quote(response_id, safe='')}" + ("/cancel" if cancel else "")
         params = {k: v for k, v in request.query.items() if k in ("starting_after", "stream")}
         scheduler = router.scheduler(engine)
-        await scheduler.acquire(engine, max_wait_s=max_wait(request))
+        lease = await scheduler.acquire(engine, max_wait_s=max_wait(request))
         try:
             response = await forward(request, router.upstreams, engine, path + ("?" + "&".join(
                 f"{k}={quote(v, safe='')}" for k, v in params.items()) if params else ""),
@@ -193,3 +213,4 @@ async def response_pinned(request: web.Request) -> web.StreamResponse:
         done = time.monotonic()
         router.metrics.request_done(label, group, "responses", "false", status, None, request.get("first_byte_at", done) - started,
                                     done - started, key=grant_of(request).name)
+        _record(request, router, None, label, "responses", status, lease, None, None, done - started)

@@ -33,6 +33,9 @@ from router.proxy.upstream import Pool, Upstreams
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 STALL_S = 60.0  # queue.stall_timeout_s's default
+# The request's key for its answer's end: a buffered body, or a stream's last bytes when kept (the
+# usage event); where the activity log reads token counts and acceptance, without a second parse.
+ANSWER_END = "answer_end"
 log = logging.getLogger("hotswap")
 
 
@@ -79,7 +82,9 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
                   method: str = "POST", content_type: Optional[str] = "application/json",
                   on_answer: Optional[Callable[[bytes], None]] = None, sniffer: Optional[StreamSniffer] = None,
                   prepared: Optional[web.StreamResponse] = None, anthropic: bool = False,
-                  stall_s: float = STALL_S) -> web.StreamResponse:
+                  stall_s: float = STALL_S, keep_tail: bool = False) -> web.StreamResponse:
+    """`keep_tail`: a stream keeps its last bytes (the final usage event) for `request[ANSWER_END]`, as
+    a buffered answer's body always is."""
     client = engine.client
     if client is None:  # a lease implies a started engine; say so rather than crash if that ever breaks
         raise APIError(502, f"engine '{engine.name}' has no address yet", "engine_unreachable")
@@ -90,7 +95,8 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
             exchange = await _send(pool, engine, request_bytes(method, path, pool, client.headers, content_type, body))
             try:
                 if exchange.stream:
-                    return await _stream(request, exchange, engine, sniffer, prepared, anthropic, hold, stall_s)
+                    return await _stream(request, exchange, engine, sniffer, prepared, anthropic, hold, stall_s,
+                                         keep_tail or engine.has_draft)
                 return await _buffered(request, exchange, engine, on_answer, prepared, anthropic)
             finally:
                 if exchange.trailing:
@@ -116,6 +122,7 @@ async def _buffered(request: web.Request, exchange: Exchange, engine: Engine, on
         watch.suspect(engine, f"while answering: {exc}")
         raise APIError(502, f"engine '{engine.name}' failed while answering: {exc}", "engine_error") from None
     request["first_byte_at"] = time.monotonic()
+    request[ANSWER_END] = payload
     if prepared is not None:
         return await _inside_stream(prepared, exchange.status, payload, anthropic)
     if exchange.status < 300:
@@ -137,7 +144,8 @@ async def _send(pool: Pool, engine: Engine, data: bytes) -> Exchange:
 
 
 async def _stream(request: web.Request, exchange: Exchange, engine: Engine, sniffer: Optional[StreamSniffer],
-                  prepared: Optional[web.StreamResponse], anthropic: bool, hold: Hold, stall_s: float) -> web.StreamResponse:
+                  prepared: Optional[web.StreamResponse], anthropic: bool, hold: Hold, stall_s: float,
+                  keep_tail: bool) -> web.StreamResponse:
     response = prepared
     if response is None:
         response = hold.response = web.StreamResponse(status=exchange.status,
@@ -148,7 +156,7 @@ async def _stream(request: web.Request, exchange: Exchange, engine: Engine, snif
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away")
     writer.send_headers()  # type: ignore[attr-defined]
-    relay = Relay(transport, writer.chunked, exchange.chunked, sniffer, keep_tail=engine.has_draft)  # type: ignore[attr-defined]
+    relay = Relay(transport, writer.chunked, exchange.chunked, sniffer, keep_tail=keep_tail)  # type: ignore[attr-defined]
     writer.chunked = False  # type: ignore[attr-defined]  # the relay frames the body; write_eof adds nothing
     try:
         await exchange.relay(relay, lambda: relay.drained(writer.drain, stall_s))
@@ -171,7 +179,8 @@ async def _stream(request: web.Request, exchange: Exchange, engine: Engine, snif
     else:
         relay.end()
         if relay.tail and exchange.status < 300:
-            watch.answered(engine, b"".join(relay.tail))
+            request[ANSWER_END] = tail = b"".join(relay.tail)
+            watch.answered(engine, tail)
     request["first_byte_at"] = exchange.first_body_at or time.monotonic()
     await response.write_eof()
     return response

@@ -18,6 +18,7 @@ from engines import wake
 from engines.engine import Engine, State
 from router.errors import APIError, sse_error
 from router.proxy.forward import SSE_HEADERS
+from router.scheduling import Lease
 
 
 class AnsweredInStream(Exception):
@@ -46,10 +47,10 @@ def doing(engine: Engine) -> str:
 
 
 async def acquire(request: web.Request, scheduler, engine: Engine, interval: float, anthropic: bool,
-                  max_wait_s: Optional[float] = None) -> Optional[web.StreamResponse]:
+                  max_wait_s: Optional[float] = None) -> tuple[Optional[web.StreamResponse], Lease]:
     """Take a lease like `scheduler.acquire`, sending comment lines every `interval` seconds
     while it waits. Returns the already-prepared stream response, or None when the lease came
-    before the first comment was due (nothing sent: the request proceeds as usual)."""
+    before the first comment was due (nothing sent: the request proceeds as usual), and the lease."""
     task = asyncio.ensure_future(scheduler.acquire(engine, max_wait_s=max_wait_s))
     response: Optional[web.StreamResponse] = None
     try:
@@ -68,12 +69,11 @@ async def acquire(request: web.Request, scheduler, engine: Engine, interval: flo
             scheduler.release(engine)
         raise
     if response is None:
-        task.result()  # raises the APIError as usual: the route's normal error answer
-        return None
+        return None, task.result()  # raises the APIError as usual: the route's normal error answer
     try:
-        task.result()
+        lease = task.result()
     except APIError as exc:
         await response.write(sse_error(exc.message, exc.code, status=exc.status, anthropic=anthropic))
         await response.write_eof()
         raise AnsweredInStream(response, exc.status) from None
-    return response
+    return response, lease

@@ -11,7 +11,7 @@ from router.scheduling.history import KEEP_S as HISTORY_KEEP_S, History
 from router.scheduling.placement import Capacity, devices_view
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.sizing import capacity, level1_weights
-from router.scheduling.state import Decision, Plan, Waiter
+from router.scheduling.state import Decision, Lease, Plan, Waiter
 
-__all__ = ["Capacity", "DEMAND_TAU_S", "Decision", "Demand", "Events", "HISTORY_KEEP_S", "History", "Plan", "Scheduler", "SwapRecord", "Waiter",
-           "capacity", "devices_view", "level1_weights"]
+__all__ = ["Capacity", "DEMAND_TAU_S", "Decision", "Demand", "Events", "HISTORY_KEEP_S", "History", "Lease", "Plan", "Scheduler",
+           "SwapRecord", "Waiter", "capacity", "devices_view", "level1_weights"]

@@ -99,6 +99,7 @@ class Actions(Costs, RosterChanges):
         self.poke()
 
     async def _wake(self, target: Engine) -> None:
+        swap_id = next(self.swap_ids)
         moved, since = self.making_room.pop(target.name, ([], time.monotonic()))
         started = min(since, time.monotonic())
         level = target.sleep_level if target.state is State.SLEEPING else None
@@ -123,7 +124,7 @@ class Actions(Costs, RosterChanges):
             else:
                 await target.restart("failed")
         except EngineFailed as exc:
-            self._record(target, moved, "failed", started, {**phases, **target.last_phases}, predicted, str(exc))
+            self._record(swap_id, target, moved, "failed", started, {**phases, **target.last_phases}, predicted, str(exc))
             await self._handle_failure(target, str(exc))
             return
         if level and restart is None:
@@ -132,8 +133,8 @@ class Actions(Costs, RosterChanges):
         else:
             self.costs.observe_boot(target.name, time.monotonic() - woke)
         self.backoff.succeeded(target.name)
-        self._grant(target)
-        self._record(target, moved, "ok", started, {**phases, **target.last_phases}, predicted)
+        self._grant(target, swap_id)
+        self._record(swap_id, target, moved, "ok", started, {**phases, **target.last_phases}, predicted)
 
     async def _park(self, engine: Engine, why: str, level: int) -> None:
         log.info("parking %s at level %d (%s)", engine.name, level, why)
@@ -189,10 +190,10 @@ class Actions(Costs, RosterChanges):
         if measured:
             self.residuals[engine.name] = measured
 
-    def _record(self, target: Engine, moved: list[str], result: str, started: float,
+    def _record(self, swap_id: int, target: Engine, moved: list[str], result: str, started: float,
                 phases: dict[str, float], predicted: float, error: Optional[str] = None) -> None:
         record = SwapRecord(target.name, moved, result, time.monotonic() - started, phases, predicted,
-                            target.spec.group or "", error=error, gates=list(target.progress.gates))
+                            target.spec.group or "", error=error, gates=list(target.progress.gates), id=swap_id)
         self.history.append(record)
         steps = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
         made_room = f" (made room: parked {', '.join(moved)})" if moved else ""

@@ -26,6 +26,7 @@ class SwapRecord:
     # What the gate said during it, in order, with the restart between: ["refused", "restarted", "passed"]
     # is a wake the gate refused and a cold restart repaired (its `result` is still "ok").
     gates: list[str] = field(default_factory=list)
+    id: int = 0  # unique within the router process: the activity records of the requests that waited for it carry it
 
 
 class Events:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -37,6 +38,19 @@ class Waiter:
     engine: Engine
     since: float
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    swap_id: Optional[int] = None  # the swap whose end granted its lease, if a swap did
+
+
+@dataclass(frozen=True)
+class Lease:
+    """How a request came by its lease: at once (its engine was awake), or after waiting, for
+    swap `swap_id` (SwapRecord.id) when a wake granted it."""
+
+    found_awake: bool
+    swap_id: Optional[int] = None
+
+
+AT_ONCE = Lease(found_awake=True)
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,7 @@ class SchedulerState:
         self.booted = False
         self.boot_done = asyncio.Event()
         self.history: collections.deque[SwapRecord] = collections.deque(maxlen=20)
+        self.swap_ids = itertools.count(1)
         self._poke = asyncio.Event()
         self._closing = False  # shutting down: no new requests; the queued ones are still served
         self._stopping = False
@@ -95,8 +110,8 @@ class SchedulerState:
 
     # -- what handlers call ----------------------------------------------------------------
 
-    async def acquire(self, engine: Engine, *, max_wait_s: Optional[float] = None, admin: bool = False) -> None:
-        """Return with a lease on `engine` (AWAKE, promoted), or raise an APIError.
+    async def acquire(self, engine: Engine, *, max_wait_s: Optional[float] = None, admin: bool = False) -> Lease:
+        """Return with a lease on `engine` (AWAKE, promoted), and how it came, or raise an APIError.
 
         `max_wait_s`: the client's own limit (X-Hotswap-Max-Wait); a predicted wait beyond it is
         refused at once. `admin`: an operator's swap, which neither backs off nor counts as demand."""
@@ -106,7 +121,7 @@ class SchedulerState:
         if not admin:
             self.demand.arrived(engine.name, now)
         if engine.name not in self.busy and engine.try_lease():
-            return
+            return AT_ONCE
         if not admin and self.backoff.waiting(engine, now):
             raise self.backoff.unavailable(engine)
         predicted = self.predicted_wait(engine, now)
@@ -133,6 +148,7 @@ class SchedulerState:
                            f"(engine state: {engine.state.value})", "model_not_ready",
                            retry_after=self.predicted_wait(engine, self.clock()))
         waiter.future.result()  # raises the APIError a failed engine left for its waiters
+        return Lease(found_awake=False, swap_id=waiter.swap_id)
 
     def release(self, engine: Engine) -> None:
         engine.release()
@@ -187,13 +203,14 @@ class SchedulerState:
         reserved = [e for e in self.engines if self.doing.get(e.name, ("",))[0] in RESERVING]
         return Ledger(self.engines, self.capacity, reserved, self.residuals)
 
-    def _grant(self, engine: Engine) -> None:
+    def _grant(self, engine: Engine, swap_id: Optional[int] = None) -> None:
         queue = self.waiting[engine.name]
         while queue and engine.try_lease():
             waiter = queue.popleft()
             if waiter.future.done():  # its client left; give the lease back
                 engine.release()
             else:
+                waiter.swap_id = swap_id
                 waiter.future.set_result(None)
 
     # -- failures (the actions themselves are in router.actions) ---------------------------------

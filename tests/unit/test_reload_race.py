@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from config import load_roster
+from router.admin import ActivityLog
 from router.admin import reload as reload_module
 from router.admin.reload import Reloads
 from router.live import Router
@@ -37,7 +38,8 @@ async def live(tmp_path):
     roster_path = tmp_path / "roster.yaml"
     write(roster_path, "kept", "gone")
     async with aiohttp.ClientSession() as session:
-        router = Router(load_roster(roster_path), tmp_path / "engines", session, NoPools())
+        roster = load_roster(roster_path)
+        router = Router(roster, tmp_path / "engines", session, NoPools(), ActivityLog(roster.activity))
         router.placement.booted = True
         router.placement.retire(router.engines["gone"])
         yield router, roster_path

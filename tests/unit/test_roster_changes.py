@@ -73,6 +73,14 @@ def test_the_diff_sorts_each_change_into_restart_or_in_place():
     assert changes.sections == ("queue",) and changes.needs_restart == ("listen.port",)
 
 
+def test_a_changed_activity_log_is_reported_as_needing_a_restart():
+    old = sim_roster({"name": "a", "model": "m/a"})
+    new = sim_roster({"name": "a", "model": "m/a"}, activity={"path": "/var/lib/hotswap/activity.db"})
+    changes = diff(old, {m.name: m for m in old.models}, new)
+    assert changes.needs_restart == ("activity.path",) and not changes.sections
+    assert "! activity.path: NOT applied: the activity log needs a router restart (still on the old one)" in changes.summary()
+
+
 def test_what_an_engine_waiting_for_its_restart_is_judged_by():
     running = ModelSpec(name="a", model="m/a", gate={"prompt": "one", "min_acceptance_ratio": 0.5})
     thresholds_only = ModelSpec(name="a", model="m/a", gate={"prompt": "one", "min_acceptance_ratio": 0.2}, group="g")

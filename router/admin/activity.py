@@ -1,0 +1,150 @@
+"""The activity log: one record per proxied request, for an operator asking "what happened to
+my request?" (GET /admin/activity, `hotswap activity`, /ui's recent requests).
+
+A record says who asked (the key's name, never the key), for what, where it went, how it came
+by its lease (found its model awake, or waited for swap N: /admin/status's swaps carry the
+same id), how it ended, how long it took, and the answer's token counts and acceptance as the
+engine reported them in `usage` and `metrics.speculative_decoding`. Never any prompt or
+completion text: the answer's numbers are read from its last bytes by key, and only numbers
+are kept.
+
+The newest `activity.ring` records are kept in memory; with `activity.path` they also go to an
+SQLite file (`router.admin.activity_file`, written off the event loop), which refills the
+ring at start.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Optional
+
+from config.schema import Activity as Settings
+from engines.canary import answer_spec_counts, mean_acceptance_length
+from router.admin.activity_file import ActivityFile
+
+log = logging.getLogger("hotswap")
+
+_USAGE_KEY = b'"usage":'  # JSON escapes a quote inside a string, so generated text cannot match
+_DECODER = json.JSONDecoder()
+MAX_MODEL_CHARS = 200  # a client's `model` that names nothing is kept, cut to this
+# `usage` and `metrics` close an answer's JSON (and a stream's kept tail is small already): only
+# this many bytes at its end are searched, so a large body (many embeddings) costs no more.
+END_BYTES = 16_384
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    at: float  # epoch seconds when the request ended (its record was made)
+    key_name: Optional[str]  # None: client auth is off
+    model: Optional[str]  # as the client asked (an alias, an adapter); None: it named none
+    engine: Optional[str]  # None: no engine was chosen (an unknown model, a bad body)
+    endpoint: str  # the route family, as in the metrics' `endpoint` label
+    status: int
+    found_awake: Optional[bool]  # None: no lease was taken
+    queue_wait_s: Optional[float]
+    swap_id: Optional[int]
+    ttfb_s: Optional[float]  # streams only
+    duration_s: float
+    prompt_tokens: Optional[int]
+    completion_tokens: Optional[int]
+    mean_acceptance_length: Optional[float]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+FIELDS = tuple(f.name for f in fields(Record))
+
+
+def answer_numbers(tail: Optional[bytes]) -> tuple[Optional[int], Optional[int], Optional[float]]:
+    """(prompt tokens, completion tokens, mean acceptance length) from an answer's body, or a stream's
+    last bytes where the final usage event is. OpenAI's `usage` names, or Anthropic's and Responses'
+    (`input_tokens`, `output_tokens`)."""
+    if not tail:
+        return None, None, None
+    tail = tail[-END_BYTES:]
+    prompt = completion = None
+    at = tail.rfind(_USAGE_KEY)
+    if at >= 0:
+        try:
+            usage, _ = _DECODER.raw_decode(tail[at + len(_USAGE_KEY):].decode("utf-8").lstrip())
+        except (ValueError, UnicodeDecodeError):  # a tail cut inside the event: no numbers
+            usage = None
+        if isinstance(usage, dict):
+            prompt = _count(usage.get("prompt_tokens", usage.get("input_tokens")))
+            completion = _count(usage.get("completion_tokens", usage.get("output_tokens")))
+    counts = answer_spec_counts(tail)
+    mal = mean_acceptance_length(*counts) if counts is not None else None
+    return prompt, completion, None if mal is None else round(mal, 4)
+
+
+def _count(value: Any) -> Optional[int]:
+    return value if type(value) is int and value >= 0 else None
+
+
+class ActivityLog:
+    """The ring of the newest records, and the file behind it (if any). `router.live.RequestLog`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.ring: collections.deque[Record] = collections.deque(maxlen=settings.ring or 1)
+        self.enabled = settings.ring > 0
+        self.file: Optional[ActivityFile] = None
+        if settings.path:
+            try:
+                self.file = ActivityFile(settings.path, settings.max_rows, FIELDS)
+                self.ring.extend(map(_from_row, self.file.last(settings.ring)))
+            except (sqlite3.Error, OSError, TypeError):  # TypeError: a table of other columns
+                if self.file is not None:
+                    self.file.close()
+                    self.file = None
+                log.exception("activity.path %s cannot be opened as the activity log's file; the log is kept in "
+                              "memory only until the router restarts", settings.path)
+
+    @property
+    def wants_answers(self) -> bool:
+        """Whether streams should keep their last bytes (the usage event) for it."""
+        return self.enabled
+
+    def request_done(self, *, key_name: str, model: Any, engine: Optional[str], endpoint: str, status: int,
+                     found_awake: Optional[bool], swap_id: Optional[int], queue_wait_s: Optional[float],
+                     ttfb_s: Optional[float], duration_s: float, answer: Optional[bytes]) -> None:
+        if not self.enabled:
+            return
+        asked = model[:MAX_MODEL_CHARS] if isinstance(model, str) else None
+        prompt, completion, mal = answer_numbers(answer)
+        row = (time.time(), key_name or None, asked, engine, endpoint, status, found_awake, _round(queue_wait_s), swap_id,
+               _round(ttfb_s), round(duration_s, 6), prompt, completion, mal)
+        self.ring.append(Record(*row))
+        if self.file is not None:
+            self.file.put(row)
+
+    def query(self, model: Optional[str] = None, since: Optional[float] = None, limit: int = 100) -> list[Record]:
+        """The newest `limit` records (newest first) that ended after `since`, for `model` (asked by that
+        name, or served by that engine)."""
+        out: list[Record] = []
+        for record in reversed(self.ring):
+            if since is not None and record.at <= since:
+                break  # the ring is in the order records were made
+            if model is None or model in (record.model, record.engine):
+                out.append(record)
+                if len(out) >= limit:
+                    break
+        return out
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def _from_row(row: tuple[Any, ...]) -> Record:
+    record = Record(*row)
+    return record if record.found_awake is None else replace(record, found_awake=bool(record.found_awake))  # SQLite: 0/1
+
+
+def _round(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else round(seconds, 6)

@@ -1,0 +1,45 @@
+"""/ui's "recent requests": the activity log's newest records as a table, filtered by model
+(`/ui?model=NAME`, links above the table), server-side."""
+
+from __future__ import annotations
+
+import time
+from html import escape
+from typing import Optional
+from urllib.parse import quote
+
+from router.admin.activity import Record
+
+ROWS = 50  # records the page shows
+
+
+def recent_requests(records: list[Record], models: list[str], selected: Optional[str], enabled: bool) -> str:
+    if not enabled:
+        return "<h2>recent requests</h2><p class='muted'>the activity log is off (activity.ring: 0)</p>"
+    links = [f"<a href='/ui'>{'<b>all</b>' if selected is None else 'all'}</a>"]
+    for name in sorted({*models, *([selected] if selected else [])}):
+        label = f"<b>{escape(name)}</b>" if name == selected else escape(name)
+        links.append(f"<a href='/ui?model={escape(quote(name, safe=''))}'>{label}</a>")
+    rows = [f"<h2>recent requests</h2><p class='filter'>model: {' · '.join(links)}</p>"]
+    if not records:
+        return "".join(rows) + "<p class='muted recent'>no requests yet</p>"
+    rows.append("<table class='recent'><tr><th>at</th><th>key</th><th>model</th><th>engine</th><th>endpoint</th><th>status</th>"
+                "<th>lease</th><th>queue wait</th><th>first byte</th><th>total</th><th>tokens in / out</th><th>MAL</th></tr>")
+    for r in records:
+        lease = ("—" if r.found_awake is None else "awake" if r.found_awake
+                 else f"swap {r.swap_id}" if r.swap_id is not None else "waited")
+        rows.append(
+            f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(r.at))}</td><td>{escape(r.key_name or '—')}</td>"
+            f"<td>{escape(r.model or '—')}</td><td>{escape(r.engine or '—')}</td><td>{escape(r.endpoint)}</td>"
+            f"<td class='{'ok' if r.status < 400 else 'bad'}'>{r.status}</td><td>{lease}</td><td>{_s(r.queue_wait_s)}</td>"
+            f"<td>{_s(r.ttfb_s)}</td><td>{_s(r.duration_s)}</td><td>{_n(r.prompt_tokens)} / {_n(r.completion_tokens)}</td>"
+            f"<td>{'—' if r.mean_acceptance_length is None else f'{r.mean_acceptance_length:.2f}'}</td></tr>")
+    return "".join(rows) + "</table>"
+
+
+def _s(seconds: Optional[float]) -> str:
+    return "—" if seconds is None else f"{seconds:.3f} s"
+
+
+def _n(count: Optional[int]) -> str:
+    return "—" if count is None else str(count)

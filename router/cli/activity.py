@@ -1,0 +1,77 @@
+"""`hotswap activity`: a running router's recent requests (GET /admin/activity) as a table;
+`--follow` keeps printing new ones until Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import urllib.error
+from typing import Any, Optional
+from urllib.parse import urlencode
+
+from router.cli.status import fetch
+
+FOLLOW_POLL_S = 1.0  # how often --follow asks for new records
+CALL_S = 10.0  # each call's timeout
+FOLLOW_LIMIT = 10_000  # records one --follow poll may bring (the route's maximum)
+COLUMNS = ("TIME", "KEY", "MODEL", "ENGINE", "ENDPOINT", "STATUS", "LEASE", "WAIT", "TTFB", "TOTAL", "TOKENS in/out", "MAL")
+WIDTHS = (8, 10, 16, 16, 16, 6, 10, 7, 7, 7, 13, 5)
+
+
+def row(r: dict[str, Any]) -> str:
+    lease = ("-" if r["found_awake"] is None else "awake" if r["found_awake"]
+             else f"swap {r['swap_id']}" if r["swap_id"] is not None else "waited")
+    tokens = "-" if r["prompt_tokens"] is None and r["completion_tokens"] is None else \
+        f"{_or_dash(r['prompt_tokens'])}/{_or_dash(r['completion_tokens'])}"
+    cells = (time.strftime("%H:%M:%S", time.localtime(r["at"])), r["key_name"] or "-", r["model"] or "-", r["engine"] or "-",
+             r["endpoint"], str(r["status"]), lease, _seconds(r["queue_wait_s"]), _seconds(r["ttfb_s"]),
+             _seconds(r["duration_s"]), tokens, "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}")
+    return _line(cells)
+
+
+def header() -> str:
+    return _line(COLUMNS)
+
+
+def _line(cells: tuple[str, ...]) -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(cells, WIDTHS)).rstrip()
+
+
+def _seconds(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _or_dash(value: Optional[int]) -> str:
+    return "-" if value is None else str(value)
+
+
+def _records(url: str, admin_key: Optional[str], **query: Any) -> list[dict[str, Any]]:
+    path = "/admin/activity?" + urlencode({k: v for k, v in query.items() if v is not None})
+    return fetch(url, admin_key, CALL_S, path)["records"]
+
+
+def show(url: str, admin_key: Optional[str], model: Optional[str], limit: int, follow: bool) -> int:
+    admin_key = admin_key or os.environ.get("HOTSWAP_ADMIN_KEY")
+    try:
+        records = _records(url, admin_key, model=model, limit=limit)[::-1]  # oldest first, as a log reads
+        print(header())
+        for r in records:
+            print(row(r))
+        since = records[-1]["at"] if records else time.time()
+        while follow:
+            sys.stdout.flush()
+            time.sleep(FOLLOW_POLL_S)
+            records = _records(url, admin_key, model=model, since=repr(since), limit=FOLLOW_LIMIT)[::-1]
+            for r in records:
+                print(row(r))
+            since = records[-1]["at"] if records else since
+    except KeyboardInterrupt:
+        return 0
+    except urllib.error.HTTPError as exc:
+        print(f"hotswap activity: {url} answered {exc.code}: {exc.read().decode(errors='replace')[:300]}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"hotswap activity: cannot reach a router at {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,88 @@
+"""The activity log's store: the ring, the SQLite file's rotation and refill, and the numbers read
+from an answer's end."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+
+from config.schema import Activity
+from router.admin.activity import ActivityLog, answer_numbers
+from tests.support import until
+
+
+def done(log: ActivityLog, engine: str = "a", status: int = 200, answer: bytes | None = None) -> None:
+    log.request_done(key_name="team", model=engine, engine=engine, endpoint="completions", status=status, found_awake=True,
+                     swap_id=None, queue_wait_s=0.0, ttfb_s=None, duration_s=0.01, answer=answer)
+
+
+def test_the_ring_keeps_the_newest_records_and_answers_newest_first():
+    log = ActivityLog(Activity(ring=3))
+    for engine in "abcde":
+        done(log, engine)
+    assert [r.engine for r in log.query()] == ["e", "d", "c"]
+    assert [r.engine for r in log.query(model="d")] == ["d"]
+    assert [r.engine for r in log.query(limit=1)] == ["e"]
+    assert [r.engine for r in log.query(since=log.query()[1].at)] == ["e"]
+
+
+def test_ring_zero_records_nothing():
+    log = ActivityLog(Activity(ring=0))
+    done(log)
+    assert not log.enabled and not log.wants_answers and log.query() == []
+
+
+def test_the_file_rotates_by_row_count_and_refills_the_ring_after_a_restart(tmp_path):
+    path = tmp_path / "activity.db"
+    first = ActivityLog(Activity(ring=10, path=str(path), max_rows=4))
+    for engine in "abcdef":
+        done(first, engine)
+    first.close()
+    with sqlite3.connect(path) as db:
+        assert [row[0] for row in db.execute("SELECT engine FROM activity ORDER BY id")] == ["c", "d", "e", "f"]
+
+    second = ActivityLog(Activity(ring=3, path=str(path), max_rows=4))
+    assert [r.engine for r in second.query()] == ["f", "e", "d"]  # the newest `ring` rows, in order
+    assert second.query()[0].key_name == "team" and second.query()[0].found_awake is True
+    second.close()
+
+
+def test_a_file_that_cannot_be_written_is_logged_once_and_never_fails_a_request(tmp_path, caplog):
+    path = tmp_path / "activity.db"
+    log = ActivityLog(Activity(ring=10, path=str(path)))
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TABLE activity")  # every insert fails from now on
+    with caplog.at_level(logging.ERROR, logger="hotswap"):
+        for _ in range(3):  # three batches, each failing
+            done(log)
+            until(lambda: not log.file.rows, 10, "the writer took the row")
+        log.close()
+    assert len(log.query()) == 3, "the ring still has them"
+    failures = [r for r in caplog.records if "writing" in r.getMessage() and "failed" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is not None
+
+
+def test_the_numbers_come_from_the_answers_usage_and_its_own_acceptance_never_its_text():
+    body = json.dumps({"choices": [{"text": 'a "usage": {"prompt_tokens": 999} trap'}],
+                       "usage": {"prompt_tokens": 7, "completion_tokens": 16, "total_tokens": 23},
+                       "metrics": {"speculative_decoding": {"num_spec_steps": 10, "num_accepted_draft_tokens": 8}}}).encode()
+    assert answer_numbers(body) == (7, 16, 1.8)
+    stream_tail = (b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}\n\n'
+                   b"data: [DONE]\n\n")
+    assert answer_numbers(stream_tail) == (3, 5, None)
+    anthropic = b'event: message_delta\ndata: {"type":"message_delta","usage":{"input_tokens":4,"output_tokens":2}}\n\n'
+    assert answer_numbers(anthropic) == (4, 2, None)
+    assert answer_numbers(b'data: {"usage":{"prompt_to') == (None, None, None)  # a tail cut inside the event
+    assert answer_numbers(None) == (None, None, None)
+
+
+def test_a_file_that_is_not_an_activity_log_leaves_the_log_in_memory_and_says_so(tmp_path, caplog):
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE activity (id INTEGER PRIMARY KEY, something_else)")
+    with caplog.at_level(logging.ERROR, logger="hotswap"):
+        log = ActivityLog(Activity(ring=10, path=str(path)))
+    assert log.file is None and "cannot be opened as the activity log's file" in caplog.text
+    done(log)
+    assert len(log.query()) == 1
