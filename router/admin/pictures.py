@@ -207,9 +207,13 @@ def _gpu_chart(device: str, spans: list[tuple[float, float, dict[str, Any]]], x:
         for name, held in sorted(s["gpus"].get(device, {}).items()):
             h = max(CHART_H * min(held["share"], 1.0), 2.0 if held["share"] > 0 else 0.0)  # a residual stays visible
             colour = ASLEEP if held["state"] == "asleep" else STATE_COLOURS.get(held["state"], OTHER_PHASE)
-            parts.append(f"<rect x='{x(a):.1f}' y='{base - stacked - h:.1f}' width='{max(x(b) - x(a), 0.5):.1f}' "
+            width = max(x(b) - x(a), 0.5)
+            parts.append(f"<rect x='{x(a):.1f}' y='{base - stacked - h:.1f}' width='{width:.1f}' "
                          f"height='{h:.1f}' fill='{colour}' stroke='#fff' stroke-width='0.5'>"
                          f"<title>{escape(name)}: {escape(held['state'])} {held['share']:.3g}</title></rect>")
+            if width > 8 * len(name) + 8 and h > 13:  # colours tell states apart, not engines: name the engine
+                parts.append(f"<text class='share-label' x='{x(a) + 4:.1f}' y='{base - stacked - h / 2 + 4:.1f}' "
+                             f"font-size='11' fill='{'#1f2328' if colour in (ASLEEP, STATE_COLOURS['cold']) else '#fff'}'>{escape(name)}</text>")
             stacked += h
     return "".join(parts) + "</g>"
 

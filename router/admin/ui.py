@@ -108,10 +108,13 @@ def _engines(engines: list[dict[str, Any]]) -> str:
 def _swaps(swaps: list[dict[str, Any]]) -> str:
     if not swaps:
         return "<p class='muted swaps'>no swaps yet</p>"
-    rows = ["<h3>last swaps</h3><table class='swaps'><tr><th>at</th><th>parked → woken</th><th>result</th><th>seconds</th><th>phases</th></tr>"]
+    rows = ["<h3>last swaps</h3><table class='swaps'><tr><th>swap</th><th>at</th><th>parked → woken</th><th>result</th><th>seconds</th>"
+            "<th>phases</th></tr>"]
     for s in swaps:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items())
-        rows.append(f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(s['at']))}</td><td>{escape(', '.join(s['from']) or '—')} → {escape(s['to'])}</td>"
+        # the id the activity log's rows link to ("swap N": the swap a request waited for)
+        rows.append(f"<tr id='swap-{s['id']}'><td>{s['id']}</td><td>{time.strftime('%H:%M:%S', time.localtime(s['at']))}</td>"
+                    f"<td>{escape(', '.join(s['from']) or '—')} → {escape(s['to'])}</td>"
                     f"<td class='{_swap_class(s)}'>{escape(pictures.story(s.get('gates', [])) or s['result'])}</td><td>{s['seconds']:.2f}</td>"
                     f"<td>{escape(phases)}{'<br><span class=bad>' + escape(s['error']) + '</span>' if s['error'] else ''}</td></tr>")
     return "".join(rows) + "</table>"

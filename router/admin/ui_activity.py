@@ -27,9 +27,9 @@ def recent_requests(records: list[Record], models: list[str], selected: Optional
                 "<th>lease</th><th>queue wait</th><th>first byte</th><th>total</th><th>tokens in / out</th><th>MAL</th></tr>")
     for r in records:
         lease = ("—" if r.found_awake is None else "awake" if r.found_awake
-                 else f"swap {r.swap_id}" if r.swap_id is not None else "waited")
+                 else f"<a href='#swap-{r.swap_id}'>swap {r.swap_id}</a>" if r.swap_id is not None else "waited")
         rows.append(
-            f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(r.at))}</td><td>{escape(r.key_name or '—')}</td>"
+            f"<tr class='activity'><td>{time.strftime('%H:%M:%S', time.localtime(r.at))}</td><td>{escape(r.key_name or '—')}</td>"
             f"<td>{escape(r.model or '—')}</td><td>{escape(r.engine or '—')}</td><td>{escape(r.endpoint)}</td>"
             f"<td class='{'ok' if r.status < 400 else 'bad'}'>{r.status}</td><td>{lease}</td><td>{_s(r.queue_wait_s)}</td>"
             f"<td>{_s(r.ttfb_s)}</td><td>{_s(r.duration_s)}</td><td>{_n(r.prompt_tokens)} / {_n(r.completion_tokens)}</td>"

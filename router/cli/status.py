@@ -43,7 +43,10 @@ def render(status: dict[str, Any]) -> str:
     if swap:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in swap["phases"].items())
         moved = f" (parked {', '.join(swap['from'])})" if swap["from"] else ""
-        lines.append(f"  last wake: {swap['to']} {swap['result']} in {swap['seconds']:.2f} s, predicted "
+        # a wake the gate refused and a restart repaired is "ok" in `result`: tell the refusal
+        gates = swap.get("gates") or []
+        result = " → ".join(gates) if swap["result"] == "ok" and {"refused", "allowed"} & set(gates) else swap["result"]
+        lines.append(f"  last wake: {swap['to']} {result} in {swap['seconds']:.2f} s, predicted "
                      f"{swap['predicted_s']:.2f} s{moved} ({phases})")
     reload = (status.get("roster") or {}).get("last_reload")
     if reload:

@@ -112,7 +112,8 @@ async def test_hotswap_status_prints_a_readable_table(start_router):
     row_b = next(l.split() for l in lines if l.strip().startswith("b "))
     assert row_b[1] == "awake" and row_b[4:7] == ["0", "0.9", "0.0s"] and row_b[-1] == "passed" and row_b[-2] == "1"
     assert row_b[-3] == "0/0.05", "the woken engine's logprob drift (bit-exact sim) and gate.max_logprob_drift"
-    assert any(l.strip().startswith("last wake: b ok in") and "(parked a)" in l for l in lines), lines
+    # b has no draft restore: its wake was refused by the gate and a restart repaired it, and the line says so
+    assert any(l.strip().startswith("last wake: b refused → restarted → passed in") and "(parked a)" in l for l in lines), lines
 
 
 async def test_a_booting_engine_says_why_it_boots_and_which_step_it_is_in(start_router):
@@ -194,7 +195,13 @@ async def test_the_status_page_renders_the_roster_and_shows_a_swap_in_a_real_bro
     assert [g.get("id") for g in memory.iter(SVG + "g") if g.get("class") == "gpu-shares"] == ["gpu-shares-0"]
     assert any(float(r.get("height")) > 10 for r in memory.iter(SVG + "rect") if r.get("class") == "host-ram"), "a's host copy"
     assert "id=\"legend\"" in after and "sleeping L1" in after and "gate refused" in after
-    # (the activity log's rows are asserted here once it is merged: issue 25, the activity table)
+
+    # the activity log: the request that waited for the refused-and-repaired swap links to that swap's row
+    swap_id = (await http(router, "GET", "/admin/status"))[2]["last_swap"]["id"]
+    recent = ElementTree.fromstring(svg_or_table(after, "<table class=\"recent\">", "</table>"))
+    rows = [[("".join(td.itertext())) for td in tr.iter("td")] for tr in recent.iter("tr") if tr.get("class") == "activity"]
+    assert len(rows) == 1 and rows[0][2:6] == ["b", "b", "completions", "200"] and rows[0][6] == f"swap {swap_id}", rows
+    assert f"<tr id=\"swap-{swap_id}\">" in after and f"href=\"#swap-{swap_id}\"" in after
 
     shot = tmp_path / "ui.png"
     await asyncio.to_thread(chromium, f"--screenshot={shot}", "--window-size=1280,1650", "--hide-scrollbars",
