@@ -58,6 +58,10 @@ class ModelServerView(Collector):
         # neutral between hotswap nodes, so the queue and lora-affinity scorers decide.
         yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "Not measured by hotswap: always 0 (docs/multi-node.md).", value=0.0)
         yield self._lora_info(engines)
+        # The picker looks this family up on every scrape and counts an error when it is missing. Its
+        # labels (block_size, num_gpu_blocks) differ per engine and the router does not know them: none.
+        yield GaugeMetricFamily("vllm:cache_config_info", "Present for the picker; no labels (engines' KV layouts differ).",
+                                value=1.0)
 
     def _lora_info(self, engines: list[Engine]) -> GaugeMetricFamily:
         running = [e for e in engines if e.state in RUNNING]

@@ -153,6 +153,7 @@ def test_one_series_per_family_and_lora_info_carries_the_time_like_vllm():
     text = ModelServerMetrics(FakeNode([share("chat", 0.4)], {"chat": State.AWAKE})).render().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert set(families) == {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-                             "vllm:lora_requests_info"}
+                             "vllm:lora_requests_info", "vllm:cache_config_info"}
     assert all(len(f.samples) == 1 for f in families.values())
+    assert families["vllm:cache_config_info"].samples[0].labels == {}  # the picker reads no block size from it
     assert abs(families["vllm:lora_requests_info"].samples[0].value - time.time()) < 60
