@@ -137,6 +137,12 @@ def test_between_two_nodes_the_picker_prefers_the_one_where_the_model_is_awake()
     assert awake_here.lora_affinity("chat") > parked_there.lora_affinity("chat") == 0.0
 
 
+def test_a_pinned_model_counts_first_even_when_smaller_ones_would_fit_more():
+    # Smallest first would fit three 0.3s; the pinned 0.6 is always awake, so one 0.3 fits beside it.
+    node = FakeNode([share("big", 0.6, pin=True), share("x", 0.3), share("y", 0.3), share("z", 0.3)], {"big": State.AWAKE})
+    assert scrape(node).max_active == 2
+
+
 @pytest.mark.parametrize("state", [State.BOOTING, State.WAKING, State.VERIFYING])
 def test_on_its_way_to_serve_is_waiting(state):
     picker = scrape(FakeNode([share("chat", 0.4)], {"chat": state}))
