@@ -66,9 +66,10 @@ class Picker:
 class FakeNode:
     """What the exposition reads of a Router: engines with states, queues, leases, adapters."""
 
-    def __init__(self, models: list[dict], states: dict[str, State], queued: dict[str, int] = {},
-                 in_flight: dict[str, int] = {}, adapters: list[tuple[str, str]] = ()):
+    def __init__(self, models: list[dict], states: dict[str, State], queued: dict[str, int] | None = None,
+                 in_flight: dict[str, int] | None = None, adapters: list[tuple[str, str]] = ()):
         roster = sim_roster(*models)
+        queued, in_flight = queued or {}, in_flight or {}
         self.engines = {m.name: SimpleNamespace(name=m.name, spec=m, state=states.get(m.name, State.SLEEPING),
                                                 in_flight=in_flight.get(m.name, 0), retiring=False)
                         for m in roster.models}
