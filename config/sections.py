@@ -49,7 +49,8 @@ class ApiKey(Section):
         "any other model answers 404 as if it did not exist. A LoRA adapter: by its own name or its engine's.")
     admin: bool = Field(False, description="May call /admin/* and open /ui (and read /metrics).")
     metrics: bool = Field(
-        False, description="May read /metrics, which takes a key once client keys exist (unless auth.open_metrics): "
+        False, description="May read /metrics and /metrics/model-server, which take a key once client keys exist (unless "
+        "auth.open_metrics): "
         "the key Prometheus sends as its bearer token.")
 
     @model_validator(mode="after")
@@ -73,8 +74,9 @@ class Auth(Section):
     keys: list[ApiKey] = Field(
         default_factory=list, description="Scoped keys: each with the models it may use and/or admin (see below).")
     open_metrics: bool = Field(
-        False, description="Serve /metrics without a key even when client keys exist. Off: with client keys, /metrics "
-        "(which names every model and key) takes an admin key or a key with metrics: true.")
+        False, description="Serve /metrics and /metrics/model-server without a key even when client keys exist (an "
+        "Inference Extension endpoint picker sends none). Off: with client keys, they (which name every model and key) "
+        "take an admin key or a key with metrics: true.")
 
     @field_validator("keys")
     @classmethod

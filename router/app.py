@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from config.schema import Roster
-from router import admin, proxy
+from router import admin, fleet, proxy
 from router.auth import auth_middleware
 from router.errors import api_errors
 from router.live import ROUTER_KEY, Router
@@ -35,6 +35,7 @@ def build_app(router: Router) -> web.Application:
     )
     app[ROUTER_KEY] = router
     app[METRICS_KEY] = router.metrics
+    app[fleet.MODEL_SERVER_KEY] = fleet.ModelServerMetrics(router)
     app[proxy.RESPONSE_IDS_KEY] = proxy.ResponseIds()
     app[admin.RELOADS_KEY] = admin.Reloads(router)
     app[admin.LOG_FOLLOWERS_KEY] = followers = admin.LogFollowers()
@@ -49,6 +50,7 @@ def build_app(router: Router) -> web.Application:
     add.add_get("/health", proxy.health)
     add.add_get("/ready", proxy.ready)
     add.add_get("/metrics", serve_metrics)
+    add.add_get("/metrics/model-server", fleet.serve_model_server)
     add.add_get("/admin/status", admin.admin_status)
     add.add_get("/admin/timeline", admin.admin_timeline)
     add.add_get("/admin/activity", admin.admin_activity)

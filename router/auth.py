@@ -1,8 +1,9 @@
 """Who may call what: client keys on /v1/* and every proxied route (`router.proxy.routes`), the admin
 key on /admin/* and /ui (loopback-only without one). Each client key's scope (`router.keys`) is
 left on the request for the handlers: a model outside it is answered as one that does not exist.
-With client keys, nothing open names models or keys: /metrics takes a metrics or admin key
-(unless auth.open_metrics), and /ready lists only what the caller's key may see.
+With client keys, nothing open names models or keys: /metrics and /metrics/model-server (the
+Inference Extension's scrape) take a metrics or admin key (unless auth.open_metrics), and /ready
+lists only what the caller's key may see.
 
 Clients present their key as `Authorization: Bearer`; on the Anthropic routes (/v1/messages*)
 also as `x-api-key`, which is how the anthropic SDK sends it. Failures raise APIError, so
@@ -21,6 +22,7 @@ from router.errors import APIError, anthropic_path, error_response
 from router.keys import EVERYTHING, NOTHING, Grant, KeyTable
 
 
+METRICS_PATHS = frozenset({"/metrics", "/metrics/model-server"})
 GRANT = "hotswap.grant"  # request[GRANT]: the Grant of the client key on /v1/* and the proxied routes
 KEY_NAME = "hotswap.key_name"  # request[KEY_NAME]: the name of the key presented, for the access log (never the key)
 
@@ -68,10 +70,10 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
             elif not _is_loopback(request.remote):
                 return error_response(403, f"{path} is loopback-only until an admin key is set (auth.admin_key, "
                                            "or a key with admin: true).", "admin_loopback_only")
-        if path == "/metrics" and table.metrics_auth:
+        if path in METRICS_PATHS and table.metrics_auth:
             grant = _identify(request, table, presented(request))
             if grant is None or not grant.metrics:
-                return error_response(401, "Missing or invalid metrics key: with client keys configured, /metrics (it names "
+                return error_response(401, f"Missing or invalid metrics key: with client keys configured, {path} (it names "
                                            "every model and key) takes a key with metrics: true or an admin key, as "
                                            "'Authorization: Bearer <key>' (Prometheus: `authorization:` in its scrape config); "
                                            "or set auth.open_metrics: true.", "invalid_metrics_key")

@@ -8,10 +8,10 @@ Imports nothing of `router.proxy`, `router.admin` or `router.cli` (tests/unit/te
 from router.scheduling.estimates import DEMAND_TAU_S, Demand
 from router.scheduling.events import Events, SwapRecord
 from router.scheduling.history import KEEP_S as HISTORY_KEEP_S, History
-from router.scheduling.placement import Capacity, devices_view
+from router.scheduling.placement import Capacity, devices_view, most_awake
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.sizing import capacity, level1_weights
 from router.scheduling.state import Decision, Lease, Plan, Waiter
 
 __all__ = ["Capacity", "DEMAND_TAU_S", "Decision", "Demand", "Events", "HISTORY_KEEP_S", "History", "Lease", "Plan", "Scheduler",
-           "SwapRecord", "Waiter", "capacity", "devices_view", "level1_weights"]
+           "SwapRecord", "Waiter", "capacity", "devices_view", "level1_weights", "most_awake"]

@@ -165,6 +165,30 @@ def _greedy(ledger: Ledger, target: Placed, useful: list[Victim], base: list[Vic
     return chosen
 
 
+def most_awake(engines: Iterable[Placed], capacity: Capacity) -> int:
+    """How many of `engines` can be awake at once: the pinned first, then the smallest shares, one per
+    group, while each device holds the awake shares plus every sleeper's residual. Greedy, which is
+    exact on one GPU (the smallest shares are the most that fit) and a fair count on several."""
+    engines = list(engines)
+    use: dict[int, float] = {}
+    for engine in engines:
+        for device in engine.spec.devices:
+            use[device] = use.get(device, 0.0) + capacity.residual(engine, device)
+    groups: set[str] = set()
+    count = 0
+    for engine in sorted(engines, key=lambda e: (not e.spec.pin, e.spec.gpu_share)):
+        if engine.spec.group is not None and engine.spec.group in groups:
+            continue
+        extra = {d: engine.spec.gpu_share - capacity.residual(engine, d) for d in engine.spec.devices}
+        if all(use.get(d, 0.0) + x <= 1.0 + EPS for d, x in extra.items()):
+            for d, x in extra.items():
+                use[d] = use.get(d, 0.0) + x
+            if engine.spec.group is not None:
+                groups.add(engine.spec.group)
+            count += 1
+    return count
+
+
 def never_fits(engines: Iterable[Placed], target: Placed) -> Optional[str]:
     """Why `target` cannot be awake even with every other unpinned engine stopped; None if it can."""
     group = target.spec.group
