@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from config.schema import Roster
-from router import admin, proxy
+from router import admin, fleet, proxy
 from router.auth import auth_middleware
 from router.errors import api_errors
 from router.live import ROUTER_KEY, Router
@@ -37,6 +37,8 @@ def build_app(router: Router) -> web.Application:
     app[METRICS_KEY] = router.metrics
     app[proxy.RESPONSE_IDS_KEY] = proxy.ResponseIds()
     app[admin.RELOADS_KEY] = admin.Reloads(router)
+    app[fleet.PEERS_KEY] = fleet.Peers()
+    app.on_response_prepare.append(fleet.names_its_answers(lambda: router.roster))
     add = app.router
     for route in proxy.PROXIED:
         add.add_post(route.path, proxy.proxy_endpoint)
