@@ -31,6 +31,7 @@ from router.errors import APIError, anthropic_path, sse_error
 from router.fleet.node import NODE_HEADER, card
 
 HOP_HEADER = "X-Hotswap-Forwarded-By"  # its value: the name of the node that passed the request on
+PASSED_ON_HEADER = "X-Hotswap-Passed-On-By"  # on the answer, for the client: this node passed it on (X-Hotswap-Node served it)
 # What a peer needs of the client's request, and what the client needs of the peer's answer.
 REQUEST_HEADERS = ("Authorization", "x-api-key", "anthropic-version", "anthropic-beta", "Content-Type", "Accept",
                    "X-Hotswap-Max-Wait")
@@ -81,6 +82,7 @@ class Peers:
         try:
             async with session.post(peer + path, data=body, headers=headers, timeout=timeout) as answer:
                 kept = {k: answer.headers[k] for k in ANSWER_HEADERS if k in answer.headers}
+                kept[PASSED_ON_HEADER] = headers[HOP_HEADER]
                 if not answer.content_type == "text/event-stream":
                     return web.Response(status=answer.status, body=await answer.read(), headers=kept)
                 response = web.StreamResponse(status=answer.status, headers=kept)

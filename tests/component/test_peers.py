@@ -37,8 +37,10 @@ async def test_a_request_for_the_peers_model_is_answered_by_the_peer(pair):
     async with sdk(a) as c:
         raw = await c.completions.with_raw_response.create(model="beta", prompt="hello", max_tokens=8, temperature=0)
         assert raw.parse().choices[0].text and raw.headers["x-hotswap-node"] == "node-b"
+        assert raw.headers["x-hotswap-passed-on-by"] == "node-a"
         raw = await c.completions.with_raw_response.create(model="alpha", prompt="hello", max_tokens=8, temperature=0)
         assert raw.parse().choices[0].text and raw.headers["x-hotswap-node"] == "node-a"
+        assert "x-hotswap-passed-on-by" not in raw.headers
 
 
 async def test_a_stream_for_the_peers_model_arrives_through_the_node(pair):
