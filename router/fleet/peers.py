@@ -91,8 +91,10 @@ class Peers:
                     await response.write(chunk)
                 await response.write_eof()
                 return response
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            why = f"peer {peer} (serving '{model}') failed mid-answer: {type(exc).__name__}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as exc:
+            if response is not None and (request.transport is None or request.transport.is_closing()):
+                return response  # the client went away mid-stream: leaving the block cut the peer's answer too
+            why = f"peer {peer} (serving '{model}') {'did not answer' if response is None else 'failed mid-stream'}: {type(exc).__name__}"
             self._forget(peer)
             if response is None:
                 raise APIError(502, why, "peer_unreachable") from None
