@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
@@ -114,6 +114,27 @@ class Node(Section):
     labels: dict[NonEmptyStr, str] = Field(
         default_factory=dict, description="Free-form labels shown with the name (e.g. `{zone: a}`), for a front that "
         "prefers some nodes.")
+    peers: list[AnyHttpUrl] = Field(
+        default_factory=list, description="Base URLs of the fleet's other nodes (e.g. `http://10.0.0.2:8080`). A request "
+        "for a model this node does not serve is passed on to a peer whose /v1/models lists it (a front that could not "
+        "read the model sends it anywhere, docs/multi-node.md); empty: such a request is a 404, as without peers.")
+
+    @field_validator("peers")
+    @classmethod
+    def _base_urls(cls, peers: list[AnyHttpUrl]) -> list[AnyHttpUrl]:
+        seen: set[str] = set()
+        for i, url in enumerate(peers):
+            if url.query or url.fragment or url.username:
+                raise ValueError(f"peers[{i}] '{url}' must be a base URL (scheme, host, port, optional path), without query or credentials")
+            base = str(url).rstrip("/")
+            if base in seen:
+                raise ValueError(f"peers[{i}] '{base}' is listed twice")
+            seen.add(base)
+        return peers
+
+    def peer_urls(self) -> list[str]:
+        """The peers' base URLs without a trailing slash (pydantic adds one to a bare host)."""
+        return [str(url).rstrip("/") for url in self.peers]
 
 
 class Activity(Section):

@@ -40,6 +40,8 @@ def build_app(router: Router) -> web.Application:
     app[admin.RELOADS_KEY] = admin.Reloads(router)
     app[admin.LOG_FOLLOWERS_KEY] = followers = admin.LogFollowers()
     app.on_shutdown.append(followers.close)
+    app[fleet.PEERS_KEY] = fleet.Peers()
+    app.on_response_prepare.append(fleet.names_its_answers(lambda: router.roster))
     add = app.router
     for route in proxy.PROXIED:
         add.add_post(route.path, proxy.proxy_endpoint)

@@ -107,11 +107,12 @@ def pid_alive(pid: int) -> bool:
 class RouterProcess:
     """A real `hotswap serve` process on a free loopback port."""
 
-    def __init__(self, roster: dict[str, Any], tmp_path, env: Optional[dict[str, str]] = None, admin_key: Optional[str] = None):
+    def __init__(self, roster: dict[str, Any], tmp_path, env: Optional[dict[str, str]] = None, admin_key: Optional[str] = None,
+                 port: Optional[int] = None):
         import subprocess
         import sys
 
-        self.port = free_port()
+        self.port = port or free_port()  # given: a router whose URL others were told before it started (peers)
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.env = dict(env or {})

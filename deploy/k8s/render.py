@@ -1,10 +1,11 @@
-"""Write the two generated files of the Kubernetes base, so they cannot drift from their sources:
+"""Write the generated files of the Kubernetes base, so they cannot drift from their sources:
 
     .venv/bin/python deploy/k8s/render.py          # rewrite them
     .venv/bin/python deploy/k8s/render.py --check  # exit 1 if either is stale (tests/deploy/test_k8s.py)
 
 - front/haproxy.cfg: the HAProxy front, from the rosters (rosters/hotswap-N.yaml -> pod hotswap-N
   serves every name and alias in it), rendered by deploy/multinode/haproxy.py as try-local.sh's is.
+- front/models.lua: deploy/multinode/models.lua (the front's one /v1/models), beside the config it loads it from.
 - prometheusrule.yaml: deploy/prometheus/alerts.yml's groups as a Prometheus Operator PrometheusRule.
 """
 
@@ -45,7 +46,12 @@ def placement() -> dict[str, list[tuple[str, str]]]:
 
 
 def haproxy_cfg() -> str:
-    return haproxy.render(placement(), f"*:{PORT}", dns=True)
+    return haproxy.render(placement(), f"*:{PORT}", dns=True, models_lua="models.lua")
+
+
+def models_lua() -> str:
+    """The front's /v1/models service: a copy (kustomize reads only files under deploy/k8s)."""
+    return "-- Copied by deploy/k8s/render.py from deploy/multinode/models.lua; edit that file, not this one.\n" + haproxy.LUA_FILE.read_text()
 
 
 def prometheus_rule() -> str:
@@ -57,7 +63,7 @@ def prometheus_rule() -> str:
             + yaml.safe_dump(rule, sort_keys=False, width=120))
 
 
-OUTPUTS = {"front/haproxy.cfg": haproxy_cfg, "prometheusrule.yaml": prometheus_rule}
+OUTPUTS = {"front/haproxy.cfg": haproxy_cfg, "front/models.lua": models_lua, "prometheusrule.yaml": prometheus_rule}
 
 
 def main(argv: list[str]) -> int:

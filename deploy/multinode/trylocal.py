@@ -37,6 +37,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(REPO)]
 import haproxy  # noqa: E402  (deploy/multinode/haproxy.py, a sibling script)
+import scenario_peers  # noqa: E402  (the fleet's /v1/models and bodies of any size)
 from tests.support import until  # noqa: E402  (polling with a deadline, as the tests do)
 NODES = {  # node -> (models, zone, parks its idle models after this many seconds)
     "node-a": (["shared", "alpha"], "a", None),
@@ -61,16 +62,18 @@ def get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def roster(name: str, port: int) -> dict:
+def roster(name: str, port: int, peers: list[str]) -> dict:
     models, zone, idle = NODES[name]
     swap = {"min_active_s": 0, "drain_timeout_s": 5, **({"idle_sleep_s": idle} if idle else {})}
     return {
-        # Two HAProxy checks (inter 1s, fall 2) see a drain within the notice.
-        "listen": {"host": "127.0.0.1", "port": port, "drain_notice_s": 2.5},
-        "node": {"name": name, "labels": {"zone": zone}},
+        # Two HAProxy checks (inter 1s, fall 2) see a drain within the notice. 16 MB: the 8 MB bodies of scenario_peers.
+        "listen": {"host": "127.0.0.1", "port": port, "drain_notice_s": 2.5, "max_body_mb": 16},
+        # peers: a body whose model the front cannot read reaches any node, which passes it on.
+        "node": {"name": name, "labels": {"zone": zone}, "peers": peers},
         "swap": swap,
         "defaults": {"launcher": ["python", "-m", "engines.sim", "serve"],
-                     "args": ["--sim-boot-s", "0", "--sim-token-rate", "400", "--gpu-memory-utilization", "0.3"],
+                     "args": ["--sim-boot-s", "0", "--sim-token-rate", "400", "--gpu-memory-utilization", "0.3",
+                              "--max-model-len", "4000000"],  # the 8 MB prompts of scenario_peers
                      "gate": {"max_tokens": 8}},
         "models": [{"name": m, "model": f"sim/{m}"} for m in models],
     }
@@ -235,7 +238,8 @@ def main() -> int:
         ports = {name: free_port() for name in NODES}
         for name, port in ports.items():
             path = work / f"{name}.yaml"
-            path.write_text(yaml.safe_dump(roster(name, port)))
+            peers = [f"http://127.0.0.1:{p}" for n, p in ports.items() if n != name]
+            path.write_text(yaml.safe_dump(roster(name, port, peers)))
             procs.start(name, [sys.executable, "-m", "router.cli", "serve", "--config", str(path),
                                "--log-dir", str(work / f"{name}-engines")])
         for name, port in ports.items():
@@ -243,7 +247,7 @@ def main() -> int:
         placement = {m: [(n, f"127.0.0.1:{ports[n]}") for n in NODES if m in NODES[n][0]] for m in MODELS}
         front = free_port()
         cfg = work / "haproxy.cfg"
-        cfg.write_text(haproxy.render(placement, f"127.0.0.1:{front}"))
+        cfg.write_text(haproxy.render(placement, f"127.0.0.1:{front}", models_lua=str(haproxy.LUA_FILE)))
         procs.start("haproxy", [args.haproxy, "-db", "-f", str(cfg)])
         stats = f"http://127.0.0.1:{front}/haproxy-stats;csv"
 
@@ -257,6 +261,9 @@ def main() -> int:
               30, "node-c's models parked")
         before = {"node_c_up_while_asleep": get(f"http://127.0.0.1:{c_port}/ready")[0] == 200
                   and states()[("model_gamma", "node-c")] == "UP"}
+        # The fleet's /v1/models and bodies of any size, while every node is up (once: the KILL run).
+        peers_check = (scenario_peers.claims(f"http://127.0.0.1:{front}", {m: [n for n, _ in nodes] for m, nodes in placement.items()})
+                       if args.signal == "KILL" else ([], []))
         victim_status = json.loads(get(f"http://127.0.0.1:{ports[VICTIM]}/admin/status")[1])
         victim_engines = [e["pid"] for e in victim_status["engines"] if e.get("pid")]
 
@@ -269,6 +276,11 @@ def main() -> int:
             time.sleep(0.1)
         engines_gone = bool(victim_engines) and not any(_alive(p) for p in victim_engines)
         text, ok = report(run, before, engines_gone, args.signal)
+        lines, extra = peers_check
+        if extra:
+            text = "\n".join([text.split("\n[", 1)[0], *lines, "", text[text.index("\n[") + 1:],
+                              *(f"[{'PASS' if held else 'FAIL'}] {claim}" for claim, held in extra)])
+            ok = ok and all(held for _, held in extra)
         print(f"try-local: 3 hotswap nodes + HAProxy {haproxy_version(args.haproxy)} on loopback "
               f"({args.concurrency} openai SDK clients for {args.seconds:g} s; logs in {work})\n")
         print(text)

@@ -11,9 +11,14 @@ from .http import error_response, read_json
 from .server import SimServer
 
 
+MAX_BODY_BYTES = 1 << 30
+
+
 def build_app(server: SimServer, host: HostModel | None = None) -> web.Application:
     """`host`: the Level-1 host-memory model (host_memory.py); None: not modelled."""
-    app = web.Application(middlewares=[routes_dev.doomed_connections_mw, server.errors_mw, server.auth_mw])
+    # vLLM's server takes a body of any size (the router bounds it: listen.max_body_mb); aiohttp's default is 1 MB.
+    app = web.Application(middlewares=[routes_dev.doomed_connections_mw, server.errors_mw, server.auth_mw],
+                          client_max_size=MAX_BODY_BYTES)
     r = app.router
     r.add_get("/health", server.health)
     r.add_get("/v1/models", server.models)

@@ -8,6 +8,7 @@ the node is draining for shutdown. The contract is written out in docs/multi-nod
 from __future__ import annotations
 
 import socket
+from typing import Callable
 
 from config.schema import Roster
 
@@ -15,3 +16,16 @@ from config.schema import Roster
 def card(roster: Roster) -> dict:
     # The host name is the pod name in Kubernetes, so an unset name still tells nodes apart.
     return {"name": roster.node.name or socket.gethostname(), "labels": dict(roster.node.labels)}
+
+
+NODE_HEADER = "X-Hotswap-Node"
+
+
+def names_its_answers(roster_of: Callable[[], Roster]):
+    """An on_response_prepare hook: every answer says which node gave it, unless a peer's answer relayed
+    through this node already does (a front passes the header on, so a client can tell where it was served)."""
+
+    async def stamp(request, response) -> None:
+        response.headers.setdefault(NODE_HEADER, card(roster_of())["name"])
+
+    return stamp

@@ -19,6 +19,7 @@ from aiohttp import web
 from engines.engine import Engine
 from router.proxy import keepalive, multipart, routes
 from router.auth import grant_of
+from router.fleet import PEERS_KEY
 from router.errors import APIError, sse_error
 from router.keys import Grant
 from router.live import ROUTED_MODEL, ROUTER_KEY
@@ -84,7 +85,15 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
         else:
             body, raw = await read_json(request, router.roster.listen)
             asked = body.get("model")
-            engine, name = _engine_for(request, router, body, route)
+            try:
+                engine, name = _engine_for(request, router, body, route)
+            except APIError as exc:
+                if exc.code != "model_not_found":
+                    raise
+                # Not a model of this node: a peer may serve it (a front that could not read `model` sent it here).
+                response = await request.app[PEERS_KEY].hand_off(request, router, route.path, raw, body["model"], exc)
+                status = response.status
+                return response
             if body.get("model") is None and name in engine.other_names:
                 # A follow-up of an adapter's conversation stays on the adapter (a key may be scoped to it alone).
                 body["model"] = name

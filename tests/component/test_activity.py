@@ -189,7 +189,7 @@ async def test_the_ui_shows_recent_requests_filtered_by_model(start_router):
 
     def rows(html: str) -> list[str]:
         table = html.split("<table class='recent'>", 1)[1].split("</table>", 1)[0]
-        return [cells.split("</td><td>")[3] for cells in table.split("<tr><td>")[1:]]  # each row's engine
+        return [cells.split("</td><td>")[3] for cells in table.split("<tr class='activity'><td>")[1:]]  # each row's engine
 
     everything = await page()
     assert "recent requests" in everything and rows(everything) == ["c", "a"]

@@ -153,5 +153,6 @@ def test_the_front_routes_every_roster_name_and_haproxy_accepts_its_config(rende
     deployment = rendered["Deployment/hotswap-front"]
     assert deployment["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"] == front_cm["metadata"]["name"]
     (tmp_path / "haproxy.cfg").write_text(cfg)
+    (tmp_path / "models.lua").write_text(front_cm["data"]["models.lua"])  # loaded from beside the config
     run = subprocess.run([need("haproxy"), "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True, timeout=30)
     assert run.returncode == 0 and "Configuration file is valid" in run.stdout + run.stderr, run.stdout + run.stderr

@@ -492,3 +492,14 @@ def test_sleep_level_2_is_refused_for_a_load_format_whose_loader_cannot_reload_w
             """)
         assert not roster.models[0].reloads_weights
     assert load("models:\n  - name: st\n    model: /m/st\n    sleep_level: 2\n    args: [--load-format, safetensors]\n").models[0].reloads_weights
+
+
+def test_node_peers_are_base_urls_of_other_nodes():
+    roster = parse_roster("node: {peers: ['http://10.0.0.2:8080', 'https://b.example/hotswap/']}\nmodels: [{name: a, model: m}]\n",
+                          "r.yaml", {})
+    assert roster.node.peer_urls() == ["http://10.0.0.2:8080", "https://b.example/hotswap"]
+    assert parse_roster("models: [{name: a, model: m}]\n", "r.yaml", {}).node.peer_urls() == []  # no peers: as before
+    assert errors("node:\n  peers:\n    - http://b:8080\n    - b:8080\nmodels: [{name: a, model: m}]\n") == [
+        "roster.yaml:4:7: node.peers[1]: URL scheme should be 'http' or 'https' (found 'b:8080')"]
+    assert errors("node:\n  peers: [http://b:8080, 'http://b:8080/']\nmodels: [{name: a, model: m}]\n") == [
+        "roster.yaml:2:10: node.peers: peers[1] 'http://b:8080' is listed twice"]

@@ -1,0 +1,105 @@
+"""A node that gets a request for a model it does not serve passes it on to a peer that does
+(`node.peers`): what a front that could not read a long body's `model` relies on (docs/multi-node.md).
+Two real routers with different models, each the other's peer, over loopback."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+
+from router.fleet.peers import HOP_HEADER
+from tests.support import RouterProcess, free_port, http, roster_dict, sim_model
+
+KEY = "fleet-key"
+ENV = {"FLEET_KEY": KEY}  # the fleet shares its client keys: the peer checks the client's own
+
+
+def node(name: str, model: str, peers: list[str]) -> dict:
+    return roster_dict(sim_model(model), node={"name": name, "peers": peers}, auth={"api_keys": ["${FLEET_KEY}"]})
+
+
+def sdk(router: RouterProcess, key: str = KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=router.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+@pytest.fixture
+async def pair(start_router):
+    """node-a serves alpha, node-b serves beta; each lists the other as its peer."""
+    a_port, b_port = free_port(), free_port()
+    a = await start_router(node("node-a", "alpha", [f"http://127.0.0.1:{b_port}"]), env=ENV, port=a_port)
+    b = await start_router(node("node-b", "beta", [f"http://127.0.0.1:{a_port}"]), env=ENV, port=b_port)
+    return a, b
+
+
+async def test_a_request_for_the_peers_model_is_answered_by_the_peer(pair):
+    a, b = pair
+    async with sdk(a) as c:
+        raw = await c.completions.with_raw_response.create(model="beta", prompt="hello", max_tokens=8, temperature=0)
+        assert raw.parse().choices[0].text and raw.headers["x-hotswap-node"] == "node-b"
+        assert raw.headers["x-hotswap-passed-on-by"] == "node-a"
+        raw = await c.completions.with_raw_response.create(model="alpha", prompt="hello", max_tokens=8, temperature=0)
+        assert raw.parse().choices[0].text and raw.headers["x-hotswap-node"] == "node-a"
+        assert "x-hotswap-passed-on-by" not in raw.headers
+
+
+async def test_a_stream_for_the_peers_model_arrives_through_the_node(pair):
+    a, _ = pair
+    async with sdk(a) as c:
+        raw = await c.chat.completions.with_raw_response.create(
+            model="beta", messages=[{"role": "user", "content": "hello"}], max_tokens=16, stream=True)
+        assert raw.headers["x-hotswap-node"] == "node-b" and raw.headers["content-type"].startswith("text/event-stream")
+        chunks = [chunk async for chunk in raw.parse()]
+    assert len(chunks) > 2 and "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+
+async def test_an_anthropic_request_with_its_x_api_key_is_answered_by_the_peer(pair):
+    # The anthropic SDK sends its key as x-api-key and writes `model` after `messages`.
+    a, _ = pair
+    async with anthropic.AsyncAnthropic(base_url=a.url, api_key=KEY, max_retries=0, timeout=30) as c:
+        raw = await c.messages.with_raw_response.create(model="beta", max_tokens=8,
+                                                        messages=[{"role": "user", "content": "hello"}])
+        assert (await raw.parse()).content[0].text and raw.headers["x-hotswap-node"] == "node-b"
+
+
+async def test_the_peer_checks_the_clients_key(pair):
+    a, b = pair
+    # node-a takes no key that node-b would not: a wrong key is refused at the first node already.
+    async with sdk(a, key="wrong") as c:
+        with pytest.raises(openai.AuthenticationError):
+            await c.completions.create(model="beta", prompt="hello", max_tokens=8)
+    assert KEY not in a.log() and KEY not in b.log()
+
+
+async def test_a_model_no_node_serves_is_a_404_naming_the_peers_asked(pair):
+    a, b = pair
+    async with sdk(a) as c:
+        with pytest.raises(openai.NotFoundError) as caught:
+            await c.completions.create(model="nowhere", prompt="hello", max_tokens=8)
+    assert caught.value.code == "model_not_found"
+    assert f"asked {b.url}: not served there" in caught.value.message
+
+
+async def test_a_request_already_passed_on_is_never_passed_on_again(pair):
+    # Two nodes that each believe the other has a model cannot bounce it: a forwarded request that
+    # reaches a node without its model is that node's own 404, even though its peer has the model.
+    a, _ = pair
+    status, _, body = await http(a, "POST", "/v1/completions", json={"model": "beta", "prompt": "hi", "max_tokens": 4},
+                                 headers={"Authorization": f"Bearer {KEY}", HOP_HEADER: "node-b"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert "peers" not in body["error"]["message"]
+
+
+async def test_a_peer_that_is_down_is_skipped_and_named(start_router):
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    b_port = free_port()
+    a = await start_router(node("node-a", "alpha", [gone, f"http://127.0.0.1:{b_port}"]), env=ENV)
+    await start_router(node("node-b", "beta", []), env=ENV, port=b_port)
+    async with sdk(a) as c:
+        raw = await c.completions.with_raw_response.create(model="beta", prompt="hello", max_tokens=8)
+        assert raw.headers["x-hotswap-node"] == "node-b"
+        with pytest.raises(openai.NotFoundError) as caught:
+            await c.completions.create(model="nowhere", prompt="hello", max_tokens=8)
+    assert f"{gone}: unreachable" in caught.value.message
+    # Logged once while it stays down, however often it is asked.
+    assert a.log().count(f"peer {gone} did not answer") == 1
