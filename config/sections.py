@@ -108,6 +108,11 @@ class Node(Section):
     labels: dict[NonEmptyStr, str] = Field(
         default_factory=dict, description="Free-form labels shown with the name (e.g. `{zone: a}`), for a front that "
         "prefers some nodes.")
+    agent_port: Optional[int] = Field(
+        None, ge=1, le=65535, description="A TCP port on `listen.host` for HAProxy's `agent-check`: the front sends a "
+        "model's name, this node answers from that model's state here (awake: ready; parked: drain on the primary line, a "
+        "weight from its wake estimate on the backup line), so a request goes where its model is awake "
+        "(docs/multi-node.md); unset: no agent.")
 
 
 class Gpu(Section):
