@@ -140,7 +140,12 @@ def agent_servers(model: str, node: Node) -> str:
 
 def model_servers(model: str, nodes: list[Node]) -> str:
     lines = [agent_servers(model, n) if len(n) > 2 else f"    server {n[0]} {n[1]} check\n" for n in nodes]
-    return ("    option allbackups\n" if any(len(n) > 2 for n in nodes) else "") + "".join(lines)
+    if not any(len(n) > 2 for n in nodes):
+        return "".join(lines)
+    # Retry a refused connection on the same line (after HAProxy's 1 s turn-around) until that line is
+    # marked down, and only the last retry elsewhere: a dead node has two lines here, and redispatching at
+    # once spent all 3 retries on them before either was marked down (measured in try-local).
+    return "    option allbackups\n    option redispatch -1\n" + "".join(lines)
 
 
 def render(placement: dict[str, list[Node]], bind: str, dns: bool = False, stats: Optional[str] = None,
