@@ -4,10 +4,12 @@ name, reads one line. Its answer follows the model as it sleeps and wakes (route
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.support import ask, client, eventually, free_port, http, roster_dict, sim_model
@@ -55,6 +57,23 @@ async def test_a_line_that_is_not_haproxys_gets_down_and_a_silent_client_is_let_
     writer.close()
     assert words(await agent(port, "a\n")) == ["up", "ready", "100%"], "the agent still answers"
     assert "Traceback" not in router.log()
+
+
+async def test_a_node_draining_for_shutdown_answers_drain_and_its_agent_goes_with_it(start_router):
+    port = free_port()
+    router = await start_router(roster_dict(sim_model("a", default=True), node={"agent_port": port},
+                                            listen={"drain_notice_s": 2}))
+    assert words(await agent(port, "a\n")) == ["up", "ready", "100%"]
+    router.proc.send_signal(signal.SIGTERM)
+    await eventually(lambda: _answers(port, "a backup\n", ["drain"]), 5, what="the agent says drain while draining")
+    assert words(await agent(port, "a\n")) == ["drain"]
+    assert await asyncio.to_thread(router.proc.wait, 20) == 0
+    with pytest.raises(ConnectionRefusedError):  # the agent stopped with the router
+        await agent(port, "a\n")
+
+
+async def _answers(port: int, line: str, expected: list[str]) -> bool:
+    return words(await agent(port, line)) == expected
 
 
 async def _is(router, name: str, state: str) -> bool:
