@@ -112,7 +112,7 @@ class Node(Section):
         None, ge=1, le=65535, description="A TCP port on `listen.host` for HAProxy's `agent-check`: the front sends a "
         "model's name, this node answers from that model's state here (awake: ready; parked: drain on the primary line, a "
         "weight from its wake estimate on the backup line), so a request goes where its model is awake "
-        "(docs/multi-node.md); unset: no agent.")
+        "(docs/multi-node.md); unset: no agent. Bound at start, like `listen`: a reload does not move it.")
 
 
 class Gpu(Section):
