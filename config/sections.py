@@ -114,6 +114,11 @@ class Node(Section):
     labels: dict[NonEmptyStr, str] = Field(
         default_factory=dict, description="Free-form labels shown with the name (e.g. `{zone: a}`), for a front that "
         "prefers some nodes.")
+    agent_port: Optional[int] = Field(
+        None, ge=1, le=65535, description="A TCP port on `listen.host` for HAProxy's `agent-check`: the front sends a "
+        "model's name, this node answers from that model's state here (awake: ready; parked: drain on the primary line, a "
+        "weight from its wake estimate on the backup line), so a request goes where its model is awake "
+        "(docs/multi-node.md); unset: no agent. Bound at start, like `listen`: a reload does not move it.")
     peers: list[AnyHttpUrl] = Field(
         default_factory=list, description="Base URLs of the fleet's other nodes (e.g. `http://10.0.0.2:8080`). A request "
         "for a model this node does not serve is passed on to a peer whose /v1/models lists it (a front that could not "

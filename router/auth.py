@@ -1,6 +1,7 @@
 """Who may call what: client keys on /v1/* and every proxied route (`router.proxy.routes`), the admin
-key on /admin/* and /ui (loopback-only without one). Each client key's scope (`router.keys`) is
-left on the request for the handlers: a model outside it is answered as one that does not exist.
+key on /admin/* and /ui (without one: loopback only, and never a request a proxy forwarded). Each
+client key's scope (`router.keys`) is left on the request for the handlers: a model outside it is
+answered as one that does not exist.
 With client keys, nothing open names models or keys: /metrics and /metrics/model-server (the
 Inference Extension's scrape) take a metrics or admin key (unless auth.open_metrics), and /ready
 lists only what the caller's key may see.
@@ -23,6 +24,9 @@ from router.keys import EVERYTHING, NOTHING, Grant, KeyTable
 
 
 METRICS_PATHS = frozenset({"/metrics", "/metrics/model-server"})
+# A front on the same host (try-local's HAProxy, a sidecar) makes every client arrive from loopback;
+# one that says it forwarded the request is not trusted as loopback for /admin/* and /ui.
+FORWARDING_HEADERS = ("X-Forwarded-For", "Forwarded", "X-Real-IP")
 GRANT = "hotswap.grant"  # request[GRANT]: the Grant of the client key on /v1/* and the proxied routes
 KEY_NAME = "hotswap.key_name"  # request[KEY_NAME]: the name of the key presented, for the access log (never the key)
 
@@ -67,9 +71,10 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
                     # page's own requests to /admin/* (its log follower) need it, as /ui does.
                     response.headers["WWW-Authenticate"] = 'Basic realm="hotswap"'
                     return response
-            elif not _is_loopback(request.remote):
+            elif not _is_loopback(request.remote) or _forwarded(request):
                 return error_response(403, f"{path} is loopback-only until an admin key is set (auth.admin_key, "
-                                           "or a key with admin: true).", "admin_loopback_only")
+                                           "or a key with admin: true); a request a proxy forwarded "
+                                           f"({', '.join(FORWARDING_HEADERS)}) is not loopback.", "admin_loopback_only")
         if path in METRICS_PATHS and table.metrics_auth:
             grant = _identify(request, table, presented(request))
             if grant is None or not grant.metrics:
@@ -102,6 +107,10 @@ def _as_sent(value: str) -> bytes:
 
 def grant_of(request: web.Request) -> Grant:
     return request.get(GRANT, EVERYTHING)
+
+
+def _forwarded(request: web.Request) -> bool:
+    return any(name in request.headers for name in FORWARDING_HEADERS)
 
 
 def _is_loopback(remote: Optional[str]) -> bool:

@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
 from config.schema import Roster
-from router import admin
+from router import admin, fleet
 from router.app import build_app, build_router
 from router.auth import KEY_NAME
 from router.live import ROUTED_MODEL, Router
@@ -108,6 +108,15 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
             log.error("cannot listen on %s:%d: %s (is another router running? set listen.port or --port)", host, port, exc.strerror)
             await runner.cleanup()
             return 1
+        agent = fleet.Agent(router, host, roster.node.agent_port) if roster.node.agent_port else None
+        if agent is not None:
+            try:
+                await agent.start()
+            except OSError as exc:
+                log.error("cannot listen for HAProxy's agent-check on %s:%d (node.agent_port): %s", host, agent.port, exc.strerror)
+                await runner.cleanup()
+                return 1
+            log.info("hotswap: agent-check on %s:%d", host, agent.port)
         log.info("hotswap: listening on http://%s:%d (roster %s)", host, port, roster.source)
         router.start()
         loop.add_signal_handler(signal.SIGHUP, app[admin.RELOADS_KEY].on_signal)
@@ -127,11 +136,19 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
             log.warning("hotswap: second %s: stopping now; in-flight requests are cut, engines get SIGTERM "
                         "and SIGKILL after %g s", signal.Signals(signals[-1]).name, roster.swap.kill_grace_s)
             await router.stop()
+            await _stop_agent(agent)
             log.info("hotswap: stopped")
             return 128 + signals[-1]
         await graceful
+        await _stop_agent(agent)
         log.info("hotswap: stopped")
     return 0
+
+
+async def _stop_agent(agent: Optional[fleet.Agent]) -> None:
+    """After the listener: while draining, the agent tells HAProxy `drain`, which moves traffic sooner than /ready."""
+    if agent is not None:
+        await agent.stop()
 
 
 async def _stop_gracefully(router: Router, site: web.TCPSite, runner: web.AppRunner, drain_s: float, notice_s: float) -> None:

@@ -24,6 +24,7 @@ import haproxy  # noqa: E402
 from config import parse_roster  # noqa: E402
 
 PORT = 8080
+STATS_PORT = 8404  # HAProxy's stats, loopback in the front's pod: `kubectl port-forward deploy/hotswap-front 8404`
 # Fully qualified: HAProxy's run-time resolver ignores resolv.conf's search domains. The
 # namespace is kustomization.yaml's; another namespace or cluster domain means editing this.
 HEADLESS = "hotswap-headless.hotswap.svc.cluster.local"
@@ -36,17 +37,18 @@ def rosters() -> dict[str, object]:
     return {path.stem: parse_roster(path.read_text(), str(path), ROSTER_ENV) for path in sorted((HERE / "rosters").glob("*.yaml"))}
 
 
-def placement() -> dict[str, list[tuple[str, str]]]:
-    out: dict[str, list[tuple[str, str]]] = {}
+def placement() -> dict[str, list[tuple[str, ...]]]:
+    out: dict[str, list[tuple[str, ...]]] = {}
     for pod, roster in rosters().items():
         for model in roster.models:
             for name in model.names:
-                out.setdefault(name, []).append((pod, f"{pod}.{HEADLESS}:{PORT}"))
+                agent = (f"{pod}.{HEADLESS}:{roster.node.agent_port}",) if roster.node.agent_port else ()
+                out.setdefault(name, []).append((pod, f"{pod}.{HEADLESS}:{PORT}", *agent))
     return out
 
 
 def haproxy_cfg() -> str:
-    return haproxy.render(placement(), f"*:{PORT}", dns=True, models_lua="models.lua")
+    return haproxy.render(placement(), f"*:{PORT}", dns=True, models_lua="models.lua", stats=f"127.0.0.1:{STATS_PORT}")
 
 
 def models_lua() -> str:

@@ -1,15 +1,22 @@
 """The HAProxy front for several hotswap nodes: one backend per model, holding the nodes that serve it.
 
-    python deploy/multinode/haproxy.py PLACEMENT.json PORT > haproxy.cfg
+    python deploy/multinode/haproxy.py PLACEMENT.json PORT [--stats-port N] [--admin] > haproxy.cfg
 
-PLACEMENT.json is `{"model": [["node-name", "host:port"], ...], ...}`; the config loads the sibling
-models.lua (the fleet's one /v1/models), so keep the two together. try-local.sh renders its
-loopback config with this, and deploy/k8s/front/haproxy.cfg is this rendering of the example
-placement (tests/deploy checks that they stay equal). Why each line is there: docs/multi-node.md.
+PLACEMENT.json is `{"model": [["node-name", "host:port"], ...], ...}`; a node entry may carry a third
+element, `"host:agent_port"` (the node's `node.agent_port`): then HAProxy asks the node's agent which
+of its models are awake, and sends a request where its model is awake (`agent_servers`). The config
+loads the sibling models.lua (the fleet's one /v1/models), so keep the two together. try-local.sh
+renders its loopback config with this, and deploy/k8s/front/haproxy.cfg is this rendering of the
+example placement (tests/deploy checks that they stay equal). Why each line is there: docs/multi-node.md.
+
+`/admin/*` and `/ui` are not forwarded (403) unless `--admin`, and then only with the admin key
+(`Authorization: Bearer <key>`), compared to `HOTSWAP_ADMIN_KEY` in HAProxy's environment at its start:
+the key is never in the config file. HAProxy's stats are on their own loopback-only bind.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -45,15 +52,50 @@ defaults
     default-server inter 1s fall 2 rise 1@DNS@
     # When no node of a model is left, say so in OpenAI's error shape (the SDKs read it).
     http-error status 503 content-type application/json string '{"error": {"message": "no node that serves this model is up", "type": "service_unavailable", "param": "model", "code": "no_node_available"}}' hdr Retry-After 5
+    # The nodes see the client's address; a node without an admin key trusts loopback for /admin
+    # and /ui, but not a request carrying X-Forwarded-For (every client of a front on its host is loopback).
+    option forwardfor
 
 frontend openai
     bind @BIND@
+@ADMIN@    http-request set-var(txn.model) req.body,json_query('$.model')
+    # The node names itself (a request it passed on to a peer: the peer); for an older node the server's
+    # name does, without the ":wake" of a backup line (agent_servers).
+    http-response set-header X-Hotswap-Node %[srv_name,field(1,:)] unless { res.hdr(X-Hotswap-Node) -m found }
+@MODELS@@RULES@    default_backend any_node
+@STATS@"""
+
+# Matched on the decoded path (the node decodes it too: /%61dmin/status is /admin/status there).
+ADMIN_PATH = "{ path,url_dec -m reg ^/+(admin/|ui$) }"
+ADMIN_REFUSED = ("""http-request return status 403 content-type application/json string '{"error": {"message": "%s", """
+                 """"type": "permission_error", "param": null, "code": "admin_not_forwarded"}}'""")
+
+
+def admin_rules(forward_admin: bool) -> str:
+    """/admin/* and /ui: refused at the front, or (`forward_admin`) forwarded only with the admin key.
+    `"${HOTSWAP_ADMIN_KEY}"` is expanded by HAProxy from its environment when it starts; unset or
+    empty, nothing is forwarded (an empty key would match `Bearer ` alone)."""
+    if not forward_admin:
+        refused = ADMIN_REFUSED % "/admin and /ui are not served through the front; ask the node directly"
+        return f"    # Operators only: the node's own address, not the public front.\n    {refused} if {ADMIN_PATH}\n"
+    refused = ADMIN_REFUSED % "/admin and /ui through the front take the admin key as Authorization: Bearer <key>"
+    return ("    # Operators only: forwarded with the admin key (HOTSWAP_ADMIN_KEY in HAProxy's environment), else refused here.\n"
+            "    acl admin_key_set env(HOTSWAP_ADMIN_KEY) -m len gt 0\n"
+            "    acl admin_key_sent req.fhdr(authorization) -m str \"Bearer ${HOTSWAP_ADMIN_KEY}\"\n"
+            f"    {refused} if {ADMIN_PATH} !admin_key_set or {ADMIN_PATH} !admin_key_sent\n")
+
+
+def stats_listener(bind: Optional[str]) -> str:
+    """HAProxy's stats page (`;csv` for scripts) on its own bind, loopback in every rendering here: it
+    names every node and backend, so it is not on the public side."""
+    if bind is None:
+        return ""
+    return f"""
+listen stats
+    bind {bind}
     stats enable
     stats uri /haproxy-stats
-    http-request set-var(txn.model) req.body,json_query('$.model')
-    # The node names itself (a request it passed on to a peer: the peer); an older node does not.
-    http-response set-header X-Hotswap-Node %[srv_name] unless { res.hdr(X-Hotswap-Node) -m found }
-@MODELS@@RULES@    default_backend any_node
+    stats refresh 5s
 """
 
 MODEL_BACKEND = """
@@ -91,26 +133,57 @@ MODELS_SERVICE = """\
 """
 
 
-def render(placement: dict[str, list[tuple[str, str]]], bind: str, dns: bool = False,
-           models_lua: Optional[str] = None) -> str:
-    """`placement`: model -> [(node name, host:port)]. Requests without a known model go to
-    `any_node` (every node: /health, a body whose model is past the buffer), a POST naming an
-    unknown model to a 404. `dns`: the addresses are DNS names to re-resolve while running
-    (Kubernetes). `models_lua`: the path of models.lua, which then serves /v1/models at the front."""
+Node = tuple  # (name, "host:port") or (name, "host:port", "host:agent_port")
+
+
+def agent_servers(model: str, node: Node) -> str:
+    """A node whose agent is known appears twice in `model`'s backend. Its primary line takes traffic
+    only while the model is awake there (the agent answers `ready`, else `drain`); its backup line,
+    used only while no primary line is (`option allbackups`), is weighted by how cheap the wake is there
+    (the agent's `NN%` of `weight 100`). So a request goes where its model is awake whenever such a node
+    is up, and else to the cheapest wake. `observe layer4 ... mark-down`: a node that refuses a
+    connection is out at once, so the retry goes to the next-best line instead of the dead one until
+    `fall` checks have failed."""
+    name, addr, agent = node
+    agent_host, _, agent_port = agent.rpartition(":")
+    # On the server's own host no agent-addr: the agent then follows the server's address, which is
+    # re-resolved at run time in Kubernetes (an agent-addr name would be resolved once, at start).
+    where = "" if agent_host == addr.rpartition(":")[0] else f"agent-addr {agent_host} "
+    ask = f"agent-check {where}agent-port {agent_port} agent-inter 1s observe layer4 error-limit 1 on-error mark-down"
+    return (f'    server {name} {addr} check {ask} agent-send "{model}\\n"\n'
+            f'    server {name}:wake {addr} check backup weight 100 {ask} agent-send "{model} backup\\n"\n')
+
+
+def model_servers(model: str, nodes: list[Node]) -> str:
+    lines = [agent_servers(model, n) if len(n) > 2 else f"    server {n[0]} {n[1]} check\n" for n in nodes]
+    if not any(len(n) > 2 for n in nodes):
+        return "".join(lines)
+    # Retry a refused connection on the same line (after HAProxy's 1 s turn-around) until that line is
+    # marked down, and only the last retry elsewhere: a dead node has two lines here, and redispatching at
+    # once spent all 3 retries on them before either was marked down (measured in try-local).
+    return "    option allbackups\n    option redispatch -1\n" + "".join(lines)
+
+
+def render(placement: dict[str, list[Node]], bind: str, dns: bool = False, stats: Optional[str] = None,
+           forward_admin: bool = False, models_lua: Optional[str] = None) -> str:
+    """`placement`: model -> [(node name, host:port[, host:agent_port])]. Requests without a known model go
+    to `any_node` (every node: /health, a body whose model is past the buffer), a POST naming an unknown
+    model to a 404. `dns`: the addresses are DNS names to re-resolve while running (Kubernetes). `stats`:
+    where HAProxy's stats page listens (a loopback address). `forward_admin`: see `admin_rules`.
+    `models_lua`: the path of models.lua, which then serves /v1/models at the front."""
     rules, backends = [], []
     for model, nodes in sorted(placement.items()):
         backend = backend_name(model)
         # The model is compared as a string, exactly: an alias is a model of its own here.
         rules.append(f"    use_backend {backend} if {{ var(txn.model) -m str {model} }}\n")
-        servers = "".join(f"    server {name} {addr} check\n" for name, addr in nodes)
-        backends.append(MODEL_BACKEND.format(backend=backend, servers=servers))
+        backends.append(MODEL_BACKEND.format(backend=backend, servers=model_servers(model, nodes)))
     rules.append(f"    use_backend {NO_MODEL_BACKEND} if METH_POST {{ var(txn.model) -m found }}\n")
-    every = {name: addr for nodes in placement.values() for name, addr in nodes}
+    every = {node[0]: node[1] for nodes in placement.values() for node in nodes}
     any_servers = "".join(f"    server {name} {addr} check\n" for name, addr in sorted(every.items()))
     backends.append(MODEL_BACKEND.format(backend="any_node", servers=any_servers))
     # Placeholders, not str.format: the config is full of braces and `$`.
-    head = GLOBAL.replace("@BIND@", bind).replace("@RULES@", "".join(rules))
-    head = head.replace("@DNS@", " resolvers cluster init-addr last,libc,none" if dns else "")
+    head = GLOBAL.replace("@BIND@", bind).replace("@RULES@", "".join(rules)).replace("@ADMIN@", admin_rules(forward_admin))
+    head = head.replace("@DNS@", " resolvers cluster init-addr last,libc,none" if dns else "").replace("@STATS@", stats_listener(stats))
     head = head.replace("@LUA@", MODELS_LUA.format(path=models_lua) if models_lua else "")
     head = head.replace("@MODELS@", MODELS_SERVICE if models_lua else "")
     return head.rstrip() + "\n" + (RESOLVERS if dns else "") + "".join(backends) + NO_MODEL
@@ -129,6 +202,13 @@ def server_states(stats_csv: str) -> dict[tuple[str, str], str]:
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("placement", help="PLACEMENT.json")
+    parser.add_argument("port", type=int, help="the front's port on 127.0.0.1")
+    parser.add_argument("--stats-port", type=int, help="HAProxy's stats page on 127.0.0.1:N (else none)")
+    parser.add_argument("--admin", action="store_true", help="forward /admin/* and /ui with the admin key (HOTSWAP_ADMIN_KEY)")
+    args = parser.parse_args()
+    with open(args.placement) as f:
         placement = {m: [tuple(n) for n in nodes] for m, nodes in json.load(f).items()}
-    sys.stdout.write(render(placement, f"127.0.0.1:{sys.argv[2]}", models_lua=str(LUA_FILE)))
+    stats = f"127.0.0.1:{args.stats_port}" if args.stats_port else None
+    sys.stdout.write(render(placement, f"127.0.0.1:{args.port}", stats=stats, forward_admin=args.admin, models_lua=str(LUA_FILE)))

@@ -37,6 +37,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(REPO)]
 import haproxy  # noqa: E402  (deploy/multinode/haproxy.py, a sibling script)
+import scenario_front  # noqa: E402  (the front's own checks: awake-affinity, the admin rule)
 import scenario_peers  # noqa: E402  (the fleet's /v1/models and bodies of any size)
 from tests.support import until  # noqa: E402  (polling with a deadline, as the tests do)
 NODES = {  # node -> (models, zone, parks its idle models after this many seconds)
@@ -62,14 +63,14 @@ def get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def roster(name: str, port: int, peers: list[str]) -> dict:
+def roster(name: str, port: int, agent_port: int, peers: list[str]) -> dict:
     models, zone, idle = NODES[name]
     swap = {"min_active_s": 0, "drain_timeout_s": 5, **({"idle_sleep_s": idle} if idle else {})}
     return {
         # Two HAProxy checks (inter 1s, fall 2) see a drain within the notice. 16 MB: the 8 MB bodies of scenario_peers.
         "listen": {"host": "127.0.0.1", "port": port, "drain_notice_s": 2.5, "max_body_mb": 16},
         # peers: a body whose model the front cannot read reaches any node, which passes it on.
-        "node": {"name": name, "labels": {"zone": zone}, "peers": peers},
+        "node": {"name": name, "labels": {"zone": zone}, "agent_port": agent_port, "peers": peers},
         "swap": swap,
         "defaults": {"launcher": ["python", "-m", "engines.sim", "serve"],
                      "args": ["--sim-boot-s", "0", "--sim-token-rate", "400", "--gpu-memory-utilization", "0.3",
@@ -168,7 +169,8 @@ async def load(url: str, seconds: float, kill_at: float, concurrency: int, kill)
     return run
 
 
-def report(run: Run, before: dict, engines_gone: bool, sig: str) -> tuple[str, bool]:
+def report(run: Run, before: dict, engines_gone: bool, sig: str, front_claims: list[tuple[str, bool]],
+           front_text: str) -> tuple[str, bool]:
     kill = run.killed_at
     holders = {m: [n for n, (models, _, _) in NODES.items() if m in models] for m in MODELS}
     rows, lost_elsewhere = [], 0
@@ -189,9 +191,13 @@ def report(run: Run, before: dict, engines_gone: bool, sig: str) -> tuple[str, b
     claims = [
         ("every model answered before the kill", all(any(not r.error and r.ended < kill for r in run.results if r.model == m)
                                                      for m in MODELS)),
+        # SIGKILL: shared is parked on node-a (scenario_front.affinity); SIGTERM: awake on both.
+        ("shared went only to node-b, where it is awake, before the kill; node-a kept it parked",
+         {r.node for r in run.results if r.model == "shared" and r.ended < kill and not r.error} == {"node-b"}
+         and before["shared_parked_on_a_at_kill"]) if sig == "KILL" else
         ("shared was spread over node-a and node-b before the kill",
          {r.node for r in run.results if r.model == "shared" and r.ended < kill and not r.error} == {"node-a", "node-b"}),
-        ("node-c was UP in HAProxy while all its models slept", before["node_c_up_while_asleep"]),
+        ("node-c stayed in HAProxy while all its models slept (/ready 200, gamma's wake line UP)", before["node_c_up_while_asleep"]),
         ("after the kill, shared is served by node-a only, every request answered",
          bool(post_shared) and all(not r.error and r.node == "node-a" for r in post_shared)),
         ("alpha, gamma, delta never failed", not any(r.error for r in run.results if r.model in ("alpha", "gamma", "delta"))),
@@ -206,6 +212,7 @@ def report(run: Run, before: dict, engines_gone: bool, sig: str) -> tuple[str, b
         ("beta (only on node-b) is refused fast after the kill, never hangs",
          all(r.ended - r.started < 5 for r in orphan)),
         (f"{VICTIM}'s engines died with it", engines_gone),
+        *front_claims,
     ]
     header = ("model", "nodes", "sent", "ok", "failed", "ok after kill", "served by before kill", "served by after kill")
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
@@ -215,7 +222,7 @@ def report(run: Run, before: dict, engines_gone: bool, sig: str) -> tuple[str, b
            f"({', '.join(f'{m} {c}' for m, c in sorted(run.in_flight_at_kill.items())) or 'none'}); "
            f"{len(orphan)} beta requests after it were refused (no live node has beta); errors: "
            + (", ".join(f"{e} x{c}" for e, c in collections.Counter(r.error for r in run.results if r.error).most_common()) or "none"),
-           ""]
+           *([front_text] if front_text else []), ""]
     out += [f"[{'PASS' if ok else 'FAIL'}] {text}" for text, ok in claims]
     return "\n".join(out), all(ok for _, ok in claims)
 
@@ -236,51 +243,64 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         ports = {name: free_port() for name in NODES}
+        agents = {name: free_port() for name in NODES}
         for name, port in ports.items():
             path = work / f"{name}.yaml"
             peers = [f"http://127.0.0.1:{p}" for n, p in ports.items() if n != name]
-            path.write_text(yaml.safe_dump(roster(name, port, peers)))
+            path.write_text(yaml.safe_dump(roster(name, port, agents[name], peers)))
             procs.start(name, [sys.executable, "-m", "router.cli", "serve", "--config", str(path),
                                "--log-dir", str(work / f"{name}-engines")])
         for name, port in ports.items():
             until(lambda: json.loads(get(f"http://127.0.0.1:{port}/admin/status")[1])["booted"], 90, f"{name} booted")
-        placement = {m: [(n, f"127.0.0.1:{ports[n]}") for n in NODES if m in NODES[n][0]] for m in MODELS}
-        front = free_port()
+        placement = {m: [(n, f"127.0.0.1:{ports[n]}", f"127.0.0.1:{agents[n]}") for n in NODES if m in NODES[n][0]] for m in MODELS}
+        front, stats_port = free_port(), free_port()
         cfg = work / "haproxy.cfg"
-        cfg.write_text(haproxy.render(placement, f"127.0.0.1:{front}", models_lua=str(haproxy.LUA_FILE)))
+        cfg.write_text(haproxy.render(placement, f"127.0.0.1:{front}", stats=f"127.0.0.1:{stats_port}",
+                                      models_lua=str(haproxy.LUA_FILE)))
         procs.start("haproxy", [args.haproxy, "-db", "-f", str(cfg)])
-        stats = f"http://127.0.0.1:{front}/haproxy-stats;csv"
+        stats = f"http://127.0.0.1:{stats_port}/haproxy-stats;csv"
 
-        def states() -> dict:
-            return haproxy.server_states(get(stats)[1].decode())
+        def states() -> dict:  # "DRAIN (agent)": drained by the node's agent, read as DRAIN
+            return {k: v.split()[0] for k, v in haproxy.server_states(get(stats)[1].decode()).items()}
 
-        servers = sum(len(nodes) for nodes in placement.values()) + len(ports)  # + the any_node backend
-        until(lambda: len(states()) == servers and all(s == "UP" for s in states().values()), 30, "every HAProxy server UP")
+        # Each model's primary and backup ("<node>:wake") line per node, and the any_node backend. A
+        # primary line is UP where its model is awake and DRAIN where it is parked (the node's agent).
+        servers = 2 * sum(len(nodes) for nodes in placement.values()) + len(ports)
+        until(lambda: len(states()) == servers and all(s in ("UP", "DRAIN") for s in states().values())
+              and states()[("model_shared", "node-a")] == states()[("model_shared", "node-b")] == "UP", 30, "every HAProxy server UP")
         c_port = ports["node-c"]
         until(lambda: all(e["state"] == "sleeping" for e in json.loads(get(f"http://127.0.0.1:{c_port}/admin/status")[1])["engines"]),
               30, "node-c's models parked")
         before = {"node_c_up_while_asleep": get(f"http://127.0.0.1:{c_port}/ready")[0] == 200
-                  and states()[("model_gamma", "node-c")] == "UP"}
-        # The fleet's /v1/models and bodies of any size, while every node is up (once: the KILL run).
-        peers_check = (scenario_peers.claims(f"http://127.0.0.1:{front}", {m: [n for n, _ in nodes] for m, nodes in placement.items()})
-                       if args.signal == "KILL" else ([], []))
+                  and states()[("model_gamma", "node-c:wake")] == "UP"}
+        node_url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+        front_claims = scenario_front.admin(f"http://127.0.0.1:{front}", stats, node_url["node-a"])
+        front_text = ""
+        if args.signal == "KILL":
+            # The fleet's /v1/models and bodies of any size, while every node is up.
+            lines, extra = scenario_peers.claims(f"http://127.0.0.1:{front}", {m: [n[0] for n in nodes] for m, nodes in placement.items()})
+            front_text, front_claims = "\n".join(lines), front_claims + extra
+            # The victim is the node where shared is awake (in the TERM run it is awake on both).
+            scenario_front.park(node_url[scenario_front.PARKED], until, states)
+            claims, affinity_text = scenario_front.affinity(f"http://127.0.0.1:{front}/v1", node_url[scenario_front.PARKED],
+                                                            args.concurrency)
+            front_claims += claims
+            front_text = "\n".join(t for t in (front_text, affinity_text) if t)
         victim_status = json.loads(get(f"http://127.0.0.1:{ports[VICTIM]}/admin/status")[1])
         victim_engines = [e["pid"] for e in victim_status["engines"] if e.get("pid")]
 
         def kill() -> None:
+            before["shared_parked_on_a_at_kill"] = scenario_front.state(node_url["node-a"], "shared") == "sleeping"
             _signal_group(procs.started[VICTIM].pid, getattr(signal, f"SIG{args.signal}"))
 
         run = asyncio.run(load(f"http://127.0.0.1:{front}/v1", args.seconds, args.kill_at, args.concurrency, kill))
+        if args.signal == "KILL":
+            front_claims.append(scenario_front.moved_after_kill(run.results, run.killed_at))
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in victim_engines) and time.monotonic() < deadline:
             time.sleep(0.1)
         engines_gone = bool(victim_engines) and not any(_alive(p) for p in victim_engines)
-        text, ok = report(run, before, engines_gone, args.signal)
-        lines, extra = peers_check
-        if extra:
-            text = "\n".join([text.split("\n[", 1)[0], *lines, "", text[text.index("\n[") + 1:],
-                              *(f"[{'PASS' if held else 'FAIL'}] {claim}" for claim, held in extra)])
-            ok = ok and all(held for _, held in extra)
+        text, ok = report(run, before, engines_gone, args.signal, front_claims, front_text)
         print(f"try-local: 3 hotswap nodes + HAProxy {haproxy_version(args.haproxy)} on loopback "
               f"({args.concurrency} openai SDK clients for {args.seconds:g} s; logs in {work})\n")
         print(text)

@@ -7,8 +7,9 @@ endpoint calls). A front (HAProxy, the endpoint picker) or a peer node reads the
 Imports nothing of `router.proxy`, `router.admin` or `router.cli` (tests/unit/test_layout.py).
 """
 
+from router.fleet.agent import Agent
 from router.fleet.model_server import MODEL_SERVER_KEY, ModelServerMetrics, serve_model_server
 from router.fleet.node import card, names_its_answers
 from router.fleet.peers import PEERS_KEY, Peers
 
-__all__ = ["MODEL_SERVER_KEY", "ModelServerMetrics", "PEERS_KEY", "Peers", "card", "names_its_answers", "serve_model_server"]
+__all__ = ["Agent", "MODEL_SERVER_KEY", "ModelServerMetrics", "PEERS_KEY", "Peers", "card", "names_its_answers", "serve_model_server"]

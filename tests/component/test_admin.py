@@ -97,6 +97,29 @@ async def test_the_admin_key_guards_admin_and_ui_and_is_separate_from_client_key
     assert status == 401
 
 
+@pytest.mark.parametrize("forwarded", [{"X-Forwarded-For": "203.0.113.7"}, {"Forwarded": "for=203.0.113.7"},
+                                       {"X-Real-IP": "203.0.113.7"}])
+async def test_without_an_admin_key_a_request_a_front_forwarded_from_loopback_is_not_trusted_as_loopback(start_router, forwarded):
+    """try-local's layout: HAProxy on the same host, so every outside client reaches the node from 127.0.0.1."""
+    router = await start_router(roster_dict(sim_model("a", default=True)))
+    status, _, body = await http(router, "GET", "/admin/status", headers=forwarded)
+    assert status == 403 and body["error"]["code"] == "admin_loopback_only"
+    assert (await http(router, "POST", "/admin/sleep?model=a", headers=forwarded))[0] == 403
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/ui", headers=forwarded) as r:
+        assert r.status == 403
+    assert (await router.engine("a"))["state"] == "awake", "the forwarded sleep did nothing"
+    assert (await http(router, "GET", "/admin/status"))[0] == 200, "a loopback operator (no forwarding header) still may"
+    assert await ask(client(router), "a"), "client routes do not care about forwarding headers"
+
+
+async def test_with_an_admin_key_a_forwarded_request_is_an_admin_request_like_any_other(start_router):
+    roster = roster_dict(sim_model("a", default=True), auth={"admin_key": "${T_ADMIN}"})
+    router = await start_router(roster, env={"T_ADMIN": "admin-key"}, admin_key="admin-key")
+    forwarded = {"X-Forwarded-For": "203.0.113.7"}
+    assert (await http(router, "GET", "/admin/status", headers=forwarded))[0] == 401
+    assert (await http(router, "GET", "/admin/status", headers={**forwarded, "Authorization": "Bearer admin-key"}))[0] == 200
+
+
 async def test_hotswap_status_prints_a_readable_table(start_router):
     router = await start_router(TWO)
     assert await ask(client(router), "b")

@@ -1,5 +1,7 @@
 """deploy/multinode/try-local.sh as CI runs it: three nodes behind HAProxy, one SIGKILLed (or
-SIGTERMed: drained) mid-load.
+SIGTERMed: drained) mid-load. The SIGKILL run first parks shared on node-a and checks that the
+front sends it only to node-b, where it is awake; both runs check that the front keeps /admin,
+/ui and its stats page from outside clients (deploy/multinode/scenario_front.py).
 
 The script itself checks the claims (traffic of the killed node's shared model moves to the
 other node, the others keep serving, nothing is lost beyond what was in flight there) and exits
@@ -34,10 +36,17 @@ def test_try_local_moves_the_stopped_nodes_traffic_and_loses_nothing_else(tmp_pa
     lines = result["summary"].splitlines()
     assert lines[0].split()[:5] == ["model", "nodes", "sent", "ok", "failed"]
     claims = [line for line in lines if line.startswith("[")]
-    # The KILL run also checks the fleet's /v1/models and bodies of any size first (scenario_peers.py).
-    assert len(claims) == (11 if sig == "KILL" else 8) and all(line.startswith("[PASS]") for line in claims), result["summary"]
+    # 8 about the stop, 2 about the admin rule; SIGKILL adds 3 about awake-affinity (scenario_front) and 3 about
+    # the fleet's /v1/models and bodies of any size (scenario_peers)
+    assert len(claims) == (16 if sig == "KILL" else 10) and all(line.startswith("[PASS]") for line in claims), result["summary"]
     rows = {line.split()[0]: line.split() for line in lines[2:7]}
     assert set(rows) == {"alpha", "beta", "delta", "gamma", "shared"}
-    assert rows["shared"][4] == "0" and rows["shared"][-1] == "node-a:" + rows["shared"][5].split("/")[0]
+    assert rows["shared"][-1] == "node-a:" + rows["shared"][5].split("/")[0]
+    if sig == "KILL":  # shared was awake on node-b only: what was in flight there at the kill may be lost
+        assert int(rows["shared"][4]) <= result["in_flight_at_kill"].get("shared", 0)
+        assert rows["shared"][-2].startswith("node-b:") and "," not in rows["shared"][-2]
+        assert any(line.startswith("affinity: shared awake on node-b") for line in lines)
+    else:
+        assert rows["shared"][4] == "0"
     assert result["requests"] > 100
     assert f"node-b SIG{sig}ed with" in result["summary"] and result["summary"] in run.stdout
