@@ -60,36 +60,38 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the roster's JSON Schema, for editor completion and validation.",
     )
 
-    status = commands.add_parser(
+    # What every command that calls a running router's admin API takes.
+    a_router = argparse.ArgumentParser(add_help=False)
+    a_router.add_argument("--url", default="http://127.0.0.1:8080", help="the router (default %(default)s)")
+    a_router.add_argument("--admin-key", help="admin key (default: $HOTSWAP_ADMIN_KEY)")
+
+    commands.add_parser(
         "status",
+        parents=[a_router],
         help="show a running router's engines",
         description="Print a running router's groups, engines, states, queues and last swaps.",
     )
-    status.add_argument("--url", default="http://127.0.0.1:8080", help="the router (default %(default)s)")
-    status.add_argument("--admin-key", help="admin key (default: $HOTSWAP_ADMIN_KEY)")
 
     activity = commands.add_parser(
         "activity",
+        parents=[a_router],
         help="show a running router's recent requests",
         description="Print a running router's activity log (GET /admin/activity): one line per proxied request, "
         "oldest first: key name, model, engine, status, how it got its engine (awake at once, or the swap it "
         "waited for), queue wait, first byte, total, tokens and acceptance. --follow prints new ones until Ctrl-C.",
     )
-    activity.add_argument("--url", default="http://127.0.0.1:8080", help="the router (default %(default)s)")
-    activity.add_argument("--admin-key", help="admin key (default: $HOTSWAP_ADMIN_KEY)")
     activity.add_argument("--model", help="only requests for this model (as asked, or the engine that served)")
     activity.add_argument("--limit", type=int, default=20, help="how many of the newest to show first (default %(default)s)")
     activity.add_argument("--follow", action="store_true", help="keep printing new requests until Ctrl-C")
 
-    reload = commands.add_parser(
+    commands.add_parser(
         "reload",
+        parents=[a_router],
         help="make a running router re-read its roster",
         description="Ask a running router to re-read its --config file (as SIGHUP does). Prints what changed "
         "and exits 0; if the file is invalid, prints every error as file:line:col: field: message, changes "
         "nothing and exits 2; exits 1 when the router cannot be reached or refuses.",
     )
-    reload.add_argument("--url", default="http://127.0.0.1:8080", help="the router (default %(default)s)")
-    reload.add_argument("--admin-key", help="admin key (default: $HOTSWAP_ADMIN_KEY)")
     return parser
 
 
