@@ -37,7 +37,7 @@ REPORT: dict[str, Any] = {}
 # without a word on the terminal it looks hung. conftest's pytest_configure attaches pytest's
 # config, and progress() writes through its terminal reporter past output capture (no -s needed).
 _pytest_config: Any = None
-_started = time.monotonic()
+_started: Optional[float] = None  # the tier's first progress line: its clock counts from there
 
 
 def attach_progress(config: Any) -> None:
@@ -46,8 +46,12 @@ def attach_progress(config: Any) -> None:
 
 
 def progress(message: str) -> None:
-    """`[vllm tier 3m12s] message` on the terminal now, whatever pytest captures."""
-    line = f"[vllm tier {_clock(time.monotonic() - _started)}] {message}"
+    """`[vllm tier 3m12s] message` on the terminal now, whatever pytest captures; the time is since the
+    tier's first line, not since pytest started (the faster tiers run before it)."""
+    global _started
+    now = time.monotonic()
+    _started = now if _started is None else _started
+    line = f"[vllm tier {_clock(now - _started)}] {message}"
     reporter = _pytest_config.pluginmanager.get_plugin("terminalreporter") if _pytest_config is not None else None
     if reporter is None:  # outside pytest, or with its terminal plugin off
         print(line, file=sys.stderr, flush=True)
