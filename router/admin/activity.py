@@ -20,8 +20,7 @@ import json
 import logging
 import sqlite3
 import time
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from config.schema import Activity as Settings
 from engines.canary import answer_spec_counts, mean_acceptance_length
@@ -37,8 +36,11 @@ MAX_MODEL_CHARS = 200  # a client's `model` that names nothing is kept, cut to t
 END_BYTES = 16_384
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+class Record(NamedTuple):
+    """A tuple, not a dataclass: one is made per proxied request, on the event loop, and a frozen
+    dataclass's field-by-field __init__ cost several times a tuple's (measured with py-spy under
+    bench/peers.py). The SQLite file takes it as its row as it is."""
+
     at: float  # epoch seconds when the request ended (its record was made)
     key_name: Optional[str]  # None: client auth is off
     model: Optional[str]  # as the client asked (an alias, an adapter); None: it named none
@@ -55,10 +57,14 @@ class Record:
     mean_acceptance_length: Optional[float]
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Rounded here, when read, rather than per request when made.
+        out = self._asdict()
+        for name in ("queue_wait_s", "ttfb_s", "duration_s"):
+            out[name] = _round(out[name])
+        return out
 
 
-FIELDS = tuple(f.name for f in fields(Record))
+FIELDS = Record._fields
 
 
 def answer_numbers(tail: Optional[bytes]) -> tuple[Optional[int], Optional[int], Optional[float]]:
@@ -117,11 +123,11 @@ class ActivityLog:
             return
         asked = model[:MAX_MODEL_CHARS] if isinstance(model, str) else None
         prompt, completion, mal = answer_numbers(answer)
-        row = (time.time(), key_name or None, asked, engine, endpoint, status, found_awake, _round(queue_wait_s), swap_id,
-               _round(ttfb_s), round(duration_s, 6), prompt, completion, mal)
-        self.ring.append(Record(*row))
+        record = Record(time.time(), key_name or None, asked, engine, endpoint, status, found_awake, queue_wait_s, swap_id,
+                        ttfb_s, duration_s, prompt, completion, mal)
+        self.ring.append(record)
         if self.file is not None:
-            self.file.put(row)
+            self.file.put(record)
 
     def query(self, model: Optional[str] = None, since: Optional[float] = None, limit: int = 100) -> list[Record]:
         """The newest `limit` records (newest first) that ended after `since`, for `model` (asked by that
@@ -143,7 +149,7 @@ class ActivityLog:
 
 def _from_row(row: tuple[Any, ...]) -> Record:
     record = Record(*row)
-    return record if record.found_awake is None else replace(record, found_awake=bool(record.found_awake))  # SQLite: 0/1
+    return record if record.found_awake is None else record._replace(found_awake=bool(record.found_awake))  # SQLite: 0/1
 
 
 def _round(seconds: Optional[float]) -> Optional[float]:
