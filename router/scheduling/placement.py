@@ -213,8 +213,12 @@ class DeviceView:
     memory_gb: Optional[float]
     planned: float = 0.0  # shares of engines awake or on their way in or out
     residual: float = 0.0  # residuals of sleeping engines
-    engines: dict[str, str] = field(default_factory=dict)  # name -> "awake 0.25" / "asleep 0.01"
-    shares: dict[str, tuple[str, float]] = field(default_factory=dict)  # the same as data: name -> ("awake", 0.25)
+    shares: dict[str, tuple[str, float]] = field(default_factory=dict)  # name -> ("awake", 0.25) / ("asleep", 0.01)
+
+    @property
+    def engines(self) -> dict[str, str]:
+        """`shares` as text: name -> "awake 0.25" / "asleep 0.01"."""
+        return {name: f"{state} {fraction:.3g}" for name, (state, fraction) in self.shares.items()}
 
 
 def devices_view(ledger: Ledger) -> list[DeviceView]:
@@ -225,11 +229,9 @@ def devices_view(ledger: Ledger) -> list[DeviceView]:
             view = views.setdefault(device, DeviceView(device, gpus.get(device)))
             if engine.state is State.SLEEPING and engine.name not in ledger.reserved:
                 view.residual += fraction
-                view.engines[engine.name] = f"asleep {fraction:.3g}"
                 view.shares[engine.name] = ("asleep", fraction)
             elif fraction > 0:
                 view.planned += fraction
-                view.engines[engine.name] = f"{engine.state.value} {fraction:.3g}"
                 view.shares[engine.name] = (engine.state.value, fraction)
     return [views[i] for i in sorted(views)]
 
