@@ -37,8 +37,8 @@ BOOTING_ACTIONS = frozenset({"boot", "wake", "restart"})
 class Waiter:
     engine: Engine
     since: float
-    future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    swap_id: Optional[int] = None  # the swap whose end granted its lease, if a swap did
+    # Its result: the id of the swap whose end granted its lease (None: no swap did).
+    future: asyncio.Future[Optional[int]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,8 @@ class SchedulerState:
             raise APIError(503, f"model '{engine.name}' did not become ready within queue.max_wait_s={self.limits.max_wait_s:g} s "
                            f"(engine state: {engine.state.value})", "model_not_ready",
                            retry_after=self.predicted_wait(engine, self.clock()))
-        waiter.future.result()  # raises the APIError a failed engine left for its waiters
-        return Lease(found_awake=False, swap_id=waiter.swap_id)
+        # raises the APIError a failed engine left for its waiters
+        return Lease(found_awake=False, swap_id=waiter.future.result())
 
     def release(self, engine: Engine) -> None:
         engine.release()
@@ -210,8 +210,7 @@ class SchedulerState:
             if waiter.future.done():  # its client left; give the lease back
                 engine.release()
             else:
-                waiter.swap_id = swap_id
-                waiter.future.set_result(None)
+                waiter.future.set_result(swap_id)
 
     # -- failures (the actions themselves are in router.actions) ---------------------------------
 
