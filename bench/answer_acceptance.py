@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import timeit
 
-from engines.canary import answer_spec_counts
+from engines.gate.canary import answer_spec_counts
 
 SPEC = {"mean_acceptance_length": 2.5, "draft_acceptance_rate": 0.5, "acceptance_histogram": [1, 0, 2, 1],
         "num_spec_steps": 4, "num_accepted_draft_tokens": 6, "num_draft_tokens": 12, "num_spec_tokens": 3}

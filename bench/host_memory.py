@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO))
 
 import harness as bench  # noqa: E402  (bench/harness.py, the sibling module)
 from config.schema import ModelSpec  # noqa: E402
-from engines.client import VLLMClient  # noqa: E402
-from engines.host_memory import HostMemory  # noqa: E402
+from engines.vllm.client import VLLMClient  # noqa: E402
+from engines.memory.host import HostMemory  # noqa: E402
 
 
 class Tree:
@@ -52,7 +52,7 @@ async def cycles(extension: bool, n: int) -> dict[str, list[float]]:
     argv = [sys.executable, "-m", "engines.sim", "serve", "bench/m", "--port", str(port), "--sim-boot-s", "0",
             "--sim-weights-gb", "0.02", "--sim-host-bytes-per-gb", "1e9"]
     if extension:
-        argv += ["--worker-extension-cls", "engines.vllm_ext.HotswapWorkerExtension"]
+        argv += ["--worker-extension-cls", "engines.vllm_worker.HotswapWorkerExtension"]
     procs = bench.Processes()
     log = Path(tempfile.mkdtemp(prefix="hotswap-bench-")) / "sim.log"
     times: dict[str, list[float]] = {"awake footprint": [], "after a level-1 sleep": [], "after a level-1 wake": []}

@@ -19,11 +19,13 @@ from typing import Any, Awaitable, Callable, ContextManager, Optional
 import aiohttp
 
 from config.schema import ModelSpec, Swap
-from engines import canary, gate, handshake, promotion, wake
-from engines.client import EngineError, EngineRefused, VLLMClient, attached_client
-from engines.host_memory import HostMemory
+from engines import handshake, wake
+from engines.gate import canary, promotion
+from engines.gate import verdict as gate
+from engines.vllm.client import EngineError, EngineRefused, VLLMClient, attached_client
+from engines.memory.host import HostMemory
 from engines.leases import Leases
-from engines.process import EngineProcess, free_port, log_file
+from engines.process.engine_process import EngineProcess, free_port, log_file
 from engines.progress import ROSTER, Progress
 from engines.states import TRANSITIONS, EngineFailed, State
 

@@ -16,8 +16,8 @@ import asyncio
 import logging
 import time
 
-from engines import canary
-from engines.client import EngineError, VLLMClient
+from engines.gate import canary
+from engines.vllm.client import EngineError, VLLMClient
 from engines.engine import Engine, State
 from engines.handshake import HEALTH_CALL_S
 

@@ -17,9 +17,9 @@ from aiohttp import web
 
 from config.schema import ModelSpec, Roster
 from engines import watch
-from engines.client import EngineError
+from engines.vllm.client import EngineError
 from engines.engine import Engine, Observer, State
-from engines.gate import Verdict
+from engines.gate.verdict import Verdict
 from router.errors import APIError
 from router.keys import EVERYTHING, Grant, KeyTable
 from router.metrics import Metrics

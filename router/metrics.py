@@ -15,7 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engines.engine import Engine, Observer, State
-from engines.gate import Verdict
+from engines.gate.verdict import Verdict
 from router.scheduling import Events, Scheduler, SwapRecord, devices_view
 
 

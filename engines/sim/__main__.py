@@ -17,7 +17,7 @@ import sys
 
 from pathlib import Path
 
-from engines.weights import folder_weights_gb
+from engines.memory.weights import folder_weights_gb
 
 from .control import FAULT_KINDS, STEPS, Control, Fault, InjectedFault
 from .boot_failure import memory_check_failure, print_boot_failure

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Awaitable, Callable, Optional, Union
 
-from engines import hardware
+from engines.memory import hardware
 from engines.engine import Engine, EngineFailed, State
 from router.errors import APIError
 from router.scheduling import placement

@@ -13,7 +13,7 @@ import math
 from typing import Collection, Optional
 
 from engines.engine import Engine, State
-from engines.host_memory import PRIOR_FACTOR
+from engines.memory.host import PRIOR_FACTOR
 from router.scheduling.placement import Ledger
 from router.scheduling.state import SchedulerState
 

@@ -7,7 +7,7 @@ import logging
 from typing import Iterable, Optional
 
 from config.schema import ModelSpec, Roster
-from engines import hardware, weights
+from engines.memory import hardware, weights
 from router.scheduling.placement import Capacity
 
 log = logging.getLogger("hotswap")

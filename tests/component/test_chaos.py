@@ -242,7 +242,7 @@ async def test_a_crash_during_boot(start_router, tmp_path):
     command = ["sh", "-c", f"if [ -e {marker} ]; then rm -f {marker}; set -- \"$@\" --sim-fail-boot; fi; "
                f"exec {sys.executable} -m engines.sim serve sim/b \"$@\"", "sh", "--port", "{port}", "--sim-boot-s", "0",
                "--served-model-name", "b", "--speculative-config", '{{"num_speculative_tokens": 3}}',
-               "--worker-extension-cls", "engines.vllm_ext.HotswapWorkerExtension"]
+               "--worker-extension-cls", "engines.vllm_worker.HotswapWorkerExtension"]
     roster = chaos_roster()
     roster["models"][1] = {"name": "b", "group": "g1", "command": command, "speculative": {"num_speculative_tokens": 3},
                            "env": {"PATH": os.environ["PATH"]}}

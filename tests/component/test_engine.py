@@ -15,7 +15,7 @@ import pytest
 
 from engines import wake
 from engines.engine import Engine, EngineFailed, Observer, State
-from engines.process import compose_argv
+from engines.process.engine_process import compose_argv
 from tests.support import HOST_MEMORY_RPCS, dev_steps, eventually, pid_alive, sim_model, sim_roster
 
 WAKE_L2 = wake.phases(2, "reload")
@@ -196,7 +196,7 @@ def test_argv_is_launcher_then_what_the_router_owns_then_the_operators_args():
     assert compose_argv(roster.models[0], 9123) == [
         "vllm", "serve", "sim/a", "--host", "127.0.0.1", "--port", "9123", "--served-model-name", "a",
         "--enable-sleep-mode", "--speculative-config", '{"num_speculative_tokens":3}',
-        "--worker-extension-cls", "engines.vllm_ext.HotswapWorkerExtension",
+        "--worker-extension-cls", "engines.vllm_worker.HotswapWorkerExtension",
         "--per-request-spec-decode-metrics", "summary", "--dtype", "half",
     ]
 
@@ -242,7 +242,7 @@ async def test_a_draft_reload_that_a_worker_did_not_do_fails_the_step(make_engin
     # The roster says there is a draft, but this engine (a `command` the router adds nothing to)
     # has none: its worker answers reloaded=false, and the wake must not go on as if restored.
     command = ["python", "-m", "engines.sim", "serve", "sim/a", "--port", "{port}", "--sim-boot-s", "0",
-               "--worker-extension-cls", "engines.vllm_ext.HotswapWorkerExtension"]
+               "--worker-extension-cls", "engines.vllm_worker.HotswapWorkerExtension"]
     engine = await make_engine({"name": "a", "command": command, "speculative": {"num_speculative_tokens": 3},
                                 "gate": {"enabled": False}})
     await engine.boot()
@@ -312,7 +312,7 @@ async def test_an_unexpected_exception_in_a_step_is_contained_to_the_engine(make
     def broken(exposition: str):
         raise RuntimeError("a defect in the counter reader")
 
-    monkeypatch.setattr("engines.canary.read_counters", broken)
+    monkeypatch.setattr("engines.gate.canary.read_counters", broken)
     with pytest.raises(EngineFailed, match=r"engine a: gate failed: internal error: RuntimeError\('a defect in the counter reader'\)"):
         await engine.wake()
     assert engine.state is State.FAILED and ("gate", False) in engine.observer.steps

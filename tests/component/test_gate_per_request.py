@@ -10,7 +10,7 @@ import time
 
 import aiohttp
 
-from engines.canary import FROM_ANSWER, FROM_COUNTERS, read_counters, mean_acceptance_length
+from engines.gate.canary import FROM_ANSWER, FROM_COUNTERS, read_counters, mean_acceptance_length
 from tests.support import FAST_SIM, client, eventually, roster_dict, sim_model, traffic_beside
 
 NOISE = "noise"  # prompts containing it decode at NOISE_MAL (--sim-prompt-acceptance)
@@ -59,7 +59,7 @@ async def test_an_engine_whose_answers_carry_no_numbers_is_judged_from_the_count
     # A `command:` engine: the router adds nothing to its argv, so no --per-request-spec-decode-metrics.
     command = [sys.executable, "-m", "engines.sim", "serve", "sim/a", "--port", "{port}", "--served-model-name", "a",
                "--enable-sleep-mode", "--speculative-config", '{{"num_speculative_tokens": 3}}',
-               "--worker-extension-cls", "engines.vllm_ext.HotswapWorkerExtension", *FAST_SIM]
+               "--worker-extension-cls", "engines.vllm_worker.HotswapWorkerExtension", *FAST_SIM]
     engine = engine_factory({"name": "a", "command": command, "speculative": {"num_speculative_tokens": 3}})
     await engine.boot()
     answer = await engine.client.completion({"model": "a", "prompt": "hello", "max_tokens": 8}, timeout=10)

@@ -117,7 +117,7 @@ async def test_hotswap_status_shows_each_engines_measured_host_memory(start_rout
 @pytest.mark.parametrize("extension", [True, False])
 async def test_an_attached_engine_has_no_process_to_read_so_only_its_extension_can_measure_it(
         engine_factory, start_sim_engine, extension):
-    args = ("--worker-extension-cls", "engines.vllm_ext.HotswapWorkerExtension") if extension else ()
+    args = ("--worker-extension-cls", "engines.vllm_worker.HotswapWorkerExtension") if extension else ()
     sim = start_sim_engine("--sim-weights-gb", "0.02", *HOST_MODEL, *args)
     engine = engine_factory({"name": "attached", "url": sim.url, "sleep_level": 1})
     await engine.boot()

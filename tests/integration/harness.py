@@ -26,7 +26,7 @@ from tests.support import until as poll  # the shared polling loop, with a deadl
 
 HERE = Path(__file__).resolve().parent
 LAUNCHER = HERE / "cpu_launcher"
-EXTENSION = "engines.vllm_ext.HotswapWorkerExtension"
+EXTENSION = "engines.vllm_worker.HotswapWorkerExtension"
 BOOT_TIMEOUT_S = float(os.environ.get("HOTSWAP_VLLM_BOOT_TIMEOUT_S", "420"))
 
 # Measurements the tests record; conftest prints them at the end of the run and keeps

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 
 from config.schema import Gate
-from engines.canary import FROM_ANSWER, _landed, answer_spec_counts, mean_acceptance_length, read_counters, run_canary
-from engines.client import VLLMClient
+from engines.gate.canary import FROM_ANSWER, _landed, answer_spec_counts, mean_acceptance_length, read_counters, run_canary
+from engines.vllm.client import VLLMClient
 from tests.integration.harness import EXTENSION, REPORT, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

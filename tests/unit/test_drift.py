@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from config.schema import Gate
-from engines.canary import Canary
-from engines.drift import describe, logprob_drift
-from engines.gate import baseline_verdict, judge
+from engines.gate.canary import Canary
+from engines.gate.drift import describe, logprob_drift
+from engines.gate.verdict import baseline_verdict, judge
 
 TOKENS = tuple(f" w{i}" for i in range(64))
 HEALTHY = tuple(-0.1 - (i % 7) * 0.3 for i in range(64))

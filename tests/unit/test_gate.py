@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from config.schema import Gate
-from engines.client import EngineError
-from engines.canary import FROM_ANSWER, FROM_COUNTERS, Canary, Counters, answer_spec_counts, read_counters
-from engines.gate import MidlifeWatch, acceptance_problems, judge
+from engines.vllm.client import EngineError
+from engines.gate.canary import FROM_ANSWER, FROM_COUNTERS, Canary, Counters, answer_spec_counts, read_counters
+from engines.gate.verdict import MidlifeWatch, acceptance_problems, judge
 
 EXPOSITION = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.

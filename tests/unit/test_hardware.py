@@ -9,7 +9,7 @@ from typing import Optional
 
 import pytest
 
-from engines.hardware import HardwareError, discover_gpus, host_memory_total_gb, process_gpu_memory_gb
+from engines.memory.hardware import HardwareError, discover_gpus, host_memory_total_gb, process_gpu_memory_gb
 
 
 class FakeNVMLError(Exception):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.host_memory import PROC, Reading, pinned_bytes, proc_reading
+from engines.memory.host import PROC, Reading, pinned_bytes, proc_reading
 from engines.sim.host_memory import LLAMA_8B, HostModel, next_power_of_two, tensor_bytes
 
 
@@ -75,7 +75,7 @@ class BrokenClient:
 
 async def test_a_measurement_that_fails_on_an_unexpected_answer_is_logged_with_its_traceback_and_counted_by_estimate(caplog):
     from config.schema import ModelSpec
-    from engines.host_memory import UNMEASURED, HostMemory
+    from engines.memory.host import UNMEASURED, HostMemory
 
     host = HostMemory(ModelSpec(name="m", command=["vllm", "serve", "/m", "--port", "{port}"]))  # it may have the extension
     await host.before_sleep(BrokenClient(), None)

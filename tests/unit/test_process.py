@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-import engines.process
+import engines.process.engine_process
 from config import RosterError, parse_roster
 from config.argv import ROUTER_OWNED_FLAGS
 from config.schema import ModelSpec
-from engines.process import REAPER_MARGIN_S, ROUTER_FLAG_VALUES, EngineProcess, compose_argv
+from engines.process.engine_process import REAPER_MARGIN_S, ROUTER_FLAG_VALUES, EngineProcess, compose_argv
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,7 +70,7 @@ def test_speculative_engines_and_only_they_report_acceptance_per_request():
 
 
 def test_a_router_owned_flag_without_a_value_rule_fails_loudly(monkeypatch):
-    monkeypatch.setattr(engines.process, "ROUTER_OWNED_FLAGS", (*ROUTER_OWNED_FLAGS, "--new-flag"))
+    monkeypatch.setattr(engines.process.engine_process, "ROUTER_OWNED_FLAGS", (*ROUTER_OWNED_FLAGS, "--new-flag"))
     with pytest.raises(RuntimeError, match="--new-flag has no value rule"):
         compose_argv(SPECS["reload"], 9000)
 
@@ -105,7 +105,7 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 def test_the_reaper_sigkills_a_child_that_ignores_sigterm_after_its_grace():
     reaper = subprocess.Popen(
-        [sys.executable, "-m", "engines.reaper", "--grace-s", "0.5", "--", sys.executable, "-c", STUBBORN],
+        [sys.executable, "-m", "engines.process.reaper", "--grace-s", "0.5", "--", sys.executable, "-c", STUBBORN],
         cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
@@ -131,7 +131,7 @@ def test_the_reaper_sigkills_a_child_that_ignores_sigterm_after_its_grace():
     (["--grace-s", "1", "--"], "no command given"),
 ])
 def test_the_reaper_refuses_a_bad_command_line(argv, message):
-    run = subprocess.run([sys.executable, "-m", "engines.reaper", *argv], cwd=REPO, capture_output=True, text=True, timeout=30)
+    run = subprocess.run([sys.executable, "-m", "engines.process.reaper", *argv], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert run.returncode == 2 and message in run.stderr
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from config.schema import ModelSpec, Queue, Swap
 from engines.engine import EngineFailed, State
-from engines.host_memory import PRIOR_FACTOR, HostMemory
+from engines.memory.host import PRIOR_FACTOR, HostMemory
 from router.scheduling.backoff import MAX_BACKOFF_S
 from router.errors import APIError
 from router.scheduling import Capacity, Decision, Plan, Scheduler, Waiter
@@ -469,7 +469,7 @@ async def test_the_demotions_for_one_level1_park_are_weighed_together(clock):
 async def test_a_parked_engines_residual_is_measured_through_nvml_when_it_sees_the_gpus(clock, monkeypatch):
     from types import SimpleNamespace
 
-    from engines import hardware
+    from engines.memory import hardware
 
     a = FakeEngine("a", devices=[0, 1])
     a.process = SimpleNamespace(pid=4242, group_pids=lambda: {4242, 4243})

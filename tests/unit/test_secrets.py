@@ -12,7 +12,7 @@ import yaml
 
 from config import load_roster
 from config.secrets import mask_argv
-from engines.process import EngineProcess
+from engines.process.engine_process import EngineProcess
 
 REPO = Path(__file__).resolve().parents[2]
 SECRETS = {"ENGINE_KEY": "sk-engine-2f9c41", "HF_SECRET": "hf_a8b7c6d5e4", "S3_URL": "s3://bucket/creds-77aa",

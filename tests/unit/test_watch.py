@@ -9,7 +9,7 @@ import pytest
 from config.schema import Gate, Swap
 from engines import watch
 from engines.engine import State
-from engines.gate import MidlifeWatch
+from engines.gate.verdict import MidlifeWatch
 
 
 class FakeClient:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from config.schema import ModelSpec
-from engines.weights import weights_gb
+from engines.memory.weights import weights_gb
 
 HF_VARS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
 

@@ -18,9 +18,9 @@ from typing import Callable, Optional
 
 from config.argv import ROUTER_OWNED_FLAGS
 from config.schema import ModelSpec
-from engines import reaper
+from engines.process import reaper
 
-WORKER_EXTENSION = "engines.vllm_ext.HotswapWorkerExtension"
+WORKER_EXTENSION = "engines.vllm_worker.HotswapWorkerExtension"
 PRESERVE_DRAFT = "draft.*"
 TAIL_BYTES = 64 * 1024
 # The router waits this much longer than the reaper's grace before it SIGKILLs the group itself:
@@ -135,7 +135,7 @@ class EngineProcess:
 
     async def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "engines.reaper", "--grace-s", str(self.kill_grace_s), "--", *self.argv]
+        argv = [sys.executable, "-m", "engines.process.reaper", "--grace-s", str(self.kill_grace_s), "--", *self.argv]
         shown = " ".join(self.spec.masked(self.argv))  # the log file is read by more people than the roster
         header = f"=== hotswap {time.strftime('%Y-%m-%dT%H:%M:%S')}: starting {self.spec.name}: {shown}\n"
         # The engine writes its log file itself: its output never passes through the router's

@@ -31,7 +31,7 @@ import hashlib
 import time
 from typing import Any, Iterable, Iterator
 
-from engines.vllm_host_memory import HostMemoryMethods
+from engines.vllm_worker.host_memory import HostMemoryMethods
 
 PROBE_ROWS = 4
 PROBE_SEED = 0x5EED

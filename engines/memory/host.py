@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from config.schema import ModelSpec
-from engines.client import EngineError, EngineHTTPError, VLLMClient
+from engines.vllm.client import EngineError, EngineHTTPError, VLLMClient
 
 if TYPE_CHECKING:
-    from engines.process import EngineProcess
+    from engines.process.engine_process import EngineProcess
 
 log = logging.getLogger("hotswap")
 

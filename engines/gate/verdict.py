@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from config.schema import Gate
-from engines.canary import FROM_ANSWER, FROM_COUNTERS, Canary, Counters, mean_acceptance_length
-from engines.drift import Drift, describe, logprob_drift
+from engines.gate.canary import FROM_ANSWER, FROM_COUNTERS, Canary, Counters, mean_acceptance_length
+from engines.gate.drift import Drift, describe, logprob_drift
 
 
 @dataclass(frozen=True)

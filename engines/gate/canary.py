@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Optional
 from prometheus_client.parser import text_string_to_metric_families
 
 from config.schema import Gate
-from engines.client import EngineError, VLLMClient
+from engines.vllm.client import EngineError, VLLMClient
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 from config.schema import Gate
-from engines import gate
-from engines.canary import Canary, run_canary
-from engines.client import VLLMClient
+from engines.gate import verdict as gate
+from engines.gate.canary import Canary, run_canary
+from engines.vllm.client import VLLMClient
 
 
 class Baseline(NamedTuple):

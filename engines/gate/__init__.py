@@ -1,0 +1,1 @@
+"""Judging an engine: the canary, the verdict against its cold-boot baseline, logprob drift, the gate step."""
