@@ -3,7 +3,7 @@
     .venv/bin/python bench/answer_acceptance.py
 
 For a speculative engine the proxy hands every successful buffered answer (and a stream's last
-pieces) to `engines.canary.answer_spec_counts`: a substring search, then a parse of the
+pieces) to `engines.gate.canary.answer_spec_counts`: a substring search, then a parse of the
 `metrics.speculative_decoding` object alone. This times it on a short and a long completion,
 with and without the metrics, in this process (best of 5 × 20 000 calls). A benchmark, not a test.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import timeit
 
-from engines.gate.canary import answer_spec_counts
+from engines.gate import answer_spec_counts
 
 SPEC = {"mean_acceptance_length": 2.5, "draft_acceptance_rate": 0.5, "acceptance_histogram": [1, 0, 2, 1],
         "num_spec_steps": 4, "num_accepted_draft_tokens": 6, "num_draft_tokens": 12, "num_spec_tokens": 3}

@@ -3,7 +3,7 @@
     .venv/bin/python bench/host_memory.py [--cycles 30]
 
 Around every sleep and wake the engine measures what it holds in host RAM for sleep
-(engines/host_memory.py): before its first sleep its awake footprint, after a sleep one report,
+(engines/memory/host.py): before its first sleep its awake footprint, after a sleep one report,
 after a Level-1 wake the release and one report. This starts one simulated engine with its
 Level-1 host-memory model (20 MB of weights at real size, engines/sim/host_memory.py), runs
 Level-1 sleep/wake cycles against it and times each measuring call, through the worker
@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO))
 
 import harness as bench  # noqa: E402  (bench/harness.py, the sibling module)
 from config.schema import ModelSpec  # noqa: E402
-from engines.vllm.client import VLLMClient  # noqa: E402
-from engines.memory.host import HostMemory  # noqa: E402
+from engines.vllm import VLLMClient  # noqa: E402
+from engines.memory import HostMemory  # noqa: E402
 
 
 class Tree:

@@ -40,7 +40,7 @@ proxy's loopback cost). Reported in real-time seconds (wall seconds / time scale
 
 To A/B a scheduler change, copy `router/` (and `engines/`, `config/`) somewhere, patch the copy
 and run with `PYTHONPATH=/path/to/copy`: the in-process router and the engines import it first.
-Every engine is stopped on exit, Ctrl-C or SIGTERM (the router stops them; `engines.reaper`
+Every engine is stopped on exit, Ctrl-C or SIGTERM (the router stops them; `engines.process.reaper`
 takes them down if this process dies).
 """
 

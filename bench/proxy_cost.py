@@ -57,7 +57,7 @@ def start_targets(procs: h.Processes, args: argparse.Namespace, tmp: Path) -> li
     router, router_log = h.start_router(procs, tmp, "router", router_port, roster, env={"BENCH_KEY": args.key}, src=args.router_src)
     status = json.loads(h.wait_until_ok(f"http://127.0.0.1:{router_port}/admin/status", router, router_log))
     reaper = status["engines"][0]["pid"]
-    procs.extra_groups.append(reaper)  # engines.reaper leads the engine's process group
+    procs.extra_groups.append(reaper)  # engines.process.reaper leads the engine's process group
     kids = h.children(reaper)
     if len(kids) != 1:
         raise SystemExit(f"bench: expected one sim below the router's reaper {reaper}, found {kids}")
@@ -133,7 +133,7 @@ def report(phases: list[h.Phase], idle: dict[str, float], args: argparse.Namespa
         "```",
         "",
         f"Upstream: `engines.sim` ({' '.join(SIM_FLAGS)}); direct and bare proxy share one sim started by the bench, "
-        "hotswap launches its own from the roster with the same flags (under `engines.reaper`; the engine writes its own log file, nothing passes through the router). "
+        "hotswap launches its own from the roster with the same flags (under `engines.process.reaper`; the engine writes its own log file, nothing passes through the router). "
         f"Load: a separate aiohttp process, {args.concurrency} concurrent keep-alive connections, "
         f"{args.requests} non-stream requests (`/v1/completions`, max_tokens 16) and {args.stream_requests} streams "
         f"(max_tokens 64, 64 data chunks + `[DONE]`) per phase after a warmup, each phase capped at {args.max_seconds:g} s; "

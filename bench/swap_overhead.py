@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
                 raise SystemExit(f"bench: engines not booted within 120 s; log {log}:\n{h.tail(log)}")
             time.sleep(0.1)
         for e in status["engines"]:
-            procs.extra_groups.append(e["pid"])  # engines.reaper leads each engine's process group
+            procs.extra_groups.append(e["pid"])  # engines.process.reaper leads each engine's process group
         from config.schema import Gate  # the canary the router runs, for timing it directly
 
         g = Gate()

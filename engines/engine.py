@@ -20,14 +20,13 @@ import aiohttp
 
 from config.schema import ModelSpec, Swap
 from engines import handshake, wake
-from engines.gate import canary, promotion
-from engines.gate import verdict as gate
-from engines.vllm.client import EngineError, EngineRefused, VLLMClient, attached_client
-from engines.memory.host import HostMemory
+from engines.gate import GateRecord, Verdict
 from engines.leases import Leases
-from engines.process.engine_process import EngineProcess, free_port, log_file
+from engines.memory import HostMemory
+from engines.process import EngineProcess, free_port, log_file
 from engines.progress import ROSTER, Progress
 from engines.states import TRANSITIONS, EngineFailed, State
+from engines.vllm import EngineError, EngineRefused, VLLMClient, attached_client
 
 __all__ = ["Engine", "EngineFailed", "Observer", "State", "TRANSITIONS"]
 
@@ -41,7 +40,7 @@ class Observer:
 
     def step_done(self, engine: Engine, phase: str, seconds: float, ok: bool) -> None: ...
 
-    def verdict(self, engine: Engine, verdict: gate.Verdict) -> None: ...
+    def verdict(self, engine: Engine, verdict: Verdict) -> None: ...
 
     def restarted(self, engine: Engine, reason: str) -> None: ...
 
@@ -49,14 +48,8 @@ class Observer:
 
 
 class Engine:
-    def __init__(
-        self,
-        spec: ModelSpec,
-        swap: Swap,
-        session: aiohttp.ClientSession,
-        log_dir: Path,
-        observer: Optional[Observer] = None,
-    ):
+    def __init__(self, spec: ModelSpec, swap: Swap, session: aiohttp.ClientSession, log_dir: Path,
+                 observer: Optional[Observer] = None):
         self.spec = spec
         self.name = spec.name
         self.swap = swap
@@ -75,16 +68,8 @@ class Engine:
         self.port: Optional[int] = spec.port
         self.progress = Progress()  # why it boots, the step it is in, the gate's story (engines.progress)
         self.last_phases: dict[str, float] = {}
-        self.last_verdict: Optional[gate.Verdict] = None
-        self.baseline: Optional[canary.Canary] = None  # from the first cold boot; kept across restarts
-        self.lora_baseline: Optional[canary.Canary] = None  # gate.lora_canary's, recorded with `baseline`
-        self.logprob_spread: Optional[float] = None  # between the two cold-boot canaries of `baseline`
+        self.gate = GateRecord(spec.gate)  # baseline, verdicts, the acceptance watch (engines.gate.record)
         self.restarts: collections.Counter[str] = collections.Counter()
-        self.needs_restart: Optional[str] = None
-        self.midlife = gate.MidlifeWatch(spec.gate)
-        self.observed_mal: Optional[float] = None
-        self.observed_mal_source: Optional[str] = None  # canary.FROM_ANSWER | canary.FROM_COUNTERS
-        self.watch_error: Optional[str] = None  # the acceptance watch's last failure to read the engine
         self.retiring = False  # left the roster in a reload: no new requests; stopped once its own are done
         self.leases = Leases(self.name)
         self.last_used = time.monotonic()
@@ -93,7 +78,7 @@ class Engine:
         self._stopping = False
         self._watch: Optional[asyncio.Task[None]] = None
         self.probe: Optional[asyncio.Task[None]] = None  # engines.watch's health probe, one at a time
-        self.host = HostMemory(spec)  # what it holds in host RAM for sleep (engines.host_memory)
+        self.host = HostMemory(spec)  # what it holds in host RAM for sleep (engines.memory.host)
 
     # -- what the router reads -----------------------------------------------------------
 
@@ -155,10 +140,6 @@ class Engine:
         self.leases.take()
         return True
 
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no lease is held (True), or `timeout` (False)."""
-        return await self.leases.wait_idle(timeout)
-
     def release(self) -> None:
         self.leases.give_back()
         self.last_used = time.monotonic()
@@ -193,13 +174,7 @@ class Engine:
         An engine that is already FAILED keeps its first message: later errors are echoes of it."""
         if self.state is State.FAILED:
             return EngineFailed(self.failure or f"engine {self.name}: {what}")
-        message = f"engine {self.name}: {what}"
-        code = self.process.returncode if self.process else None
-        if code is not None:
-            message += f" (process exited with code {code})"
-            lines = self.last_log_lines(8)
-            if lines:
-                message += "; last log lines:\n  " + "\n  ".join(lines)
+        message = f"engine {self.name}: {what}{self.process.how_it_ended() if self.process else ''}"
         log.error("%s", message)
         self._enter(State.FAILED, message)
         return EngineFailed(message)
@@ -272,7 +247,7 @@ class Engine:
         verdict = await self._judged_canary()
         if not verdict.passed:
             raise self.fail(f"gate refused promotion after a cold boot: {verdict.reason}")
-        self._reset_acceptance_watch()
+        self.gate.promoted()
         self._enter(State.AWAKE)
 
     async def _start_process(self) -> VLLMClient:
@@ -302,30 +277,20 @@ class Engine:
 
     # -- sleep ---------------------------------------------------------------------------
 
-    async def _drain(self) -> bool:
+    async def drain(self) -> bool:
         """Stop leasing; let in-flight requests finish, up to drain_timeout_s, then cut the rest
-        (a stream to a client that stopped reading would otherwise never end). True if all finished."""
+        (engines.leases). Before a sleep, and before a stop that takes a sleep's place. True if all finished."""
         self._enter(State.DRAINING)
         started = time.monotonic()
-        idle = await self.wait_idle(self.swap.drain_timeout_s)
-        if not idle:
-            log.warning("engine %s: %d request(s) still running when the drain ran out (swap.drain_timeout_s=%g s): cutting them",
-                        self.name, self.in_flight, self.swap.drain_timeout_s)
-            await self.leases.cut_all(f"model '{self.name}' is being put to sleep or restarted and this request was still "
-                                      f"running when swap.drain_timeout_s={self.swap.drain_timeout_s:g} s ran out, so it "
-                                      "was cut; retry it")
+        idle = await self.leases.drain(self.swap.drain_timeout_s)
         self._step_done("drain", started, True)
         return idle
-
-    async def drain(self) -> bool:
-        """Drain before a stop (a stop instead of a sleep): as before a sleep."""
-        return await self._drain()
 
     async def sleep(self, level: Optional[int] = None) -> None:
         """Drain, then put vLLM to sleep (stragglers past the drain deadline are aborted)."""
         level = level or self.sleep_levels[-1]
         self.last_phases = {}
-        mode = "wait" if await self._drain() else "abort"
+        mode = "wait" if await self.drain() else "abort"
         await self.host.before_sleep(self.client, self.process)
         await self._step("sleep", lambda t: self.client.sleep(level, mode, timeout=t))
         self.sleep_level = level
@@ -341,13 +306,12 @@ class Engine:
         self.last_phases = {}
         self.progress.waking()
         self._enter(State.WAKING)
-        for step in wake.steps(self.sleep_level or 2, self.spec.draft_restore):
-            await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
+        await self._wake_steps(self.sleep_level or 2)
         await self.host.after_wake(self.client, self.process, self.sleep_level or 2)
         self._enter(State.VERIFYING)
         verdict = await self._judged_canary()
         if verdict.passed:
-            self._reset_acceptance_watch()
+            self.gate.promoted()
             self._enter(State.AWAKE)
         elif self.spec.gate.on_fail == "restart":
             log.warning("engine %s: gate refused promotion (%s); cold restart, then verify against the cold-boot baseline",
@@ -358,6 +322,10 @@ class Engine:
         else:
             raise self.fail(f"gate refused promotion: {verdict.reason}")
 
+    async def _wake_steps(self, level: int) -> None:
+        for step in wake.steps(level, self.spec.draft_restore):
+            await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
+
     async def demote(self) -> None:
         """Level 1 -> Level 2 without serving, to give host RAM back: vLLM can only drop the host copy
         of the weights by waking them into the GPU and sleeping at Level 2."""
@@ -365,8 +333,7 @@ class Engine:
             raise self._refuse_transition(self.state, State.WAKING)
         self.last_phases = {}
         self._enter(State.WAKING)
-        for step in wake.steps(1, self.spec.draft_restore):
-            await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
+        await self._wake_steps(1)
         await self.host.after_wake(self.client, self.process, 1)  # the host copy is what a demotion is for
         self._enter(State.DRAINING)
         await self._step("sleep", lambda t: self.client.sleep(2, "wait", timeout=t))
@@ -376,32 +343,17 @@ class Engine:
 
     # -- the promotion gate ------------------------------------------------------------------
 
-    async def _judged_canary(self) -> gate.Verdict:
-        """Run the canary; the first one on a cold engine is its baseline, every later one is judged against it."""
-        runs = promotion.canaries(self.spec.gate, first=self.baseline is None)
-        verdict = await self._step("gate", self._run_gate, timeout=self.swap.timeouts.gate * runs)
-        if verdict.result == "refused" and self.spec.gate.on_fail == "allow":
-            verdict = verdict.allowed()
+    async def _judged_canary(self) -> Verdict:
+        """The gate step (engines.gate.record): the first canary on a cold engine is its baseline, every later one is judged against it."""
+        each = self.swap.timeouts.gate
+        verdict = self.gate.judged(await self._step(
+            "gate", lambda _: self.gate.run(self.client, self.served_name, self.served_names, self.has_draft, each),
+            timeout=each * self.gate.canaries))
+        if verdict.result == "allowed":
             log.error("engine %s: PROMOTED DESPITE A REFUSED GATE (gate.on_fail: allow): %s", self.name, verdict.reason)
-        self.last_verdict = verdict
         self.progress.gates.append(verdict.result)
-        if verdict.observed_mal is not None:
-            self.observed_mal, self.observed_mal_source = verdict.observed_mal, verdict.acceptance_source
         self.observer.verdict(self, verdict)
         return verdict
-
-    async def _run_gate(self, _: float) -> gate.Verdict:
-        baseline = promotion.Baseline(self.baseline, self.lora_baseline) if self.baseline is not None else None
-        verdict, recorded = await promotion.run_gate(self.client, self.served_name, self.served_names, self.spec.gate,
-                                                     self.has_draft, baseline, self.swap.timeouts.gate)
-        if recorded is not None:
-            self.baseline, self.lora_baseline = recorded
-            self.logprob_spread = verdict.logprob_drift  # the baseline's replay against it
-        return verdict
-
-    def _reset_acceptance_watch(self) -> None:
-        self.midlife.reset()
-        self.needs_restart = None  # set by engines.watch on a mid-life collapse; the scheduler acts on it
 
     # -- stop and restart -------------------------------------------------------------------
 
@@ -425,7 +377,7 @@ class Engine:
         """A roster entry that differs from the running one only in what the router reads (aliases,
         placement, gate thresholds): in force at once, no restart."""
         self.spec = spec
-        self.midlife.gate = spec.gate
+        self.gate.adopt(spec.gate)
 
     def respec(self, spec: ModelSpec) -> None:
         """Take a new roster entry while COLD: the next boot starts from it and, since it may be
@@ -436,9 +388,7 @@ class Engine:
         self.port = spec.port
         self.client = attached_client(spec, self.session)
         self.served_name, self.served_names = spec.name, frozenset([spec.name])
-        self.baseline = self.lora_baseline = self.logprob_spread = self.observed_mal = self.observed_mal_source = None
-        self.midlife = gate.MidlifeWatch(spec.gate)
-        self.needs_restart = None
+        self.gate.forget(spec.gate)
         self.progress.next_boot = ROSTER
 
     async def restart(self, reason: str) -> None:
@@ -446,6 +396,6 @@ class Engine:
         self.restarts[reason] += 1
         self.observer.restarted(self, reason)
         if self.state is State.AWAKE:
-            await self._drain()  # in-flight requests finish (bounded) before their process goes
+            await self.drain()  # in-flight requests finish (bounded) before their process goes
         await self.stop()
         await self.boot(reason)

@@ -12,8 +12,8 @@ import time
 from typing import Optional
 
 from config.schema import ModelSpec
-from engines.vllm.client import EngineError, EngineTLSError, VLLMClient
-from engines.process.engine_process import EngineProcess
+from engines.vllm import EngineError, EngineTLSError, VLLMClient
+from engines.process import EngineProcess
 
 HEALTH_POLL_S = 0.25  # how often a booting engine is asked; not a limit
 HEALTH_CALL_S = 5.0  # one /health call; the boot as a whole is bounded by swap.boot_timeout_s

@@ -45,6 +45,17 @@ class Leases:
         except TimeoutError:
             return False
 
+    async def drain(self, timeout: float) -> bool:
+        """Before a sleep or a stop: let the running requests finish for up to `timeout` (swap.drain_timeout_s),
+        then cut the rest (a stream to a client that stopped reading would otherwise never end). True if all finished."""
+        if await self.wait_idle(timeout):
+            return True
+        log.warning("engine %s: %d request(s) still running when the drain ran out (swap.drain_timeout_s=%g s): cutting them",
+                    self.engine, self.count, timeout)
+        await self.cut_all(f"model '{self.engine}' is being put to sleep or restarted and this request was still running "
+                           f"when swap.drain_timeout_s={timeout:g} s ran out, so it was cut; retry it")
+        return False
+
     @contextlib.contextmanager
     def cuttable(self, cut: Callable[[str], None]) -> Iterator[None]:
         """While a leaseholder's request runs: `cut(why)` ends it early and makes it give its lease

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from engines.vllm.client import EngineError, VLLMClient
+from engines.vllm import EngineError, VLLMClient
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """Watching an engine while it serves. Neither watch acts on its own: a collapse sets
-`needs_restart` for the group's scheduler, and an engine found unhealthy is FAILED, which the
+`gate.needs_restart` for the scheduler, and an engine found unhealthy is FAILED, which the
 scheduler handles like any other failure.
+
+Here, not in engines/gate/: this module acts on the Engine (reads it, fails it, tells its
+observer), and engine.py imports the gate; the judging itself is the gate record's.
 
 - acceptance: over a sliding window (gate.MidlifeWatch), because a draft can collapse mid-life,
   after its gate passed: from the numbers served answers carry (`answered`, fed by the proxy)
@@ -14,43 +17,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
-from engines.gate import canary
-from engines.vllm.client import EngineError, VLLMClient
 from engines.engine import Engine, State
+from engines.gate import read_counters
 from engines.handshake import HEALTH_CALL_S
+from engines.vllm import EngineError, VLLMClient
 
 log = logging.getLogger("hotswap")
 
 
 async def acceptance(engine: Engine) -> None:
-    """Sample the spec-decode counters; flag a collapse over the window (served traffic only)."""
-    baseline = engine.baseline
-    if engine.state is not State.AWAKE or not engine.has_draft or baseline is None or baseline.mal is None:
+    """Sample the spec-decode counters for the acceptance window (served traffic only); the gate
+    record judges them (engines.gate.record)."""
+    if engine.state is not State.AWAKE or not engine.has_draft or not engine.gate.watching:
         return
-    counters = canary.read_counters(await engine.client.metrics(timeout=engine.swap.timeouts.gate))
-    was_collapsed = engine.midlife.collapsed
-    mal, problems = engine.midlife.observe(time.monotonic(), counters, baseline.mal)
-    if mal is not None:
-        engine.observed_mal, engine.observed_mal_source = mal, engine.midlife.source
-    if not problems:
-        engine.needs_restart = None  # recovered before the restart began: nothing to remedy
-    elif not was_collapsed:
-        reason = "; ".join(problems)
-        log.error("engine %s: acceptance collapsed while serving: %s", engine.name, reason)
-        engine.observer.midlife_collapse(engine, mal, reason)
-        if engine.spec.gate.on_midlife == "restart":
-            engine.needs_restart = reason
+    counters = read_counters(await engine.client.metrics(timeout=engine.swap.timeouts.gate))
+    collapse = engine.gate.observe(counters)
+    if collapse is not None:
+        log.error("engine %s: acceptance collapsed while serving: %s", engine.name, collapse)
+        engine.observer.midlife_collapse(engine, engine.gate.observed_mal, collapse)
 
 
 def answered(engine: Engine, payload: bytes) -> None:
-    """A served answer (a buffered body, or a stream's last bytes): its own acceptance numbers, if it
-    has them, go to the engine's window. A substring search, and a parse of the metrics object alone."""
+    """A served answer (a buffered body, or a stream's last bytes), for the acceptance window."""
     if engine.has_draft:
-        counts = canary.answer_spec_counts(payload)
-        if counts is not None:
-            engine.midlife.answered(time.monotonic(), *counts)
+        engine.gate.answered(payload)
 
 
 def suspect(engine: Engine, why: str) -> None:

@@ -17,9 +17,9 @@ from aiohttp import web
 
 from config.schema import ModelSpec, Roster
 from engines import watch
-from engines.vllm.client import EngineError
+from engines.vllm import EngineError
 from engines.engine import Engine, Observer, State
-from engines.gate.verdict import Verdict
+from engines.gate import Verdict
 from router.errors import APIError
 from router.keys import EVERYTHING, Grant, KeyTable
 from router.metrics import Metrics
@@ -179,18 +179,18 @@ class Router(Observer, Events):
         try:
             await watch.acceptance(engine)
         except Exception as exc:  # never ends the watch: the other engines are still watched
-            first = engine.watch_error is None
+            first = engine.gate.watch_error is None
             if isinstance(exc, EngineError):
-                engine.watch_error = str(exc)
+                engine.gate.watch_error = str(exc)
                 if first:
                     log.warning("acceptance watch on %s cannot read the engine: %s", engine.name, exc)
             else:
-                engine.watch_error = f"internal error: {exc!r}"
+                engine.gate.watch_error = f"internal error: {exc!r}"
                 if first:
                     log.exception("acceptance watch on %s: internal error", engine.name)
         else:
-            engine.watch_error = None
-        if engine.needs_restart:
+            engine.gate.watch_error = None
+        if engine.gate.needs_restart:
             self.scheduler(engine).poke()
 
     async def drain(self, timeout: float) -> None:

@@ -15,7 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engines.engine import Engine, Observer, State
-from engines.gate.verdict import Verdict
+from engines.gate import Verdict
 from router.scheduling import Events, Scheduler, SwapRecord, devices_view
 
 
@@ -191,10 +191,10 @@ class _LiveState(Collector):
             level.add_metric(labels, float(engine.sleep_level or 0) if engine.state is State.SLEEPING else 0.0)
             in_flight.add_metric(labels, engine.in_flight)
             queued.add_metric(labels, self.router.scheduler(engine).queued(engine))
-            if engine.baseline is not None and engine.baseline.mal is not None:
-                baseline.add_metric(labels, engine.baseline.mal)
-            if engine.observed_mal is not None:
-                observed.add_metric(labels, engine.observed_mal)
+            if engine.gate.baseline is not None and engine.gate.baseline.mal is not None:
+                baseline.add_metric(labels, engine.gate.baseline.mal)
+            if engine.gate.observed_mal is not None:
+                observed.add_metric(labels, engine.gate.observed_mal)
         return [state, level, in_flight, queued, baseline, observed, estimate, *self._placement(), self._host_memory()]
 
     def _placement(self) -> list[GaugeMetricFamily]:

@@ -37,7 +37,7 @@ def sim_roster(*models: dict[str, Any], **sections: Any) -> Roster:
 
 
 # What the router asks an engine around every sleep and wake to measure its host memory
-# (engines/host_memory.py); left out where a test asserts the staged wake's order.
+# (engines/memory/host.py); left out where a test asserts the staged wake's order.
 HOST_MEMORY_RPCS = frozenset({"hotswap_host_memory", "hotswap_empty_host_cache"})
 
 

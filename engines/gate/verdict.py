@@ -3,8 +3,8 @@
 After a Level-2 wake vLLM reloads only the target model; a draft that was not restored
 proposes garbage, every draft token is rejected, and decode runs at about half speed while
 outputs stay correct (vLLM #52479). The gate catches that by the canary's mean acceptance
-length (`engines.canary`), and compares the canary's output with the baseline's (a target
-that was not reloaded answers gibberish) and its per-token logprobs (`engines.drift`: a
+length (`engines.gate.canary`), and compares the canary's output with the baseline's (a target
+that was not reloaded answers gibberish) and its per-token logprobs (`engines.gate.drift`: a
 target that came back numerically wrong while its tokens still match).
 """
 

@@ -14,7 +14,7 @@ first sleep since it booted (its `baseline`), so the process's own footprint (Py
 libraries, the model runner's pinned staging buffers) is not counted. Two sources, the
 first that answers wins:
 
-- `extension`: the worker extension's `hotswap_host_memory` (engines/vllm_ext.py), PyTorch's
+- `extension`: the worker extension's `hotswap_host_memory` (engines/vllm_worker/extension.py), PyTorch's
   pinned bytes summed over the workers; exact, and it can also empty the cache
   (`hotswap_empty_host_cache`), which the engine asks for after every Level-1 wake;
 - `proc`: the engine's process tree's resident memory (VmRSS, summed over /proc/PID/status;
@@ -110,7 +110,7 @@ class HostMemory:
     def reset(self, spec: ModelSpec) -> None:
         """A new process (a boot), or none (a stop): nothing held for sleep, nothing known of its sources."""
         self.name = spec.name
-        # The router composes --worker-extension-cls for a draft it reloads (engines/process.py).
+        # The router composes --worker-extension-cls for a draft it reloads (engines/process/engine_process.py).
         self.expects_extension = spec.managed and spec.command is None and spec.draft_restore == "reload"
         # An argv the router composed without it has none: asking would only make vLLM log an
         # AttributeError and answer 500 at every boot. `command:` and `url:` engines may have one.

@@ -1,6 +1,6 @@
 """One managed engine process: its argv and env, its log file (written by the engine itself), start, stop.
 
-Every engine runs under `engines.reaper`, which leads the engine's process group and takes
+Every engine runs under `engines.process.reaper`, which leads the engine's process group and takes
 the whole group down when the router dies, SIGKILL included.
 """
 
@@ -72,7 +72,7 @@ def compose_argv(spec: ModelSpec, port: int) -> list[str]:
         try:
             rule = ROUTER_FLAG_VALUES[flag]
         except KeyError:
-            raise RuntimeError(f"router-owned flag {flag} has no value rule in engines.process.ROUTER_FLAG_VALUES") from None
+            raise RuntimeError(f"router-owned flag {flag} has no value rule in engines.process.engine_process.ROUTER_FLAG_VALUES") from None
         value = rule(spec, port)
         if value is not None:
             argv += [flag, *value]
@@ -135,7 +135,7 @@ class EngineProcess:
 
     async def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "engines.process.reaper", "--grace-s", str(self.kill_grace_s), "--", *self.argv]
+        argv = reaper.command(self.kill_grace_s, self.argv)
         shown = " ".join(self.spec.masked(self.argv))  # the log file is read by more people than the roster
         header = f"=== hotswap {time.strftime('%Y-%m-%dT%H:%M:%S')}: starting {self.spec.name}: {shown}\n"
         # The engine writes its log file itself: its output never passes through the router's
@@ -187,6 +187,13 @@ class EngineProcess:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+
+    def how_it_ended(self, lines: int = 8) -> str:
+        """For a failure's message: its exit code and last log lines once it has exited, else nothing."""
+        if self.returncode is None:
+            return ""
+        tail = self.last_lines(lines)
+        return f" (process exited with code {self.returncode})" + ("; last log lines:\n  " + "\n  ".join(tail) if tail else "")
 
     def last_lines(self, n: int = 20) -> list[str]:
         """The last `n` lines this run of the engine wrote (read from its log file when asked)."""

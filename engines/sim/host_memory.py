@@ -18,7 +18,7 @@ scales what is really allocated: N real bytes per GB of weights (1e9: one byte p
 modelled, nothing allocated). The router measures real bytes, so a test of its accounting runs at
 1e9 with a checkpoint of a few MB; a demo of big models runs at a smaller N.
 
-Reported as the worker extension reports (engines/vllm_ext.py `hotswap_host_memory`,
+Reported as the worker extension reports (engines/vllm_worker/extension.py `hotswap_host_memory`,
 `hotswap_empty_host_cache`), through POST /collective_rpc (routes_dev.py).
 """
 

@@ -48,7 +48,7 @@ class Numerics:
         self.shift, self.noise = self.faults.wake_shift, self.faults.wake_noise
 
     def perturb(self, scale: float) -> dict:
-        """The real method's contract (engines/vllm_ext.py): relative to the checkpoint, not cumulative
+        """The real method's contract (engines/vllm_worker/extension.py): relative to the checkpoint, not cumulative
         (1.0 restores it), refused for scale <= 0, and undone by reload_weights (`reloaded`)."""
         if not scale > 0:
             raise ValueError(f"scale must be > 0 (a negative one flips the argmax), not {scale}")

@@ -2,7 +2,7 @@
 (and release) the pinned host memory a Level-1 sleep leaves behind.
 
 Loaded INSIDE the vLLM engine process with
-`--worker-extension-cls engines.vllm_ext.HotswapWorkerExtension`; vLLM mixes the class
+`--worker-extension-cls engines.vllm_worker.HotswapWorkerExtension`; vLLM mixes the class
 into every worker, and each public method becomes callable as
 
     POST /collective_rpc {"method": "hotswap_reload_draft"}  ->  {"results": [one per worker]}
@@ -39,7 +39,7 @@ PROBE_SEED = 0x5EED
 
 class HotswapWorkerExtension(HostMemoryMethods):
     """Mixed into vLLM's worker class: `self` is the worker (vllm_config, model_runner, ...). The
-    host-memory methods are `engines.vllm_host_memory`'s (vLLM's worker_base.py:301 mixes the class in
+    host-memory methods are `engines.vllm_worker.host_memory`'s (vLLM's worker_base.py:301 mixes the class in
     with its bases, so inherited methods are callable the same way)."""
 
     # --- the production method -------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The worker extension's host-memory methods (engines/vllm_ext.py mixes them in): report and
+"""The worker extension's host-memory methods (engines/vllm_worker/extension.py mixes them in): report and
 release the pinned host memory a Level-1 sleep leaves behind. The router reads them after every
-sleep and wake (engines/host_memory.py). Imported only inside vLLM engine processes; torch is
+sleep and wake (engines/memory/host.py). Imported only inside vLLM engine processes; torch is
 imported inside the methods.
 """
 

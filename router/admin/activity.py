@@ -23,7 +23,7 @@ import time
 from typing import Any, NamedTuple, Optional
 
 from config.schema import Activity as Settings
-from engines.gate.canary import answer_spec_counts, mean_acceptance_length
+from engines.gate import answer_spec_counts, mean_acceptance_length
 from router.admin.activity_file import ActivityFile
 
 log = logging.getLogger("hotswap")

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from engines.vllm.client import EngineError, EngineHTTPError
+from engines.vllm import EngineError, EngineHTTPError
 from router.errors import APIError
 
 log = logging.getLogger("hotswap")

@@ -63,22 +63,22 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "step": e.progress.step,  # booting: start, load, gate; waking: the wake step running
         "gate_story": list(e.progress.gates),  # since its last wake or boot began: e.g. refused, restarted, passed
         "last_phases": {k: round(v, 4) for k, v in e.last_phases.items()},
-        "last_verdict": e.last_verdict.as_dict() if e.last_verdict else None,
+        "last_verdict": e.gate.last_verdict.as_dict() if e.gate.last_verdict else None,
         "verdicts": [v.as_dict() for v in reversed(router.verdicts[e.name])],
         "failures": scheduler.backoff.failures[e.name],
         "restarts": sum(e.restarts.values()),
         "restarts_by_reason": dict(e.restarts),
-        "baseline_mal": e.baseline.mal if e.baseline else None,
-        "observed_mal": e.observed_mal,
-        "observed_mal_source": e.observed_mal_source,  # "answer" (its own numbers) or "counters"
+        "baseline_mal": e.gate.baseline.mal if e.gate.baseline else None,
+        "observed_mal": e.gate.observed_mal,
+        "observed_mal_source": e.gate.observed_mal_source,  # "answer" (its own numbers) or "counters"
         "logprob_drift": _drift(e),
-        "collapsed": e.midlife.collapsed,
-        "last_collapse": e.midlife.last_collapse,
-        "acceptance_watch": e.midlife.last,  # the mid-life window's last MAL and where it came from
-        "restart_pending": e.needs_restart,
+        "collapsed": e.gate.midlife.collapsed,
+        "last_collapse": e.gate.midlife.last_collapse,
+        "acceptance_watch": e.gate.midlife.last,  # the mid-life window's last MAL and where it came from
+        "restart_pending": e.gate.needs_restart,
         "roster_change_pending": e.name in scheduler.pending_spec,
         "retiring": e.retiring,
-        "watch_error": e.watch_error,
+        "watch_error": e.gate.watch_error,
         "failure": e.failure,
         "last_log_lines": e.last_log_lines(20),
         "log_file": str(e.process.log_path) if e.process else None,
@@ -108,6 +108,6 @@ def _swap_dict(record: Optional[SwapRecord]) -> Optional[dict[str, Any]]:
 
 def _drift(e: Engine) -> dict[str, Any]:
     """The logprob check's numbers: the last judged canary's drift, the engine's own cold-boot spread, the limit."""
-    v = e.last_verdict
-    return {"last": v.logprob_drift if v is not None and v.result != "baseline" else None, "spread": e.logprob_spread,
+    v = e.gate.last_verdict
+    return {"last": v.logprob_drift if v is not None and v.result != "baseline" else None, "spread": e.gate.logprob_spread,
             "max": e.spec.gate.max_logprob_drift}

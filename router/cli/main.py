@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import yaml
 
 from config import DEMO_ROSTER, Issue, Roster, RosterError, RosterFile, load_roster
-from engines.process.engine_process import compose_argv
+from engines.process import compose_argv
 
 EXIT_OK = 0
 EXIT_FAILED = 1

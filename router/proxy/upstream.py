@@ -42,7 +42,7 @@ class Pool:
     def __init__(self, base_url: str, read_timeout: float = READ_TIMEOUT_S, tls: Optional[ssl.SSLContext] = None) -> None:
         url = urlsplit(base_url)
         # https: TLS on every connection, verified as the engine's control client verifies it (the
-        # same context: engines.client.tls_context); the system store when none is given.
+        # same context: engines.vllm.client.tls_context); the system store when none is given.
         self.tls = (tls or ssl.create_default_context()) if url.scheme == "https" else None
         self.host, self.port = url.hostname or "127.0.0.1", url.port or (443 if self.tls else 80)
         self.netloc = url.netloc  # the Host header

@@ -12,8 +12,8 @@ import logging
 import time
 from typing import Awaitable, Callable, Optional, Union
 
-from engines.memory import hardware
 from engines.engine import Engine, EngineFailed, State
+from engines.memory import process_gpu_memory_gb
 from router.errors import APIError
 from router.scheduling import placement
 from router.scheduling.costs import NO_LEVEL2, Costs
@@ -185,7 +185,7 @@ class Actions(Costs, RosterChanges):
         if engine.process is None or engine.process.pid is None:
             return
         pids = engine.process.group_pids()
-        measured = {d: hardware.process_gpu_memory_gb(pids, d) for d in engine.spec.devices}
+        measured = {d: process_gpu_memory_gb(pids, d) for d in engine.spec.devices}
         measured = {d: gb for d, gb in measured.items() if gb is not None}
         if measured:
             self.residuals[engine.name] = measured

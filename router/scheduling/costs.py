@@ -3,7 +3,7 @@
 The cost part of `Scheduler` (see `router.scheduling.state`): an engine's expected cost is the waiting its
 absence is likely to cause (predicted wake seconds × likelihood of reuse, from
 `router.scheduling.estimates`); `sleep_level: auto` picks Level 1 while the host-RAM budget holds what
-the engines hold for sleep (measured after every sleep and wake, `engines.host_memory`; estimated until
+the engines hold for sleep (measured after every sleep and wake, `engines.memory.host`; estimated until
 then), and makes RAM for a more valuable engine by demoting a Level-1 sleeper.
 """
 
@@ -13,7 +13,7 @@ import math
 from typing import Collection, Optional
 
 from engines.engine import Engine, State
-from engines.memory.host import PRIOR_FACTOR
+from engines.memory import PRIOR_FACTOR
 from router.scheduling.placement import Ledger
 from router.scheduling.state import SchedulerState
 
@@ -158,7 +158,7 @@ class Costs(SchedulerState):
         return None if need is None else max(need, engine.host.held_gb or 0.0)
 
     def level1_estimate_gb(self, engine: Engine) -> Optional[float]:
-        """The first guess: the checkpoint × PRIOR_FACTOR (engines/host_memory.py says why that factor)."""
+        """The first guess: the checkpoint × PRIOR_FACTOR (engines/memory/host.py says why that factor)."""
         weights = self.weights.get(engine.name)
         return None if weights is None else weights * PRIOR_FACTOR
 

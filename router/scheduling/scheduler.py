@@ -108,9 +108,9 @@ class Scheduler(Actions):
                 continue
             if engine.state is State.FAILED and engine.name not in self.handled:
                 decisions.append(Decision("failed", engine, engine.failure or f"engine {engine.name} failed"))
-            elif engine.state is State.AWAKE and engine.needs_restart:
+            elif engine.state is State.AWAKE and engine.gate.needs_restart:
                 if clear(engine, boots=True):
-                    decisions.append(Decision("restart", engine, engine.needs_restart))
+                    decisions.append(Decision("restart", engine, engine.gate.needs_restart))
                     started(engine, boots=True)
             elif engine.state is State.AWAKE:
                 self._grant(engine)

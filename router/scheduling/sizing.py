@@ -7,7 +7,7 @@ import logging
 from typing import Iterable, Optional
 
 from config.schema import ModelSpec, Roster
-from engines.memory import hardware, weights
+from engines.memory import discover_gpus, host_memory_total_gb, weights_gb
 from router.scheduling.placement import Capacity
 
 log = logging.getLogger("hotswap")
@@ -15,14 +15,14 @@ log = logging.getLogger("hotswap")
 
 def capacity(roster: Roster) -> Capacity:
     """GPU sizes (the roster's, else NVML's, else unknown) and the host-RAM budget for Level-1 sleepers."""
-    seen = hardware.discover_gpus()
+    seen = discover_gpus()
     gpus = {g.index: g.memory_gb for g in roster.gpus} if roster.gpus else seen
     if gpus is None:
         log.info("GPU sizes unknown (no gpus: in the roster and NVML sees none): placement counts shares only, "
                  "not the residual of sleeping engines")
     budget = roster.host.ram_budget_gb
     if budget is None:
-        budget = hardware.host_memory_total_gb() / 2
+        budget = host_memory_total_gb() / 2
     return Capacity(gpus, budget, nvml=seen is not None)
 
 
@@ -30,7 +30,7 @@ def level1_weights(specs: Iterable[ModelSpec]) -> dict[str, Optional[float]]:
     """Host RAM each `sleep_level: auto` engine's weights take at Level 1 (None: unknown, so Level 2)."""
     out: dict[str, Optional[float]] = {}
     for spec in specs:
-        out[spec.name], why = weights.weights_gb(spec)
+        out[spec.name], why = weights_gb(spec)
         if spec.sleep_level != "auto":
             continue
         if out[spec.name] is None:

@@ -108,7 +108,7 @@ def shared_sim_engine(tmp_path_factory):
     sim = launch_sim_engine(
         tmp_path_factory.mktemp("shared-sim"),
         "--speculative-config", '{"num_speculative_tokens": 3, "model": "sim-draft", "method": "eagle"}',
-        "--worker-extension-cls", "engines.hotswap_ext.HotswapWorker",
+        "--worker-extension-cls", "engines.vllm_worker.HotswapWorkerExtension",
         "--sim-token-rate", "100000",
     )  # fmt: skip
     yield sim

@@ -343,4 +343,4 @@ async def test_an_engine_whose_port_another_engine_answers_fails_its_boot(make_e
     with pytest.raises(EngineFailed, match=rf"engine a: boot failed: port {squatter.port} is answered by an engine "
                                            r"serving \['other'\], not 'a'"):
         await engine.boot()
-    assert engine.baseline is None
+    assert engine.gate.baseline is None

@@ -113,12 +113,12 @@ def counters_only(engine: Engine, *args: str) -> Engine:
 async def test_counters_that_lag_the_canarys_answer_are_waited_for_not_misread(engine_factory):
     engine = counters_only(engine_factory(spec_model("a", args=("--sim-metrics-lag-s", "0.5"))))
     await engine.boot()
-    assert engine.baseline.mal is not None and 2.4 < engine.baseline.mal < 2.8, engine.baseline
-    assert engine.baseline.source == "counters", engine.baseline  # the path this test is about
-    assert engine.baseline.seconds >= 0.5  # it did wait for the counters
+    assert engine.gate.baseline.mal is not None and 2.4 < engine.gate.baseline.mal < 2.8, engine.gate.baseline
+    assert engine.gate.baseline.source == "counters", engine.gate.baseline  # the path this test is about
+    assert engine.gate.baseline.seconds >= 0.5  # it did wait for the counters
     await engine.sleep()
     await engine.wake()
-    assert engine.last_verdict.result == "passed", engine.last_verdict
+    assert engine.gate.last_verdict.result == "passed", engine.gate.last_verdict
 
 
 async def test_a_target_that_was_not_reloaded_answers_gibberish_and_is_refused_without_a_draft(engine_factory):

@@ -47,7 +47,7 @@ async def test_noisy_logprobs_after_a_wake_are_refused_with_the_largest_token_na
     with pytest.raises(EngineFailed, match=r"gate refused promotion: logprob drift 0\.\d+ > 0\.05 over 16 tokens, "
                                            r"tokens identical \(largest [\d.]+ at token \d+\)"):
         await engine.wake()
-    assert engine.last_verdict.output_match is True
+    assert engine.gate.last_verdict.output_match is True
 
 
 async def test_a_target_weight_perturbed_while_asleep_is_refused_and_the_cold_restart_restores_it(start_router):
@@ -81,7 +81,7 @@ async def test_a_canary_in_a_busy_batch_passes_when_the_batch_moves_its_logprobs
     async with traffic_beside(engine.client.base_url, "a", "other traffic", max_tokens=32, workers=3) as answered:
         await engine.wake()  # the traffic waits for the wake, then decodes beside the canary
         await eventually(lambda: answered[0] >= 3, timeout=20, what="the other traffic answered")
-    verdict = engine.last_verdict
+    verdict = engine.gate.last_verdict
     assert verdict.result == "passed" and not engine.restarts, verdict
     assert 0 < verdict.logprob_drift <= 0.01, "measured, moved by the batch, and within the threshold"
 
@@ -89,7 +89,7 @@ async def test_a_canary_in_a_busy_batch_passes_when_the_batch_moves_its_logprobs
 async def test_with_max_logprob_drift_null_the_canary_asks_for_no_logprobs(engine_factory):
     engine = engine_factory(sim_model("a", args=("--sim-wake-logprob-shift", "-0.3"), gate={"max_logprob_drift": None}))
     await engine.boot()
-    assert engine.baseline.token_logprobs is None and engine.logprob_spread is None
+    assert engine.gate.baseline.token_logprobs is None and engine.gate.logprob_spread is None
     await engine.sleep()
     await engine.wake()  # the shift goes unseen: that is what turning the check off means
-    assert engine.last_verdict.passed and engine.last_verdict.logprob_drift is None
+    assert engine.gate.last_verdict.passed and engine.gate.last_verdict.logprob_drift is None

@@ -37,14 +37,14 @@ async def engine_counters(base_url: str):
 async def test_a_canary_judged_beside_traffic_of_another_acceptance_gets_its_own_number(engine_factory):
     engine = engine_factory(spec_model("a", args=("--sim-prompt-acceptance", f"{NOISE}={NOISE_MAL}", "--sim-token-rate", "200")))
     await engine.boot()
-    assert engine.baseline.source == FROM_ANSWER and abs(engine.baseline.mal - HEALTHY_MAL) < 0.1, engine.baseline
+    assert engine.gate.baseline.source == FROM_ANSWER and abs(engine.gate.baseline.mal - HEALTHY_MAL) < 0.1, engine.gate.baseline
     await engine.sleep()
     base = engine.client.base_url
     before = await engine_counters(base)
     async with noise_on(base) as answered:
         await engine.wake()  # the noise waits for the wake, then decodes beside the canary
         assert not engine.restarts, f"the canary was refused and the engine restarted: {dict(engine.restarts)}"
-        verdict = engine.last_verdict
+        verdict = engine.gate.last_verdict
         assert verdict.result == "passed" and verdict.acceptance_source == FROM_ANSWER, verdict
         assert abs(verdict.observed_mal - HEALTHY_MAL) < 0.1, verdict
         assert "(from the canary's own answer)" in verdict.reason
@@ -64,10 +64,10 @@ async def test_an_engine_whose_answers_carry_no_numbers_is_judged_from_the_count
     await engine.boot()
     answer = await engine.client.completion({"model": "a", "prompt": "hello", "max_tokens": 8}, timeout=10)
     assert "metrics" not in answer  # the fallback is really taken, not chosen by a guess
-    assert engine.baseline.source == FROM_COUNTERS and abs(engine.baseline.mal - HEALTHY_MAL) < 0.1, engine.baseline
+    assert engine.gate.baseline.source == FROM_COUNTERS and abs(engine.gate.baseline.mal - HEALTHY_MAL) < 0.1, engine.gate.baseline
     await engine.sleep()
     await engine.wake()
-    verdict = engine.last_verdict
+    verdict = engine.gate.last_verdict
     assert verdict.result == "passed" and verdict.acceptance_source == FROM_COUNTERS, verdict
     assert "(from the engine's counters)" in verdict.reason
 

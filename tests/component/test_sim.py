@@ -31,7 +31,7 @@ SPEC = [
     "--speculative-config",
     json.dumps({"num_speculative_tokens": 3, "model": "sim-draft", "method": "eagle"}),
     "--worker-extension-cls",
-    "engines.hotswap_ext.HotswapWorker",
+    "engines.vllm_worker.HotswapWorkerExtension",
 ]
 FAST = ["--sim-token-rate", "100000"]
 CANARY = "The quick brown fox jumps over the lazy dog"

@@ -1,4 +1,4 @@
-"""The gate's own measurement (`engines.canary.run_canary`) against real vLLM's counters on CPU.
+"""The gate's own measurement (`engines.gate.canary.run_canary`) against real vLLM's counters on CPU.
 
 vLLM's spec-decode counters overshoot a completion: a 32-token greedy completion with
 `num_speculative_tokens: 2` counts 11 drafts and 22 accepted tokens (33 > 31 decoded

@@ -7,7 +7,7 @@ Level 1. Level 1 because vLLM's `reload_weights` (the Level-2 wake) rewrites the
 its checkpoint and so would itself undo the stand-in fault (measured: bench/logprob_drift.py).
 The stand-in is the worker extension's test method `hotswap_perturb_target`, called straight on
 the sleeping engine's port: it scales the final norm weight, so every logit scales and no argmax
-moves (engines/vllm_ext.py). On CPU sleep itself is bookkeeping; the wake's endpoints, the
+moves (engines/vllm_worker/extension.py). On CPU sleep itself is bookkeeping; the wake's endpoints, the
 canary, the logprobs, the refusal and the restart are real.
 """
 

@@ -1,4 +1,4 @@
-"""engines.hardware: GPUs through NVML (a fake pynvml here: this machine has no GPU) and host RAM."""
+"""engines.memory.hardware: GPUs through NVML (a fake pynvml here: this machine has no GPU) and host RAM."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Host memory for sleep: reading /proc and the worker extension's answers (engines/host_memory.py),
+"""Host memory for sleep: reading /proc and the worker extension's answers (engines/memory/host.py),
 and the simulator's pinned-memory model (engines/sim/host_memory.py), allocated for real and seen in /proc."""
 
 from __future__ import annotations

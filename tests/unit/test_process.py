@@ -1,4 +1,4 @@
-"""Engine processes: the argv the router composes, and how an engine is stopped (engines.reaper)."""
+"""Engine processes: the argv the router composes, and how an engine is stopped (engines.process.reaper)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from config import RosterError, parse_roster
 from config.argv import ROUTER_OWNED_FLAGS
 from config.schema import ModelSpec
 from engines.process.engine_process import REAPER_MARGIN_S, ROUTER_FLAG_VALUES, EngineProcess, compose_argv
+from engines.process.reaper import command as reaper_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,7 +106,7 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 def test_the_reaper_sigkills_a_child_that_ignores_sigterm_after_its_grace():
     reaper = subprocess.Popen(
-        [sys.executable, "-m", "engines.process.reaper", "--grace-s", "0.5", "--", sys.executable, "-c", STUBBORN],
+        reaper_command(0.5, [sys.executable, "-c", STUBBORN]),
         cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
@@ -131,7 +132,7 @@ def test_the_reaper_sigkills_a_child_that_ignores_sigterm_after_its_grace():
     (["--grace-s", "1", "--"], "no command given"),
 ])
 def test_the_reaper_refuses_a_bad_command_line(argv, message):
-    run = subprocess.run([sys.executable, "-m", "engines.process.reaper", *argv], cwd=REPO, capture_output=True, text=True, timeout=30)
+    run = subprocess.run([*reaper_command(1, [])[:3], *argv], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert run.returncode == 2 and message in run.stderr
 
 

@@ -4,6 +4,7 @@ processes, no sleeps. Each test is a scenario the real loop meets."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import pytest
@@ -36,7 +37,7 @@ class FakeEngine:
         self.last_used = since
         self.sleep_level = level if state is State.SLEEPING else None
         self.in_flight = 0
-        self.needs_restart: Optional[str] = None
+        self.gate = SimpleNamespace(needs_restart=None)  # what the scheduler reads of the gate record
         self.retiring = False
         self.failure: Optional[str] = None
         self.holds_process = False
@@ -265,7 +266,7 @@ async def test_an_awake_engine_that_died_is_handled_as_a_failure_once_and_its_wa
 async def test_a_mid_life_collapse_restarts_at_once_even_under_load(clock):
     a = awake("a", clock)
     a.in_flight = 4
-    a.needs_restart = "mean acceptance length 1.00 is below 1.80"
+    a.gate.needs_restart = "mean acceptance length 1.00 is below 1.80"
     s = scheduler(a, clock=clock)
     waiter = wait_for(s, a, clock.now)
     assert actions(s.decide(clock.now)) == [("restart", "a")]
@@ -371,7 +372,7 @@ async def test_a_measured_residual_replaces_the_configured_one(clock):
 async def test_an_engine_restarting_keeps_its_memory_while_it_passes_through_cold(clock):
     a, b = awake("a", clock, share=0.6), FakeEngine("b", share=0.6)
     s = scheduler(a, b, clock=clock)
-    a.needs_restart = "collapsed"
+    a.gate.needs_restart = "collapsed"
     plan = s.decide(clock.now)
     assert actions(plan) == [("restart", "a")]
     s.busy["a"], s.doing["a"] = asyncio.get_running_loop().create_future(), ("restart", clock.now, 0.0)
@@ -467,9 +468,8 @@ async def test_the_demotions_for_one_level1_park_are_weighed_together(clock):
 
 
 async def test_a_parked_engines_residual_is_measured_through_nvml_when_it_sees_the_gpus(clock, monkeypatch):
-    from types import SimpleNamespace
 
-    from engines.memory import hardware
+    from router.scheduling import actions
 
     a = FakeEngine("a", devices=[0, 1])
     a.process = SimpleNamespace(pid=4242, group_pids=lambda: {4242, 4243})
@@ -479,7 +479,7 @@ async def test_a_parked_engines_residual_is_measured_through_nvml_when_it_sees_t
         seen[index] = pids
         return {0: 6.0, 1: None}[index]  # GPU 1: NVML could not say
 
-    monkeypatch.setattr(hardware, "process_gpu_memory_gb", nvml)
+    monkeypatch.setattr(actions, "process_gpu_memory_gb", nvml)
     s = scheduler(a, clock=clock, gpus={0: 80.0, 1: 80.0})
     s._measure_residual(a)
     assert s.residuals == {"a": {0: 6.0}} and seen == {0: {4242, 4243}, 1: {4242, 4243}}
@@ -631,7 +631,7 @@ async def test_with_host_ram_for_level_1_such_an_engine_parks_there_like_any_oth
     assert [(d.action, d.engine.name, d.level) for d in plan.decisions] == [("park", "tz", 1)]
 
 
-# -- host RAM by measurement (engines/host_memory.py): what the engines hold for sleep, not the checkpoint ----
+# -- host RAM by measurement (engines/memory/host.py): what the engines hold for sleep, not the checkpoint ----
 
 def measured(engine: FakeEngine, gb: float, *, level1: Optional[float] = None, source: str = "extension") -> FakeEngine:
     """`engine` as its last host-memory measurement left it: `gb` held for sleep (`level1`: what its last

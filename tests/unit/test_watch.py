@@ -9,7 +9,7 @@ import pytest
 from config.schema import Gate, Swap
 from engines import watch
 from engines.engine import State
-from engines.gate.verdict import MidlifeWatch
+from engines.gate import GateRecord
 
 
 class FakeClient:
@@ -29,9 +29,10 @@ class FakeClient:
 def fake_engine(on_midlife: str = "restart") -> SimpleNamespace:
     gate = Gate(on_midlife=on_midlife, midlife_window_s=3600, midlife_min_drafts=100)
     collapses: list[str] = []
+    record = GateRecord(gate)
+    record.baseline = SimpleNamespace(mal=3.0)  # the cold-boot canary's acceptance
     return SimpleNamespace(
-        name="a", state=State.AWAKE, has_draft=True, baseline=SimpleNamespace(mal=3.0), client=FakeClient(),
-        swap=Swap(), spec=SimpleNamespace(gate=gate), midlife=MidlifeWatch(gate), needs_restart=None, observed_mal=None,
+        name="a", state=State.AWAKE, has_draft=True, gate=record, client=FakeClient(), swap=Swap(),
         observer=SimpleNamespace(midlife_collapse=lambda engine, mal, reason: collapses.append(reason)), collapses=collapses,
     )
 
@@ -41,8 +42,8 @@ async def test_a_collapse_asks_for_a_restart_once():
     await watch.acceptance(engine)
     engine.client.serve(drafts=200, accepted=0)  # every draft token rejected
     await watch.acceptance(engine)
-    assert engine.needs_restart and "the draft model looks lost" in engine.needs_restart
-    assert engine.observed_mal == pytest.approx(1.0) and len(engine.collapses) == 1
+    assert engine.gate.needs_restart and "the draft model looks lost" in engine.gate.needs_restart
+    assert engine.gate.observed_mal == pytest.approx(1.0) and len(engine.collapses) == 1
     engine.client.serve(drafts=200, accepted=0)
     await watch.acceptance(engine)
     assert len(engine.collapses) == 1, "one collapse, one alert"
@@ -53,11 +54,11 @@ async def test_a_pending_restart_is_dropped_when_acceptance_recovers_before_it_s
     await watch.acceptance(engine)
     engine.client.serve(drafts=200, accepted=0)
     await watch.acceptance(engine)
-    assert engine.needs_restart
+    assert engine.gate.needs_restart
     engine.client.serve(drafts=10_000, accepted=20_000)  # the window's MAL is back near 3
     await watch.acceptance(engine)
-    assert engine.needs_restart is None and not engine.midlife.collapsed
-    assert engine.midlife.last_collapse is not None, "what happened stays visible"
+    assert engine.gate.needs_restart is None and not engine.gate.midlife.collapsed
+    assert engine.gate.midlife.last_collapse is not None, "what happened stays visible"
 
 
 async def test_with_on_midlife_log_a_collapse_is_flagged_but_nothing_restarts():
@@ -65,7 +66,7 @@ async def test_with_on_midlife_log_a_collapse_is_flagged_but_nothing_restarts():
     await watch.acceptance(engine)
     engine.client.serve(drafts=200, accepted=0)
     await watch.acceptance(engine)
-    assert engine.midlife.collapsed and engine.collapses and engine.needs_restart is None
+    assert engine.gate.midlife.collapsed and engine.collapses and engine.gate.needs_restart is None
 
 
 async def test_an_engine_that_is_not_serving_is_not_scraped():

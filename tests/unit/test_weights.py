@@ -1,4 +1,4 @@
-"""engines.weights: the host RAM an engine's weights take at Level 1, from the roster or its checkpoint files.
+"""engines.memory.weights: the host RAM an engine's weights take at Level 1, from the roster or its checkpoint files.
 
 Checkpoints here are sparse files: any apparent size, no disk used.
 """
