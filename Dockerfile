@@ -1,5 +1,5 @@
 # hotswap on the official vLLM OpenAI image: the router and the engines it starts share
-# this image, so the worker extension (engines.vllm_ext) is importable inside every engine.
+# this image, so the worker extension (engines.vllm_worker) is importable inside every engine.
 FROM vllm/vllm-openai:v0.33.0
 
 WORKDIR /opt/hotswap
