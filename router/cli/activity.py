@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import urllib.error
@@ -51,6 +52,14 @@ def _records(url: str, admin_key: Optional[str], **query: Any) -> list[dict[str,
     return fetch(url, admin_key, CALL_S, path)["records"]
 
 
+def _stop_on_ctrl_c_and_sigterm() -> None:
+    """--follow ends on Ctrl-C and on SIGTERM, however it was started: a background job of a
+    non-interactive shell (`nohup ... &`, a CI runner's script) inherits SIGINT ignored, and Python
+    then leaves it ignored."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def show(url: str, admin_key: Optional[str], model: Optional[str], limit: int, follow: bool) -> int:
     admin_key = admin_key or os.environ.get("HOTSWAP_ADMIN_KEY")
     try:
@@ -59,6 +68,8 @@ def show(url: str, admin_key: Optional[str], model: Optional[str], limit: int, f
         for r in records:
             print(row(r))
         since = records[-1]["at"] if records else time.time()
+        if follow:
+            _stop_on_ctrl_c_and_sigterm()
         while follow:
             sys.stdout.flush()
             time.sleep(FOLLOW_POLL_S)

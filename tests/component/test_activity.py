@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import aiohttp
+import pytest
 
 from tests.support import ask, client, eventually, http, roster_dict, sim_model
 
@@ -145,7 +146,12 @@ async def test_the_sqlite_file_brings_the_records_back_after_a_restart(start_rou
     assert len(await newest(second, 4)) == 4
 
 
-async def test_hotswap_activity_prints_the_table_and_follows_new_requests(start_router):
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job of a non-interactive shell starts
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+async def test_hotswap_activity_prints_the_table_and_follows_new_requests(start_router, stop):
     router = await start_router(roster_dict(sim_model("a"), sim_model("c")))
     await ask(client(router), "a")
     await ask(client(router), "c")
@@ -158,8 +164,9 @@ async def test_hotswap_activity_prints_the_table_and_follows_new_requests(start_
     lease = "awake" if c["found_awake"] else f"swap {c['swap_id']}"  # a and c do not fit together: c's wake parked a
     assert len(lines) == 1 and lines[0].split()[2:6] == ["c", "c", "completions", "200"] and f" {lease} " in lines[0], run.stdout
 
+    # Started with SIGINT ignored, as under `nohup bash .ci/run &`: Ctrl-C must still end it.
     follow = subprocess.Popen([sys.executable, "-m", "router.cli", "activity", "--url", router.url, "--follow", "--limit", "1"],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, preexec_fn=ignore_sigint)
 
     async def next_line() -> str:
         assert follow.stdout is not None
@@ -172,8 +179,8 @@ async def test_hotswap_activity_prints_the_table_and_follows_new_requests(start_
         line = await next_line()  # a later poll brings it
         assert line.split()[2:4] == ["a", "a"], line
     finally:
-        follow.send_signal(signal.SIGINT)
-        assert follow.wait(timeout=10) == 0, "Ctrl-C ends --follow cleanly"
+        follow.send_signal(stop)
+        assert follow.wait(timeout=10) == 0, f"{signal.Signals(stop).name} ends --follow cleanly"
 
 
 async def test_the_ui_shows_recent_requests_filtered_by_model(start_router):
