@@ -112,7 +112,7 @@ def claims(front: str, holders: dict[str, list[str]]) -> tuple[list[str], list[t
     answered_by = Counter(s.node or s.error or "?" for s in sent)
     where = ", ".join(f"{m} on {'+'.join(n)}" for m, n in seen.items())
     lines = [f"/v1/models at the front: {where}; unanswered nodes: {listing.get('unanswered_nodes') or 'none'}"
-             + (f" (asked {asks} times: a node missed the front's 2 s before)" if asks > 1 else ""),
+             + (f" (asked {asks} times: the earlier answers were not whole)" if asks > 1 else ""),
              f"bodies for {model} (only on {node}), `model` past the front's {BUFSIZE // 1024} kB: " + "; ".join(
                  f"{s.sdk} {s.size} (model at byte {s.model_at}) -> {s.node or s.error}"
                  + (f" via {s.passed_on_by}" if s.passed_on_by else "") for s in sent)]

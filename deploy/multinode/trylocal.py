@@ -52,6 +52,9 @@ MODELS = sorted({m for models, _, _ in NODES.values() for m in models})
 BOOT_S = 120.0  # the three nodes, booting side by side
 FIRST_ANSWERS_S = 60.0  # the kill waits this long at most for every model's first answer
 ENGINES_GONE_S = 60.0  # the victim's engines, after the load (a drain, then the reaper's stop)
+CLIENT_TIMEOUT_S = 15.0  # each load request's; a request left to it counts as lost
+
+
 def roster(name: str, port: int, agent_port: int, peers: list[str]) -> dict:
     models, zone, idle = NODES[name]
     swap = {"min_active_s": 0, "drain_timeout_s": 5, **({"idle_sleep_s": idle} if idle else {})}
@@ -104,9 +107,6 @@ async def one(client: openai.AsyncOpenAI, model: str, run: Run) -> None:
         result.ended = time.monotonic()
         del run.live[id(result)]
         run.results.append(result)
-
-
-CLIENT_TIMEOUT_S = 15.0  # each load request's; a request left to it counts as lost
 
 
 def answered(run: Run) -> set[str]:
@@ -176,7 +176,7 @@ def report(run: Run, before: dict, engines: tuple[list[int], list[int]], sig: st
     others = [r for r in run.results if r.model in ("alpha", "gamma", "delta") and r.error]
     beta_at_kill = [r for r in run.results if r.model == "beta" and r.started < kill < r.ended]
     # An orphan is answered by HAProxy (503) or by the dying node; never left to the client's timeout.
-    hung = [r for r in orphan if not (r.error or "")[:1].isdigit()]
+    hung = [r for r in orphan if r.error == "APITimeoutError" or r.ended - r.started >= CLIENT_TIMEOUT_S]
     slowest = max((r.ended - r.started for r in orphan), default=0.0)
     victim_engines, left = engines
     # SIGTERM: the victim stops by itself after its drain; SIGKILL: it must not leave engines behind.
@@ -330,10 +330,9 @@ def main() -> int:
         if args.signal == "KILL":
             front_claims.append(scenario_front.moved_after_kill(run.results, run.killed_at))
         WATCHED.clear()
-        left = victim_engines
-        try:  # not a set-up step: the claim below reports what is left
+        try:  # a wait, not a set-up step: the claim below says what is left
             poll(f"{VICTIM}'s engines gone", ENGINES_GONE_S,
-                 lambda: (not (left := [p for p in victim_engines if alive(p)]), f"alive: {left}"))
+                 lambda: (not any(alive(p) for p in victim_engines), f"alive: {[p for p in victim_engines if alive(p)]}"))
         except Failed:
             pass
         left = [p for p in victim_engines if alive(p)]
