@@ -15,31 +15,21 @@ import asyncio
 import collections
 import json
 import time
-import urllib.error
-import urllib.request
 from typing import Callable
 
 import openai
+from steps import SETTLE_S, call, poll
 
 PARKED, AWAKE = "node-a", "node-b"  # where `shared` is parked / awake for the affinity check
 REQUESTS = 200
 
 
-def _call(method: str, url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, method=method, data=b"" if method == "POST" else None),
-                                    timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+def status(node_url: str, timeout: float = 30.0) -> dict:
+    return json.loads(call("GET", node_url + "/admin/status", timeout)[1])
 
 
-def status(node_url: str) -> dict:
-    return json.loads(_call("GET", node_url + "/admin/status")[1])
-
-
-def state(node_url: str, model: str) -> str:
-    return next(e["state"] for e in status(node_url)["engines"] if e["name"] == model)
+def state(node_url: str, model: str, timeout: float = 30.0) -> str:
+    return next(e["state"] for e in status(node_url, timeout)["engines"] if e["name"] == model)
 
 
 def wakes(node_url: str, model: str, since: float) -> int:
@@ -47,13 +37,15 @@ def wakes(node_url: str, model: str, since: float) -> int:
     return sum(1 for s in status(node_url)["swaps"] if s["to"] == model and s["at"] >= since)
 
 
-def park(node_url: str, until: Callable, states: Callable[[], dict]) -> None:
+def park(node_url: str, states: Callable[[], dict]) -> None:
     """Park `shared` on `node_url` (the operator's own loopback call, straight to the node) and wait
     until HAProxy has heard it from the node's agent: that node's primary line for shared drains."""
-    code, body = _call("POST", node_url + "/admin/sleep?model=shared", timeout=30)
-    assert code == 200, body
-    until(lambda: state(node_url, "shared") == "sleeping", 30, f"shared parked on {PARKED}")
-    until(lambda: states().get(("model_shared", PARKED)) == "DRAIN", 10, f"HAProxy draining shared's primary line on {PARKED}")
+    code, body = call("POST", node_url + "/admin/sleep?model=shared", timeout=SETTLE_S)
+    assert code == 200, f"parking shared on {PARKED}: POST /admin/sleep?model=shared answered {code}: {body[:300]!r}"
+    poll(f"shared parked on {PARKED} (/admin/status)", SETTLE_S,
+         lambda: ((now := state(node_url, "shared", 5.0)) == "sleeping", f"shared is {now}"))
+    poll(f"HAProxy draining shared's primary line on {PARKED} (its agent, 1 s apart)", SETTLE_S,
+         lambda: ((now := states().get(("model_shared", PARKED))) == "DRAIN", f"that line is {now}"))
 
 
 def affinity(front_url: str, parked_url: str, concurrency: int) -> tuple[list[tuple[str, bool]], str]:
@@ -98,11 +90,11 @@ def moved_after_kill(results: list, killed_at: float) -> tuple[str, bool]:
 
 def admin(front_url: str, stats_url: str, node_url: str) -> list[tuple[str, bool]]:
     """The front does not hand loopback's trust to its clients (the nodes have no admin key)."""
-    read = [_call("GET", front_url + path)[0] for path in ("/admin/status", "/%61dmin/status", "/ui")]
-    slept = _call("POST", front_url + "/admin/sleep?model=alpha")[0]
+    read = [call("GET", front_url + path)[0] for path in ("/admin/status", "/%61dmin/status", "/ui")]
+    slept = call("POST", front_url + "/admin/sleep?model=alpha")[0]
     alpha = state(node_url, "alpha")
-    public_stats = _call("GET", front_url + "/haproxy-stats;csv")
-    local_stats = _call("GET", stats_url)
+    public_stats = call("GET", front_url + "/haproxy-stats;csv")
+    local_stats = call("GET", stats_url)
     return [
         (f"through the front, /admin/status, /%61dmin/status and /ui answer {read} and /admin/sleep {slept}; "
          f"alpha is still {alpha} on node-a", all(c == 403 for c in read) and slept == 403 and alpha == "awake"),

@@ -5,7 +5,8 @@
 #
 # Installs what it needs, once: the project's venv (.venv, as .ci/run makes it) and Debian's
 # haproxy (as root with apt-get; .ci/install-tools.sh installs it for CI). Bounded: the run is
-# stopped after 240 s, and every process it started is stopped on any exit.
+# stopped after 240 s (it then says which step it was in), and every process it started is stopped
+# on any exit. Its waits are polls with deadlines for a busy machine (deploy/multinode/steps.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 

@@ -5,7 +5,8 @@ front sends it only to node-b, where it is awake; both runs check that the front
 
 The script itself checks the claims (traffic of the killed node's shared model moves to the
 other node, the others keep serving, nothing is lost beyond what was in flight there) and exits
-non-zero when one fails; this test runs it and reads its summary.
+non-zero when one fails; this test runs it and reads its summary. A step that cannot happen says
+which step it was and what it saw (deploy/multinode/steps.py).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "deploy" / "multinode" / "try-local.sh"
 HAVE_HAPROXY = bool(shutil.which("haproxy") or Path("/usr/sbin/haproxy").exists())
+needs_haproxy = pytest.mark.skipif(
+    not HAVE_HAPROXY and os.geteuid() != 0 and os.environ.get("HOTSWAP_REQUIRE_TOOLS") != "1",
+    reason="needs haproxy (apt-get install haproxy, or .ci/install-tools.sh), or root to install it")
 
 
-@pytest.mark.skipif(not HAVE_HAPROXY and os.geteuid() != 0 and os.environ.get("HOTSWAP_REQUIRE_TOOLS") != "1",
-                    reason="needs haproxy (apt-get install haproxy, or .ci/install-tools.sh), or root to install it")
+@needs_haproxy
 @pytest.mark.parametrize("sig", ["KILL", "TERM"])
 def test_try_local_moves_the_stopped_nodes_traffic_and_loses_nothing_else(tmp_path, sig):
     summary = tmp_path / "summary.json"
@@ -50,3 +53,14 @@ def test_try_local_moves_the_stopped_nodes_traffic_and_loses_nothing_else(tmp_pa
         assert rows["shared"][4] == "0"
     assert result["requests"] > 100
     assert f"node-b SIG{sig}ed with" in result["summary"] and result["summary"] in run.stdout
+
+
+@needs_haproxy
+def test_a_front_that_dies_at_its_start_fails_the_run_at_once_naming_the_step_and_what_it_saw(tmp_path):
+    """`--haproxy /bin/false`: the front exits at once with code 1. The run does not wait out the
+    step's deadline (60 s) for servers that will never be UP: it says which step failed and why."""
+    run = subprocess.run(["bash", str(SCRIPT), "--haproxy", "/bin/false"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "try-local: HAProxy: every server UP or DRAIN" in run.stderr, run.stderr
+    assert "haproxy exited with code 1 (its log is empty)" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and "[PASS]" not in run.stdout

@@ -28,6 +28,16 @@ local function quoted(c, text)
     return '"' .. c:json(text, "utf8s") .. '"'
 end
 
+-- A whole number read exactly, or 0. Without json_query's "int" a JSON number comes back as %g text:
+-- six significant digits, so a `created` of 1796155152 became 1796160000. With it, a string comes back
+-- as it is: a card whose `created` is no integer (a string, or past int64) says 0 rather than failing
+-- the whole list in string.format.
+local function integer(c, body, path)
+    local value = c:json_query(body, path, "int")
+    if math.type(value) == "integer" then return value end
+    return 0
+end
+
 local function error_body(c, message, kind, code)
     return '{"error": {"message": ' .. quoted(c, message) .. ', "type": "' .. kind .. '", "param": null, "code": "'
         .. code .. '"}}'
@@ -59,7 +69,7 @@ local function ask(applet, node)
         if id == nil then break end
         cards[#cards + 1] = {
             id = id,
-            created = tonumber(c:json_query(body, card .. ".created")) or 0,
+            created = integer(c, body, card .. ".created"),
             parent = c:json_query(body, card .. ".parent"),
             name = c:json_query(body, card .. ".node.name") or node.name,
             state = c:json_query(body, card .. ".state") or "unknown",
