@@ -62,8 +62,9 @@ class Peers:
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        # Unbounded as a pool: the bound is `node.peer_connections` per peer (a reload changes it for the next
-        # hand-off), checked before a connection is asked for, so nothing ever queues inside the connector.
+        # Made at first use, inside the running loop (aiohttp's rule), wherever the app was built. Unbounded as
+        # a pool: the bound is `node.peer_connections` per peer (a reload changes it for the next hand-off),
+        # checked before a connection is asked for, so nothing ever queues inside the connector.
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self._session
@@ -103,16 +104,16 @@ class Peers:
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as exc:
             if response is not None and (request.transport is None or request.transport.is_closing()):
                 return response  # the client went away mid-stream: leaving the block cut the peer's answer too
-            what = f"{'did not answer' if response is None else 'failed mid-stream'} ({type(exc).__name__})"
-            log.warning("peer %s (node %s, serving '%s') %s%s", peer, node, model, what,
-                        "; the stream to the client is ended with an error event" if response is not None else "")
             self.listings.forget(peer)
-            if response is None:
+            if response is None:  # logged there, once while the problem lasts
+                what = f"did not answer ({type(exc).__name__})"
                 self.listings.of(peer).failed(f"a request passed on to it {what}", time.monotonic())
-            why = f"The peer node '{node}' serving '{model}' {what}."
-            if response is None:
-                raise APIError(502, why, "peer_unreachable") from None
-            await response.write(sse_error(why, "peer_unreachable", status=502, anthropic=anthropic_path(path)))
+                raise APIError(502, f"The peer node '{node}' serving '{model}' {what}.", "peer_unreachable") from None
+            what = f"failed mid-stream ({type(exc).__name__})"
+            log.warning("peer %s (node %s, serving '%s') %s; the stream to the client is ended with an error event",
+                        peer, node, model, what)
+            await response.write(sse_error(f"The peer node '{node}' serving '{model}' {what}.", "peer_unreachable",
+                                           status=502, anthropic=anthropic_path(path)))
             await response.write_eof()
             return response
         finally:
