@@ -29,8 +29,9 @@ def node(name: str, model: str, peers: list[str], keyed: bool = True) -> dict:
 class FakePeer:
     """A peer whose /v1/models says whatever the test sets, and which answers any completion itself."""
 
-    def __init__(self, listing: Any) -> None:
+    def __init__(self, listing: Any, drops: bool = False) -> None:
         self.listing = listing
+        self.drops = drops  # it closes the connection of a request passed on to it, without a byte of answer
         self.passed_on = 0
         self.url = ""
         self._runner: web.AppRunner
@@ -51,6 +52,9 @@ class FakePeer:
 
     async def _complete(self, request: web.Request) -> web.Response:
         self.passed_on += 1
+        if self.drops:
+            assert request.transport is not None
+            request.transport.close()
         return web.json_response({"object": "text_completion", "choices": [{"index": 0, "text": "from the fake peer"}]},
                                  headers={"X-Hotswap-Node": "fake"})
 
@@ -147,6 +151,22 @@ async def test_a_black_holed_peer_costs_one_fetch_and_the_misses_after_it_answer
     assert [status for status, _ in answers] == [404] * 50 + [200]
     assert hole.connections == 1
     assert a.log().count(f"peer {hole.url}: its /v1/models did not answer within 2 s") == 1
+
+
+async def test_a_peer_that_drops_a_passed_on_request_is_a_502_naming_its_node_not_its_address(start_router, servers):
+    listing = {"object": "list", "data": [{"id": "gamma", "state": "awake", "node": {"name": "node-g"}}]}
+    dropper = await servers(FakePeer(listing, drops=True))
+    a = await start_router(node("node-a", "alpha", [dropper.url]), env=ENV)
+    status, body = await post(a, "gamma")
+    assert status == 502 and body["error"]["code"] == "peer_unreachable", body
+    assert "node-g" in body["error"]["message"] and dropper.url not in body["error"]["message"]
+    assert "127.0.0.1" not in body["error"]["message"]
+    # The operator's side: the log and /admin/status name the peer, and it is skipped for a while.
+    assert a.log().count(f"peer {dropper.url}: a request passed on to it did not answer (ServerDisconnectedError)") == 1
+    status, body = await post(a, "gamma")
+    assert status == 404 and dropper.passed_on == 1, body
+    peer = (await a.status())["peers"][0]
+    assert (peer["url"], peer["node"], peer["state"]) == (dropper.url, "node-g", "skipped")
 
 
 def raw_post(router: RouterProcess, path: str, header: bytes, body: dict) -> tuple[int, dict]:
