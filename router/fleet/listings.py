@@ -59,6 +59,13 @@ class Listing:
     node: Optional[str] = None
 
 
+def parse(body: bytes) -> Listing:
+    """A peer's /v1/models answer as a Listing; anything else raises pydantic's ValidationError, and nothing else."""
+    cards = _ModelList.model_validate_json(body).data
+    return Listing(time.monotonic(), {c.id: (c.state == "awake", c.wake_estimate_s or 0.0) for c in cards},
+                   next((c.node.name for c in cards if c.node is not None and c.node.name), None))
+
+
 @dataclass
 class PeerHealth:
     """Whether a peer is asked, and what went wrong with it last (for the log and /admin/status)."""
@@ -131,9 +138,7 @@ class Listings:
                     problem = f"its /v1/models answered HTTP {answer.status}"
                     listing = None
                 else:
-                    cards = _ModelList.model_validate_json(await answer.read()).data
-                    listing = Listing(time.monotonic(), {c.id: (c.state == "awake", c.wake_estimate_s or 0.0) for c in cards},
-                                      next((c.node.name for c in cards if c.node is not None and c.node.name), None))
+                    listing = parse(await answer.read())
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "the body"
