@@ -123,6 +123,11 @@ class Node(Section):
         default_factory=list, description="Base URLs of the fleet's other nodes (e.g. `http://10.0.0.2:8080`). A request "
         "for a model this node does not serve is passed on to a peer whose /v1/models lists it (a front that could not "
         "read the model sends it anywhere, docs/multi-node.md); empty: such a request is a 404, as without peers.")
+    peer_connections: int = Field(
+        64, ge=1, description="Requests this node passes on to one peer at a time (each holds a connection to it for "
+        "as long as its answer lasts); one more is answered 503 `peer_busy` with Retry-After at once, never queued. "
+        "These connections are their own pool: the engines' control calls (sleep, wake, canary, metrics) never wait "
+        "for them.")
 
     @field_validator("peers")
     @classmethod

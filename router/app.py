@@ -1,7 +1,7 @@
 """The composition root: builds the parts of a router and connects them, nothing else.
 
 `build_router` makes the roster live (engines, their scheduler, and the connection pools the
-proxy forwards on); `build_app` puts it behind aiohttp: the middlewares, the objects each
+proxy forwards on; `control` is the engines' own, for their control calls only); `build_app` puts it behind aiohttp: the middlewares, the objects each
 wing's handlers read from the app, and the routes.
 
 Nothing but the routes listed here exists. The engines' dev endpoints (`/sleep`, `/wake_up`,
@@ -24,8 +24,8 @@ from router.live import ROUTER_KEY, Router
 from router.metrics import METRICS_KEY, serve_metrics
 
 
-def build_router(roster: Roster, log_dir: Path, session: aiohttp.ClientSession) -> Router:
-    return Router(roster, log_dir, session, proxy.Upstreams(), admin.ActivityLog(roster.activity))
+def build_router(roster: Roster, log_dir: Path, control: aiohttp.ClientSession) -> Router:
+    return Router(roster, log_dir, control, proxy.Upstreams(), admin.ActivityLog(roster.activity))
 
 
 def build_app(router: Router) -> web.Application:
@@ -40,7 +40,8 @@ def build_app(router: Router) -> web.Application:
     app[admin.RELOADS_KEY] = admin.Reloads(router)
     app[admin.LOG_FOLLOWERS_KEY] = followers = admin.LogFollowers()
     app.on_shutdown.append(followers.close)
-    app[fleet.PEERS_KEY] = fleet.Peers()
+    app[fleet.PEERS_KEY] = peers = fleet.Peers()  # with its own connections: never the engines' control pool
+    app.on_cleanup.append(peers.close)
     app.on_response_prepare.append(fleet.names_its_answers(lambda: router.roster))
     add = app.router
     for route in proxy.PROXIED:

@@ -91,9 +91,10 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
     loop.add_signal_handler(signal.SIGUSR1, log_tasks)
 
-    # Control calls carry their own per-call timeouts; proxied requests go through router.upstream.
-    async with aiohttp.ClientSession() as session:
-        router = build_router(roster, log_dir, session)
+    # The engines' control calls, with their own per-call timeouts, and nothing else: requests go to engines
+    # through router.upstreams and to peers on fleet.Peers' own pool, so no load can starve a wake.
+    async with aiohttp.ClientSession() as control:
+        router = build_router(roster, log_dir, control)
         app = build_app(router)
         # aiohttp's keep-alive timer is armed when a connection opens and after each answer, and closes the
         # connection if no complete request head has arrived when it fires: that is the header timeout.
@@ -137,6 +138,7 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
                         "and SIGKILL after %g s", signal.Signals(signals[-1]).name, roster.swap.kill_grace_s)
             await router.stop()
             await _stop_agent(agent)
+            await app[fleet.PEERS_KEY].close()  # the app is not cleaned up on this path
             log.info("hotswap: stopped")
             return 128 + signals[-1]
         await graceful

@@ -57,11 +57,13 @@ class RequestLog(Protocol):
 class Router(Observer, Events):
     """The roster made live: engines, their scheduler, and the name -> engine table."""
 
-    def __init__(self, roster: Roster, log_dir: Path, session: aiohttp.ClientSession, upstreams: ConnectionPools,
+    def __init__(self, roster: Roster, log_dir: Path, control: aiohttp.ClientSession, upstreams: ConnectionPools,
                  activity: RequestLog):
         self.roster = roster
         self.log_dir = log_dir
-        self.session = session
+        # The engines' control calls (sleep, wake, reload, canary, metrics) and nothing else: a request's
+        # bytes travel on `upstreams` (to engines) or the peers' own pool, so a wake never waits behind them.
+        self.control = control
         self.upstreams = upstreams
         self.activity = activity
         self.metrics = Metrics()
@@ -80,7 +82,7 @@ class Router(Observer, Events):
         self.draining = False  # SIGTERM seen: /ready says 503 while in-flight work finishes
 
     def new_engine(self, spec: ModelSpec) -> Engine:
-        return Engine(spec, self.roster.swap, self.session, self.log_dir, self)
+        return Engine(spec, self.roster.swap, self.control, self.log_dir, self)
 
     def add_engine(self, engine: Engine) -> None:
         self.engines[engine.name] = engine

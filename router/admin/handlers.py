@@ -17,6 +17,7 @@ from router.admin.activity import ActivityLog
 from router.admin.reload import Reloads
 from router.admin.status import engine_status, router_status
 from router.errors import APIError, error_body
+from router.fleet import PEERS_KEY
 from router.live import ROUTED_MODEL, ROUTER_KEY
 
 log = logging.getLogger("hotswap")
@@ -33,7 +34,8 @@ class ActivityQuery(BaseModel):
 
 
 async def admin_status(request: web.Request) -> web.Response:
-    return web.json_response(router_status(request.app[ROUTER_KEY], request.app[RELOADS_KEY]))
+    router = request.app[ROUTER_KEY]
+    return web.json_response({**router_status(router, request.app[RELOADS_KEY]), "peers": request.app[PEERS_KEY].status(router.roster)})
 
 
 async def admin_timeline(request: web.Request) -> web.Response:

@@ -5,8 +5,16 @@ The proxy's endpoint calls `Peers.hand_off` where it would answer 404 model_not_
 A front routes by the body's `model` only when it can read it: HAProxy sees the first
 `tune.bufsize` of a body, so a long conversation whose `model` comes last (the anthropic SDK
 writes it after `messages`) reaches any node. That node has already read the whole body; it
-asks its peers' /v1/models which of them serves the model (cached for `LIST_TTL_S`, asked
-again on a miss), sends the body there and relays the answer, a stream as it arrives.
+asks its peers' /v1/models which of them serves the model (`router.fleet.listings`: cached,
+one fetch in flight per peer, a failing peer skipped with backoff), sends the body there and
+relays the answer, a stream as it arrives.
+
+Hand-offs have their own connection pool, never the engines' control session (sleep, wake,
+canary and metrics calls must not wait behind a hundred long streams), and at most
+`node.peer_connections` of them are in flight to one peer: one more is a 503 `peer_busy` at
+once, which a client or a front retries, rather than a wait in a connector's queue that no
+deadline bounds. Peers' addresses and what failed on each go to the log and /admin/status,
+never into a client's answer.
 
 One hop only: the forwarded request carries `HOP_HEADER`, and a node that receives it answers
 its own 404, so two nodes that each think the other has a model cannot pass it back and forth.
@@ -18,16 +26,18 @@ sees fewer models).
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import aiohttp
 from aiohttp import web
 
+from config.schema import Roster
 from router.errors import APIError, anthropic_path, sse_error
+from router.fleet.listings import Listings
 from router.fleet.node import NODE_HEADER, card
 
 HOP_HEADER = "X-Hotswap-Forwarded-By"  # its value: the name of the node that passed the request on
@@ -35,52 +45,52 @@ PASSED_ON_HEADER = "X-Hotswap-Passed-On-By"  # on the answer, for the client: th
 # What a peer needs of the client's request, and what the client needs of the peer's answer.
 REQUEST_HEADERS = ("Authorization", "x-api-key", "anthropic-version", "anthropic-beta", "Content-Type", "Accept",
                    "X-Hotswap-Max-Wait")
+CREDENTIALS = ("Authorization", "x-api-key")
 ANSWER_HEADERS = ("Content-Type", "Retry-After", NODE_HEADER, "Cache-Control", "X-Request-Id")
-LIST_TTL_S = 10.0  # a peer's model list is reused this long
-REFRESH_GAP_S = 1.0  # a miss asks a peer again, but not more often than this: a storm of unknown models stays cheap
-LIST_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 CONNECT_S = 5.0
-MAX_LISTINGS = 512  # (peer, key) pairs remembered
+BUSY_RETRY_AFTER_S = 1.0
 log = logging.getLogger("hotswap")
-
-
-@dataclass
-class Listing:
-    """What one peer's /v1/models said, for one key: model -> (awake, wake_estimate_s), or why it said nothing."""
-
-    at: float
-    models: dict[str, tuple[bool, float]] = field(default_factory=dict)
-    problem: Optional[str] = None
 
 
 class Peers:
     """The peers' model lists, and the hand-off of one request to the peer that serves its model."""
 
     def __init__(self) -> None:
-        self._listings: dict[tuple[str, str], Listing] = {}
-        self._down: set[str] = set()  # peers whose failure was logged (once, until they answer again)
+        self.listings = Listings()
+        self.passed_on: collections.Counter[str] = collections.Counter()  # hand-offs in flight, per peer
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        # Made at first use, inside the running loop (aiohttp's rule), wherever the app was built. Unbounded as
+        # a pool: the bound is `node.peer_connections` per peer (a reload changes it for the next hand-off),
+        # checked before a connection is asked for, so nothing ever queues inside the connector.
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def close(self, app: Any = None) -> None:
+        if self._session is not None:
+            await self._session.close()
 
     async def hand_off(self, request: web.Request, router, path: str, body: bytes, model: str,
                        not_here: APIError) -> web.StreamResponse:
-        """Answer the request from the peer that serves `model`, or raise `not_here`, naming the peers asked."""
+        """Answer the request from the peer that serves `model`, or raise `not_here` (no peer has it: said, not named)."""
         peers = router.roster.node.peer_urls()
         if not peers or HOP_HEADER in request.headers:
             raise not_here
-        credential = _credential(request)
-        session = router.session
-        peer, asked = await self._where(session, peers, model, credential)
-        if peer is None:
-            said = "; ".join(f"{url}: {why}" for url, why in asked.items())
-            raise APIError(404, f"{not_here.message}. Not served by this node's peers either (asked {said}).",
-                           "model_not_found", param="model")
-        headers = {k: request.headers[k] for k in REQUEST_HEADERS if k in request.headers}
+        headers = _passed_on(request)
+        peer = await self._where(peers, model, _credential(headers, anthropic_path(path)), router.roster.node.peer_connections,
+                                 not_here)
+        node = self.listings.of(peer).node or "a peer"
         headers[HOP_HEADER] = card(router.roster)["name"]
         # Each silence of the peer's answer is bounded by its own wait for a wake, plus a stream's stall limit.
         queue = router.roster.queue
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_S, sock_read=queue.max_wait_s + queue.stall_timeout_s)
         response: Optional[web.StreamResponse] = None
+        self.passed_on[peer] += 1
         try:
-            async with session.post(peer + path, data=body, headers=headers, timeout=timeout) as answer:
+            async with self.session.post(peer + path, data=body, headers=headers, timeout=timeout) as answer:
                 kept = {k: answer.headers[k] for k in ANSWER_HEADERS if k in answer.headers}
                 kept[PASSED_ON_HEADER] = headers[HOP_HEADER]
                 if not answer.content_type == "text/event-stream":
@@ -94,72 +104,81 @@ class Peers:
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as exc:
             if response is not None and (request.transport is None or request.transport.is_closing()):
                 return response  # the client went away mid-stream: leaving the block cut the peer's answer too
-            why = f"peer {peer} (serving '{model}') {'did not answer' if response is None else 'failed mid-stream'}: {type(exc).__name__}"
-            self._forget(peer)
-            if response is None:
-                raise APIError(502, why, "peer_unreachable") from None
-            log.warning("%s; the stream to the client is ended with an error event", why)
-            await response.write(sse_error(why, "peer_unreachable", status=502, anthropic=anthropic_path(path)))
+            self.listings.forget(peer)
+            if response is None:  # logged there, once while the problem lasts
+                what = f"did not answer ({type(exc).__name__})"
+                self.listings.of(peer).failed(f"a request passed on to it {what}", time.monotonic())
+                raise APIError(502, f"The peer node '{node}' serving '{model}' {what}.", "peer_unreachable") from None
+            what = f"failed mid-stream ({type(exc).__name__})"
+            log.warning("peer %s (node %s, serving '%s') %s; the stream to the client is ended with an error event",
+                        peer, node, model, what)
+            await response.write(sse_error(f"The peer node '{node}' serving '{model}' {what}.", "peer_unreachable",
+                                           status=502, anthropic=anthropic_path(path)))
             await response.write_eof()
             return response
+        finally:
+            self.passed_on[peer] -= 1
 
-    async def _where(self, session: aiohttp.ClientSession, peers: list[str], model: str,
-                     credential: tuple[str, dict[str, str]]) -> tuple[Optional[str], dict[str, str]]:
-        """The peer to send `model` to (awake there first, then the shortest predicted wake), and what each peer said."""
-        listings = await self._read(session, peers, credential, fresh=False)
-        if not any(model in listing.models for listing in listings.values()):
-            # A miss: a peer may have gained the model since (a reload, an adapter loaded); ask again.
-            listings = await self._read(session, peers, credential, fresh=True)
-        having = [(not listings[url].models[model][0], listings[url].models[model][1], i, url)
-                  for i, url in enumerate(peers) if model in listings[url].models]
-        asked = {url: listings[url].problem or "not served there" for url in peers}
-        return (min(having)[3] if having else None), asked
-
-    async def _read(self, session: aiohttp.ClientSession, peers: list[str], credential: tuple[str, dict[str, str]],
-                    fresh: bool) -> dict[str, Listing]:
+    async def _where(self, peers: list[str], model: str, credential: tuple[str, dict[str, str]], limit: int,
+                     not_here: APIError) -> str:
+        """The peer to send `model` to: awake there first, then the shortest predicted wake, among those with room."""
         digest, headers = credential
+        listings = await self.listings.read(self.session, peers, digest, headers, fresh=False)
+        if not any(listing is not None and model in listing.models for listing in listings.values()):
+            # A miss: a peer may have gained the model since (a reload, an adapter loaded); ask again.
+            listings = await self.listings.read(self.session, peers, digest, headers, fresh=True)
+        having = [(not listing.models[model][0], listing.models[model][1], i, url)
+                  for i, (url, listing) in enumerate(listings.items()) if listing is not None and model in listing.models]
+        if not having:
+            raise APIError(404, f"{not_here.message}. No peer of this node serves it either.", "model_not_found", param="model")
+        room = [choice for choice in having if self.passed_on[choice[3]] < limit]
+        if not room:
+            nodes = ", ".join(f"'{self.listings.of(url).node or 'a peer'}'" for *_, url in having)
+            raise APIError(503, f"The model '{model}' is served by peer node {nodes}, which already has {limit} requests "
+                                "passed on from this node (node.peer_connections); retry shortly.", "peer_busy",
+                           retry_after=BUSY_RETRY_AFTER_S)
+        return min(room)[3]
+
+    def status(self, roster: Roster) -> list[dict[str, Any]]:
+        """Each peer as this node sees it, for /admin/status: where the details a client is not told are."""
         now = time.monotonic()
-        max_age = REFRESH_GAP_S if fresh else LIST_TTL_S
+        out = []
+        for url in roster.node.peer_urls():
+            health = self.listings.of(url)
+            skipped = health.skipped(now)
+            out.append({"url": url, "node": health.node, "state": "skipped" if skipped else "asked",
+                        "problem": health.problem, "failures": health.failures,
+                        "asked_again_in_s": round(health.skip_until - now, 1) if skipped else None,
+                        "passed_on": self.passed_on[url], "peer_connections": roster.node.peer_connections})
+        return out
 
-        async def listing(url: str) -> Listing:
-            known = self._listings.get((url, digest))
-            if known is not None and now - known.at < max_age:
-                return known
-            self._listings[(url, digest)] = known = await self._fetch(session, url, headers)
-            return known
 
-        found = await asyncio.gather(*(listing(url) for url in peers))
-        if len(self._listings) > MAX_LISTINGS:
-            self._listings = {k: v for k, v in self._listings.items() if now - v.at < LIST_TTL_S}
-        return dict(zip(peers, found))
-
-    async def _fetch(self, session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> Listing:
-        at = time.monotonic()
+def _passed_on(request: web.Request) -> dict[str, str]:
+    """The client's headers a peer needs. aiohttp decodes headers as UTF-8 with surrogateescape, and its client
+    cannot send such a value on: bytes that are not UTF-8 are refused here, as the peer would refuse them."""
+    headers = {}
+    for name in REQUEST_HEADERS:
+        value = request.headers.get(name)
+        if value is None:
+            continue
         try:
-            async with session.get(url + "/v1/models", headers=headers, timeout=LIST_TIMEOUT) as answer:
-                if answer.status != 200:
-                    return Listing(at, problem=f"its /v1/models answered {answer.status}")
-                cards = (await answer.json(content_type=None)).get("data") or []
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as exc:
-            if url not in self._down:
-                self._down.add(url)
-                log.warning("peer %s did not answer /v1/models (%s); it is skipped until it does", url, type(exc).__name__)
-            return Listing(at, problem=f"unreachable ({type(exc).__name__})")
-        if url in self._down:
-            self._down.discard(url)
-            log.info("peer %s answers /v1/models again", url)
-        models = {c["id"]: (c.get("state") == "awake", float(c.get("wake_estimate_s") or 0))
-                  for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)}
-        return Listing(at, models)
-
-    def _forget(self, url: str) -> None:
-        """A peer that failed a hand-off is asked afresh next time."""
-        self._listings = {k: v for k, v in self._listings.items() if k[0] != url}
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            if name in CREDENTIALS:  # no key is such bytes (router/auth.py compares the bytes as sent)
+                raise APIError(401, f"Invalid API key: the {name} header is not UTF-8 text, and no key is.",
+                               "invalid_api_key") from None
+            raise APIError(400, f"The {name} header is not UTF-8 text.", "invalid_header") from None
+        headers[name] = value
+    return headers
 
 
-def _credential(request: web.Request) -> tuple[str, dict[str, str]]:
-    """The client's key as /v1/models takes it (Bearer; the anthropic SDK sends x-api-key), and a digest to cache under."""
-    auth = request.headers.get("Authorization") or (f"Bearer {request.headers['x-api-key']}" if "x-api-key" in request.headers else "")
+def _credential(headers: dict[str, str], anthropic: bool) -> tuple[str, dict[str, str]]:
+    """The client's key as the peer's /v1/models takes it (Bearer), the one its auth reads on this route (the
+    anthropic SDK sends x-api-key), and a digest to cache the listing under."""
+    if "x-api-key" in headers and (anthropic or "Authorization" not in headers):
+        auth = f"Bearer {headers['x-api-key']}"
+    else:
+        auth = headers.get("Authorization", "")
     return hashlib.sha256(auth.encode()).hexdigest(), ({"Authorization": auth} if auth else {})
 
 
