@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import urllib.error
-import urllib.request
 from typing import Any, Optional
 
-from router.cli.admin_api import admin_request, refusal
+from router.cli.admin_api import NotARouter, fetch_json, refusal
+
+STATUS_KEYS = ("ready", "booted", "placement", "engines", "last_swap")
 
 
-def fetch(url: str, admin_key: Optional[str], timeout: float = 10, path: str = "/admin/status") -> dict[str, Any]:
-    with urllib.request.urlopen(admin_request(url, path, admin_key), timeout=timeout) as response:
-        return json.load(response)
+def fetch(url: str, admin_key: Optional[str], timeout: float = 10) -> dict[str, Any]:
+    return fetch_json(url, "/admin/status", admin_key, timeout, STATUS_KEYS)
 
 
 def render(status: dict[str, Any]) -> str:
@@ -104,5 +103,14 @@ def show(url: str, admin_key: Optional[str]) -> int:
     except (urllib.error.URLError, OSError) as exc:
         print(f"hotswap status: cannot reach a router at {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
         return 1
-    print(render(status))
+    except NotARouter as exc:
+        print(f"hotswap status: {exc}", file=sys.stderr)
+        return 1
+    try:
+        text = render(status)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # the right keys, with the wrong things in them
+        print(f"hotswap status: {url}/admin/status: not a hotswap router's status ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 1
+    print(text)
     return 0
