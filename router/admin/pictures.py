@@ -70,6 +70,10 @@ def _lane(name: str, data: dict[str, Any], x: Any, t0: float, t1: float, y: floa
         start, end = max(interval["from"], t0), min(interval["to"] or t1, t1)
         if end < t0 or start > t1:
             continue
+        if interval["state"] == "removed":  # the lane ends here: the engine left the roster
+            parts.append(f"<text class='lane-removed' x='{x(start) + 3:.1f}' y='{y + 15}' font-size='11' fill='#57606a'>"
+                         f"removed<title>{n}: removed from the roster at {_hms(interval['from'])}</title></text>")
+            continue
         state = lane_state(interval)
         until = _hms(interval["to"]) if interval["to"] else "now"
         parts.append(f"<rect class='interval state-{escape(state.replace(' ', '-'))}' x='{x(start):.1f}' y='{y}' "

@@ -155,3 +155,20 @@ def test_the_phase_bars_tell_the_refusal_and_the_memory_chart_each_gpu():
     assert residual and all(float(r.get("height")) >= 2 for r in residual), "a residual of 1 % stays visible"
     assert pictures.phases([]).startswith("<p") and pictures.story(["passed"]) is None
     assert pictures.story(["refused", "restarted", "refused"]) == "refused → restarted → refused"
+
+
+def test_a_removed_engines_lane_ends_at_its_retirement_and_is_forgotten_once_older_than_the_hour_kept():
+    clock = Clock()
+    h = History(clock, keep_s=100)
+    h.state("gone", "cold")
+    clock.now += 10
+    h.retired("gone")
+    h.retired("gone")  # told twice: one end
+    assert [(i["state"], i["to"] is None) for i in h.window(30)["engines"]["gone"]] == [("cold", False), ("removed", False)]
+    clock.now += 5
+    h.state("gone", "cold")  # added back by a later reload: the lane goes on
+    assert h.window(30)["engines"]["gone"][-1] == {"state": "cold", "from": clock.now, "to": None}
+    h.retired("gone")
+    clock.now += 101
+    h.state("other", "cold")  # any later record forgets what is past the hour
+    assert "gone" not in h.window(30)["engines"]
