@@ -23,11 +23,13 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
 
-from router.errors import APIError
+from router.admin.handlers import WholeNumber, parse_query
+from router.errors import APIError, json_answer
 from router.live import ROUTED_MODEL, ROUTER_KEY
 
 log = logging.getLogger("hotswap")
@@ -60,37 +62,30 @@ class LogFollowers:
 FOLLOWERS_KEY = web.AppKey("log_followers", LogFollowers)
 
 
+class LogQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lines: WholeNumber = Field(DEFAULT_LINES, ge=0, le=MAX_LINES, description=f"the last N lines first, a whole number "
+                               f"from 0 to {MAX_LINES} (default {DEFAULT_LINES})")
+    follow: Literal["0", "1", "true", "false"] = Field("0", description="1 (or true): then each new line as it is written")
+
+
 async def engine_log(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
     engine = router.lookup(request.match_info["model"])
     request[ROUTED_MODEL] = engine.name
-    lines = _lines_wanted(request.query.get("lines"))
-    follow = request.query.get("follow", "0")
-    if follow not in ("0", "1", "true", "false"):
-        raise APIError(400, f"follow must be 1 or 0 (found {follow[:20]!r})", "invalid_follow", param="follow")
+    query = parse_query(LogQuery, request.query)
+    lines = query.lines
     path = engine.log_path
     if path is None:
         raise APIError(404, f"{engine.name} is attached (url: {engine.spec.url}): the router starts no process for it and "
                             "has no log of it; read it where the process that runs it writes it.", "no_engine_log")
-    if follow in ("1", "true"):
+    if query.follow in ("1", "true"):
         return await _follow(request, engine.name, path, lines, request.app[FOLLOWERS_KEY].closing,
                              router.roster.queue.stall_timeout_s)
     tail = await asyncio.to_thread(read_tail, path, lines)
     shown = (tail.lines + tail.partial)[-lines:] if lines else []  # the line still being written counts as one
-    return web.json_response({"model": engine.name, "log_file": str(path), "lines": shown})
-
-
-def _lines_wanted(text: Optional[str]) -> int:
-    if text is None:
-        return DEFAULT_LINES
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= MAX_LINES:
-        raise APIError(400, f"lines must be a whole number from 0 to {MAX_LINES} (found {text[:20]!r})", "invalid_lines",
-                       param="lines")
-    return n
+    return json_answer({"model": engine.name, "log_file": str(path), "lines": shown})
 
 
 @dataclass(frozen=True)

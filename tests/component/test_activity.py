@@ -126,7 +126,8 @@ async def test_the_route_filters_by_model_and_time_and_refuses_bad_parameters(st
     assert [r["engine"] for r in await activity(router, "?limit=1")] == ["a"]
     assert [r["engine"] for r in await activity(router, f"?since={records[1]['at']!r}")] == ["a"]
     for query, param in (("?since=yesterday", "since"), ("?limit=0", "limit"), ("?limit=2.5", "limit"), ("?since=-1", "since"),
-                         ("?limit=100000", "limit"), ("?colour=red", "colour")):
+                         ("?limit=100000", "limit"), ("?colour=red", "colour"), ("?limit=1_0", "limit"),
+                         ("?since=1e9", "since")):
         status, _, body = await http(router, "GET", "/admin/activity" + query)
         assert status == 400 and body["error"]["param"] == param and body["error"]["code"] == "invalid_parameter", (query, body)
 

@@ -246,3 +246,16 @@ def svg_or_table(dom: str, start: str, end: str) -> str:
 
 def classes(element: ElementTree.Element, css: str) -> int:
     return sum(1 for e in element.iter() if e.get("class") == css)
+
+
+async def test_every_json_answer_of_the_router_ends_with_a_newline(start_router):
+    """`curl` at a terminal leaves the prompt on a line of its own, and line-reading tools see a whole line."""
+    router = await start_router(roster_dict(sim_model("a", default=True)))
+    async with aiohttp.ClientSession() as s:
+        for method, path in (("GET", "/admin/status"), ("GET", "/admin/timeline"), ("GET", "/admin/activity"),
+                             ("GET", "/admin/logs/a?lines=1"), ("GET", "/v1/models"), ("GET", "/v1/models/a"),
+                             ("GET", "/health"), ("GET", "/ready"), ("GET", "/admin/timeline?minutes=soon"),
+                             ("POST", "/v1/chat/completions"), ("GET", "/admin/logs/nope")):
+            async with s.request(method, router.url + path) as r:
+                body = await r.read()
+                assert r.content_type == "application/json" and body.endswith(b"}\n"), (path, r.status, body[-80:])

@@ -54,12 +54,14 @@ async def test_an_operator_reads_the_last_lines_of_an_engines_log(start_router):
 
 async def test_a_bad_line_count_an_unknown_model_and_a_client_key_are_refused_in_openais_shape(start_router):
     router = await start_router(KEYED, env=KEYS, admin_key="ops-key")
-    for bad in ("-1", "ten", str(MAX_LINES + 1), ""):
+    # one way and one error for every /admin/* query (pydantic, `invalid_parameter`), as /admin/activity and /timeline
+    for bad in ("-1", "ten", str(MAX_LINES + 1), "", "1_0", " 10", "10.0", "+5"):
         status, _, body = await http(router, "GET", f"/admin/logs/a?lines={bad}", headers=ADMIN)
-        assert status == 400 and body["error"]["code"] == "invalid_lines" and body["error"]["param"] == "lines", (bad, body)
-        assert str(MAX_LINES) in body["error"]["message"]
-    status, _, body = await http(router, "GET", "/admin/logs/a?follow=yes", headers=ADMIN)
-    assert status == 400 and body["error"]["param"] == "follow"
+        assert status == 400 and body["error"]["code"] == "invalid_parameter" and body["error"]["param"] == "lines", (bad, body)
+        assert f"from 0 to {MAX_LINES}" in body["error"]["message"]
+    for query, param in (("follow=yes", "follow"), ("lines=5&tail=1", "tail")):
+        status, _, body = await http(router, "GET", f"/admin/logs/a?{query}", headers=ADMIN)
+        assert status == 400 and body["error"]["param"] == param and body["error"]["code"] == "invalid_parameter", body
     status, _, body = await http(router, "GET", "/admin/logs/nope", headers=ADMIN)
     assert status == 404 and body["error"]["type"] == "not_found_error" and "nope" in body["error"]["message"]
     for headers in ({"Authorization": "Bearer client-key"}, {}):
