@@ -210,7 +210,7 @@ def _gpu_chart(device: str, spans: list[tuple[float, float, dict[str, Any]]], x:
         stacked = 0.0
         for name, held in sorted(s["gpus"].get(device, {}).items()):
             h = max(CHART_H * min(held["share"], 1.0), 2.0 if held["share"] > 0 else 0.0)  # a residual stays visible
-            colour = ASLEEP if held["state"] == "asleep" else STATE_COLOURS.get(held["state"], OTHER_PHASE)
+            colour = ASLEEP if held["state"] == "sleeping" else STATE_COLOURS.get(held["state"], OTHER_PHASE)
             width = max(x(b) - x(a), 0.5)
             parts.append(f"<rect x='{x(a):.1f}' y='{base - stacked - h:.1f}' width='{width:.1f}' "
                          f"height='{h:.1f}' fill='{colour}' stroke='#fff' stroke-width='0.5'>"

@@ -16,7 +16,8 @@ from router.cli.admin_api import NotARouter, fetch_json
 FOLLOW_POLL_S = 1.0  # how often --follow asks for new records
 CALL_S = 10.0  # each call's timeout
 FOLLOW_LIMIT = 10_000  # records one --follow poll may bring (the route's maximum)
-COLUMNS = ("TIME", "KEY", "MODEL", "ENGINE", "ENDPOINT", "STATUS", "LEASE", "WAIT", "TTFB", "TOTAL", "TOKENS in/out", "MAL")
+COLUMNS = ("TIME", "KEY", "MODEL", "ENGINE", "ENDPOINT", "STATUS", "LEASE", "WAIT s", "TTFB s", "TOTAL s", "TOKENS in/out",
+           "MAL")  # the times in seconds, as the columns say
 WIDTHS = (8, 10, 16, 16, 16, 6, 10, 7, 7, 7, 13, 5)
 
 

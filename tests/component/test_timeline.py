@@ -55,7 +55,7 @@ async def test_the_timeline_tells_a_swap_whose_gate_refused_as_refused_restarted
     body = await eventually(sampled_after_the_swap, timeout=10, what="a sample with b awake")
     last = body["samples"][-1]
     assert last["gpus"]["0"]["b"] == {"state": "awake", "share": 0.9}
-    assert last["gpus"]["0"]["a"]["state"] == "asleep" and 0 < last["gpus"]["0"]["a"]["share"] < 0.1
+    assert last["gpus"]["0"]["a"]["state"] == "sleeping" and 0 < last["gpus"]["0"]["a"]["share"] < 0.1
     assert last["budget_gb"] >= 0 and last["host_gb"] >= 0
     # the status page's swap table says the same
     _, _, status_body = await http(router, "GET", "/admin/status")

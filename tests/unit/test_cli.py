@@ -175,3 +175,16 @@ def test_an_answer_with_the_right_keys_and_the_wrong_contents_is_an_error_not_a_
     run = subprocess.run([*HOTSWAP, command, "--url", url], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run
     assert run.stderr.startswith(f"hotswap {command}: {url}/admin/{command}: not a hotswap router's"), run.stderr
+
+
+def test_status_and_activity_say_the_unit_of_every_number_and_one_word_for_sleeping():
+    from router.cli import activity, status
+
+    page = status.render({"ready": True, "booted": True, "engines": [], "last_swap": None, "swaps": [],
+                          "placement": {"devices": [{"index": 0, "memory_gb": 80, "planned": 0.9, "residual": 0.0125,
+                                                     "free": 0.0875, "engines": {"a": "sleeping 0.0125", "b": "awake 0.9"}}],
+                                        "host": {"ram_budget_gb": 8, "level1_gb": 0}}})
+    lines = page.splitlines()
+    assert lines[1] == "GPU 0 (80 GB), shares of it: awake 0.90, residual 0.01, free 0.09  (a sleeping 0.0125, b awake 0.9)"
+    assert "DRIFT last/limit" in lines[3] and "max" not in lines[3]  # the drift's limit, gate.max_logprob_drift
+    assert activity.header().split()[7:13] == ["WAIT", "s", "TTFB", "s", "TOTAL", "s"]
