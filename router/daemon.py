@@ -93,7 +93,11 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
 
     # Control calls carry their own per-call timeouts; proxied requests go through router.upstream.
     async with aiohttp.ClientSession() as session:
-        router = build_router(roster, log_dir, session)
+        try:
+            router = build_router(roster, log_dir, session)
+        except admin.ActivityFileError as exc:
+            log.error("hotswap: %s", exc)
+            return 1
         app = build_app(router)
         # aiohttp's keep-alive timer is armed when a connection opens and after each answer, and closes the
         # connection if no complete request head has arrived when it fires: that is the header timeout.
