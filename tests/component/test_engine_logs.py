@@ -163,6 +163,7 @@ async def test_a_follower_that_reads_nothing_is_cut_after_stall_timeout_s(start_
         s.close()
     status, _, body = await http(router, "GET", "/admin/logs/a?lines=1", headers=ADMIN)  # the router carries on
     assert status == 200 and body["lines"], body
+    assert "Traceback" not in router.log() and "Error handling request" not in router.log(), router.log()
 
 
 async def test_a_sigterm_ends_at_once_a_follower_that_reads_nothing(start_router):
@@ -183,6 +184,7 @@ async def test_a_sigterm_ends_at_once_a_follower_that_reads_nothing(start_router
         # Well within aiohttp's 60 s shutdown timeout: before, the router waited for the follower that long, and more.
         assert await asyncio.to_thread(router.stop, 30) == 0, router.log()
         assert "cut a follower of a's log from 127.0.0.1: the router is shutting down" in router.log()
+        assert "Traceback" not in router.log(), router.log()
     finally:
         s.close()
 
