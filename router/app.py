@@ -11,6 +11,7 @@ catch-all route, and the upstream path is the route's own constant, not the clie
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import aiohttp
@@ -25,7 +26,14 @@ from router.metrics import METRICS_KEY, serve_metrics
 
 
 def build_router(roster: Roster, log_dir: Path, control: aiohttp.ClientSession) -> Router:
-    return Router(roster, log_dir, control, proxy.Upstreams(), admin.ActivityLog(roster.activity))
+    """admin.ActivityFileError when activity.path cannot be used (the start fails, saying why)."""
+    activity = admin.ActivityLog(roster.activity)
+    router = Router(roster, log_dir, control, proxy.Upstreams(), activity)
+    # Swap ids go on from the largest the activity file holds: its rows refill the log at start and
+    # link to their swap by id, so a new run's swap 1 would pose as an old row's. Without a file
+    # nothing outlives the process, and ids start at 1.
+    router.placement.swap_ids = itertools.count(activity.last_swap_id + 1)
+    return router
 
 
 def build_app(router: Router) -> web.Application:

@@ -94,7 +94,11 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
     # The engines' control calls, with their own per-call timeouts, and nothing else: requests go to engines
     # through router.upstreams and to peers on fleet.Peers' own pool, so no load can starve a wake.
     async with aiohttp.ClientSession() as control:
-        router = build_router(roster, log_dir, control)
+        try:
+            router = build_router(roster, log_dir, control)
+        except admin.ActivityFileError as exc:
+            log.error("hotswap: %s", exc)
+            return 1
         app = build_app(router)
         # aiohttp's keep-alive timer is armed when a connection opens and after each answer, and closes the
         # connection if no complete request head has arrived when it fires: that is the header timeout.

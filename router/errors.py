@@ -4,6 +4,9 @@ OpenAI's `{"error": {"message", "type", "param", "code"}}` everywhere, except on
 Messages routes (`/v1/messages*`), where it is Anthropic's
 `{"type": "error", "error": {"type", "message"}}`. The SDKs read these fields into their
 exception classes, so a client sees our message under the class it expects.
+
+`json_answer` is the one place the router's own JSON answers are made (errors, /v1/models, /health,
+/ready, /admin/*): each ends with a newline, as `curl` at a terminal and line-reading tools want.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import json
 import logging
 import math
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 from aiohttp import web
 
@@ -82,15 +85,15 @@ def error_body(status: int, message: str, code: str, param: Optional[str] = None
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
 
 
+def json_answer(data: Any, status: int = 200, headers: Optional[Mapping[str, str]] = None) -> web.Response:
+    return web.Response(status=status, body=json.dumps(data).encode() + b"\n", content_type="application/json",
+                        headers=headers)
+
+
 def error_response(status: int, message: str, code: str, *, param: Optional[str] = None, retry_after: Optional[float] = None,
                    anthropic: bool = False) -> web.Response:
     headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
-    return web.Response(
-        status=status,
-        body=json.dumps(error_body(status, message, code, param, anthropic)),
-        content_type="application/json",
-        headers=headers,
-    )
+    return json_answer(error_body(status, message, code, param, anthropic), status, headers)
 
 
 def sse_error(message: str, code: str, status: int = 502, anthropic: bool = False) -> bytes:

@@ -252,6 +252,7 @@ class Router(Observer, Events):
         self.metrics.evicted(engine, reason)
 
     def retired(self, engine: Engine) -> None:
+        self.history.retired(engine.name)
         self.engines.pop(engine.name, None)
         self.verdicts.pop(engine.name, None)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import sqlite3
 import time
 from typing import Any, NamedTuple, Optional
 
@@ -100,16 +99,12 @@ class ActivityLog:
         self.ring: collections.deque[Record] = collections.deque(maxlen=settings.ring or 1)
         self.enabled = settings.ring > 0
         self.file: Optional[ActivityFile] = None
-        if settings.path:
-            try:
-                self.file = ActivityFile(settings.path, settings.max_rows, FIELDS)
-                self.ring.extend(map(_from_row, self.file.last(settings.ring)))
-            except (sqlite3.Error, OSError, TypeError):  # TypeError: a table of other columns
-                if self.file is not None:
-                    self.file.close()
-                    self.file = None
-                log.exception("activity.path %s cannot be opened as the activity log's file; the log is kept in "
-                              "memory only until the router restarts", settings.path)
+        # Swap ids this router must not reuse: its records link to swaps by id (router.app starts past it).
+        self.last_swap_id = 0
+        if settings.path:  # ActivityFileError (the start fails) for a file that cannot be used
+            self.file = ActivityFile(settings.path, settings.max_rows, FIELDS)
+            self.ring.extend(map(_from_row, self.file.last(settings.ring)))
+            self.last_swap_id = self.file.max_swap_id
 
     @property
     def wants_answers(self) -> bool:

@@ -3,9 +3,14 @@
 Rows are written by one thread of its own, never on the event loop: a request appends its row
 to a bounded deque (no lock, no wake-up but the first of a batch), and the thread writes what
 gathered in one transaction at most FLUSH_S later (WAL journal, so a commit does not wait for
-the disk). Past `activity.max_rows` the oldest rows are deleted (by rowid: a range delete). A
-file that cannot be written is logged once, with its traceback, and its rows are dropped: the
-activity log never fails a request. A crash loses at most the last FLUSH_S of rows.
+the disk). Past `activity.max_rows` the oldest rows are deleted (by rowid: a range delete).
+
+A file that cannot be opened (not SQLite, a directory nobody may write) fails the router's start
+with a message naming it (ActivityFileError): an operator who configured a path expects the log
+kept there, and a router that quietly kept it in memory would lose it at the next restart. A file
+written by a version with fewer columns gets the new ones (NULL in its old rows). Once running, a
+write that fails is logged once, with its traceback, and its rows are dropped: the activity log
+never fails a request. A crash loses at most the last FLUSH_S of rows.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ CLOSE_S = 5.0  # how long stop waits for the writer to flush
 CONNECT_S = 5.0  # sqlite3's wait for a lock held by another process
 
 
+class ActivityFileError(Exception):
+    """activity.path cannot be used: str() says which file and why, for the operator."""
+
+
 class ActivityFile:
     def __init__(self, path: str, max_rows: int, columns: Sequence[str]) -> None:
         self.path = Path(path)
@@ -36,10 +45,23 @@ class ActivityFile:
         self._failed = False
         self._pending = threading.Event()  # rows are waiting
         self._closing = threading.Event()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as db:  # here, so a file that cannot be opened fails the start, plainly
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (id INTEGER PRIMARY KEY, {', '.join(self.columns)})")
+        try:  # here, so a file that cannot be opened fails the start, plainly
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = self._connect()
+            try:
+                with db:
+                    db.execute("PRAGMA journal_mode=WAL")
+                    db.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (id INTEGER PRIMARY KEY, {', '.join(self.columns)})")
+                    have = {row[1] for row in db.execute(f"PRAGMA table_info({TABLE})")}
+                    for column in self.columns:
+                        if column not in have:
+                            db.execute(f"ALTER TABLE {TABLE} ADD COLUMN {column}")
+                self.max_swap_id = db.execute(f"SELECT max(swap_id) FROM {TABLE}").fetchone()[0] or 0
+            finally:
+                db.close()
+        except (sqlite3.Error, OSError) as exc:
+            raise ActivityFileError(f"activity.path {self.path}: cannot be used as the activity log's file: {exc}. Move it "
+                                    "away, point activity.path elsewhere, or unset it to keep the log in memory") from None
         self._thread = threading.Thread(target=self._write, name="activity-file", daemon=True)
         self._thread.start()
 

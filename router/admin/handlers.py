@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Optional, cast
+import re
+from typing import Annotated, Mapping, Optional, TypeVar, cast
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from config import RosterError
 from router.admin import lora, timeline, ui, ui_activity
 from router.admin.activity import ActivityLog
 from router.admin.reload import Reloads
 from router.admin.status import engine_status, router_status
-from router.errors import APIError, error_body
+from router.errors import APIError, error_body, json_answer
 from router.fleet import PEERS_KEY
 from router.live import ROUTED_MODEL, ROUTER_KEY
 
@@ -25,35 +26,68 @@ log = logging.getLogger("hotswap")
 RELOADS_KEY = web.AppKey("reloads", Reloads)
 
 
+Query = TypeVar("Query", bound=BaseModel)
+
+
+def parse_query(model: type[Query], query: Mapping[str, str]) -> Query:
+    """A route's query parameters, validated by their pydantic model (unknown ones refused): the one way
+    /admin/* reads them, and one error for all, a 400 `invalid_parameter` naming the first bad one."""
+    try:
+        return model.model_validate(dict(query))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = ".".join(map(str, first["loc"])) or "query"
+        field = model.model_fields.get(name)
+        wanted = f"; {name}: {field.description}" if field is not None and field.description else ""
+        raise APIError(400, f"?{name}: {first['msg']} (found {str(first.get('input'))[:40]!r}){wanted}", "invalid_parameter",
+                       param=name) from None
+
+
+def _written(pattern: str, what: str):
+    """Only numbers written plainly: pydantic alone would take `1_0`, ` 10` or `10.0` for a count."""
+    def check(value: object) -> object:
+        if isinstance(value, str) and not re.fullmatch(pattern, value):
+            raise ValueError(f"{what} written in digits")
+        return value
+    return BeforeValidator(check)
+
+
+WholeNumber = Annotated[int, _written(r"[0-9]+", "a whole number")]
+Number = Annotated[float, _written(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", "a number")]
+
+
 class ActivityQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: Optional[str] = Field(None, min_length=1)  # asked by that name, or served by that engine
-    since: Optional[float] = Field(None, ge=0, allow_inf_nan=False)  # epoch seconds: records that ended after it
-    limit: int = Field(100, ge=1, le=10_000)
+    model: Optional[str] = Field(None, min_length=1, description="requests for it: asked by that name, or served by that engine")
+    since: Optional[Number] = Field(None, ge=0, allow_inf_nan=False, description="epoch seconds: records that ended after it")
+    limit: WholeNumber = Field(100, ge=1, le=10_000, description="how many of the newest, from 1 to 10000 (default 100)")
+
+
+class TimelineQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    minutes: Number = Field(timeline.UI_MINUTES, gt=0, le=timeline.MAX_MINUTES, allow_inf_nan=False,
+                            description=f"a number of minutes, more than 0 and at most {timeline.MAX_MINUTES:g} (what the "
+                            f"history keeps); default {timeline.UI_MINUTES:g}")
 
 
 async def admin_status(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
-    return web.json_response({**router_status(router, request.app[RELOADS_KEY]), "peers": request.app[PEERS_KEY].status(router.roster)})
+    return json_answer({**router_status(router, request.app[RELOADS_KEY]), "peers": request.app[PEERS_KEY].status(router.roster)})
 
 
 async def admin_timeline(request: web.Request) -> web.Response:
-    return web.json_response(timeline.timeline(request.app[ROUTER_KEY].history, request.query))
+    minutes = parse_query(TimelineQuery, request.query).minutes
+    return json_answer(timeline.window(request.app[ROUTER_KEY].history, minutes))
 
 
 async def admin_activity(request: web.Request) -> web.Response:
     """GET /admin/activity?model=&since=&limit=: the newest records first (see router.admin.activity)."""
     activity = cast(ActivityLog, request.app[ROUTER_KEY].activity)  # the one app.build_router handed the Router
-    try:
-        query = ActivityQuery.model_validate(dict(request.query))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        name = ".".join(map(str, first["loc"]))
-        raise APIError(400, f"?{name}: {first['msg']} (found {str(first.get('input'))[:40]!r})", "invalid_parameter",
-                       param=name) from None
+    query = parse_query(ActivityQuery, request.query)
     records = activity.query(query.model, query.since, query.limit)
-    return web.json_response({"enabled": activity.enabled, "records": [r.as_dict() for r in records]})
+    return json_answer({"enabled": activity.enabled, "records": [r.as_dict() for r in records]})
 
 
 async def admin_action(request: web.Request) -> web.Response:
@@ -73,7 +107,7 @@ async def admin_action(request: web.Request) -> web.Response:
             result = await run(engine)
     except TimeoutError:
         raise APIError(504, f"{action} {engine.name} is still running; watch /admin/status", "admin_timeout") from None
-    return web.json_response({"model": engine.name, "action": action, "result": result, "engine": engine_status(router, engine)})
+    return json_answer({"model": engine.name, "action": action, "result": result, "engine": engine_status(router, engine)})
 
 
 async def admin_reload(request: web.Request) -> web.Response:
@@ -85,8 +119,8 @@ async def admin_reload(request: web.Request) -> web.Response:
         errors = [str(issue) for issue in exc.issues]
         body = error_body(422, f"{router.roster.source}: {len(errors)} error(s); nothing changed, the roster in force is "
                                f"still served. First: {errors[0]}", "invalid_roster")
-        return web.json_response({**body, "errors": errors}, status=422)
-    return web.json_response({"applied": True, "source": router.roster.source, "changes": changes.as_dict(),
+        return json_answer({**body, "errors": errors}, status=422)
+    return json_answer({"applied": True, "source": router.roster.source, "changes": changes.as_dict(),
                               "summary": changes.summary()})
 
 

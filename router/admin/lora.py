@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from engines.vllm import EngineError, EngineHTTPError
-from router.errors import APIError
+from router.errors import APIError, json_answer
 
 log = logging.getLogger("hotswap")
 ADMIN_TIMEOUT_S = 120
@@ -49,5 +49,5 @@ async def admin_lora(request: web.Request, router) -> web.Response:
     finally:
         scheduler.release(engine)
     log.info("admin: lora %s %s on %s", action, name, engine.name)
-    return web.json_response({"model": engine.name, "action": f"lora_{action}", "lora_name": name,
+    return json_answer({"model": engine.name, "action": f"lora_{action}", "lora_name": name,
                               "adapters": sorted(a for a, e, _ in router.adapters() if e is engine)})

@@ -70,6 +70,10 @@ def _lane(name: str, data: dict[str, Any], x: Any, t0: float, t1: float, y: floa
         start, end = max(interval["from"], t0), min(interval["to"] or t1, t1)
         if end < t0 or start > t1:
             continue
+        if interval["state"] == "removed":  # the lane ends here: the engine left the roster
+            parts.append(f"<text class='lane-removed' x='{x(start) + 3:.1f}' y='{y + 15}' font-size='11' fill='#57606a'>"
+                         f"removed<title>{n}: removed from the roster at {_hms(interval['from'])}</title></text>")
+            continue
         state = lane_state(interval)
         until = _hms(interval["to"]) if interval["to"] else "now"
         parts.append(f"<rect class='interval state-{escape(state.replace(' ', '-'))}' x='{x(start):.1f}' y='{y}' "
@@ -206,7 +210,7 @@ def _gpu_chart(device: str, spans: list[tuple[float, float, dict[str, Any]]], x:
         stacked = 0.0
         for name, held in sorted(s["gpus"].get(device, {}).items()):
             h = max(CHART_H * min(held["share"], 1.0), 2.0 if held["share"] > 0 else 0.0)  # a residual stays visible
-            colour = ASLEEP if held["state"] == "asleep" else STATE_COLOURS.get(held["state"], OTHER_PHASE)
+            colour = ASLEEP if held["state"] == "sleeping" else STATE_COLOURS.get(held["state"], OTHER_PHASE)
             width = max(x(b) - x(a), 0.5)
             parts.append(f"<rect x='{x(a):.1f}' y='{base - stacked - h:.1f}' width='{width:.1f}' "
                          f"height='{h:.1f}' fill='{colour}' stroke='#fff' stroke-width='0.5'>"

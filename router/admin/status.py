@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 from engines.engine import Engine
 from router.admin.reload import Reloads
 from router.live import Router
-from router.scheduling import SwapRecord, devices_view
+from router.scheduling import devices_view
 
 
 def router_status(router: Router, reloads: Reloads) -> dict[str, Any]:
@@ -18,8 +18,8 @@ def router_status(router: Router, reloads: Reloads) -> dict[str, Any]:
         "booted": scheduler.booted,
         "placement": placement_status(router),
         "engines": [engine_status(router, e) for e in router.engines.values()],
-        "last_swap": _swap_dict(scheduler.last_swap),
-        "swaps": [_swap_dict(r) for r in reversed(scheduler.history)],
+        "last_swap": scheduler.last_swap.as_dict() if scheduler.last_swap else None,
+        "swaps": [r.as_dict() for r in reversed(scheduler.history)],
         "roster": {"source": router.roster.source, "last_reload": reloads.last},
     }
 
@@ -96,14 +96,6 @@ def host_memory_status(router: Router, e: Engine) -> dict[str, Any]:
             "estimated_gb": None if estimate is None else round(estimate, 4),
             "counted_gb": round(scheduler.host_gb(e), 4),
             "not_level1_because": scheduler.host_why.get(e.name)}
-
-
-def _swap_dict(record: Optional[SwapRecord]) -> Optional[dict[str, Any]]:
-    if record is None:
-        return None
-    return {"id": record.id, "to": record.to_model, "from": record.from_models, "result": record.result, "seconds": round(record.seconds, 4),
-            "predicted_s": round(record.predicted_s, 3), "phases": {k: round(v, 4) for k, v in record.phases.items()},
-            "error": record.error, "at": record.at, "gates": record.gates}
 
 
 def _drift(e: Engine) -> dict[str, Any]:

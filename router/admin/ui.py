@@ -55,12 +55,12 @@ def _placement(place: dict[str, Any], booted: bool) -> str:
     """One bar per GPU: each engine's slice in its state's colour (sleepers' residuals pale, at least a few
     pixels wide, labelled), then what is free; a legend under the table."""
     rows = [f"<h2>placement{'' if booted else ' (booting)'}</h2><table class='placement'>"
-            "<tr><th>GPU</th><th>awake</th><th>residual</th><th>free</th><th>engines</th></tr>"]
+            "<tr><th>GPU</th><th>awake (share)</th><th>residual (share)</th><th>free (share)</th><th>engines</th></tr>"]
     for d in place["devices"]:
         bar = "".join(
             f"<span class='slice' title='{escape(name)}: {escape(what)}' style='flex:0 0 max({_pct(what)}%, {RESIDUAL_MIN_PX}px);"
-            f"background:{pictures.ASLEEP if what.startswith('asleep') else STATE_COLOURS.get(what.split(' ')[0], '#8c959f')};"
-            f"{'color:#1f2328' if what.startswith('asleep') else ''}'>{escape(name)}</span>"
+            f"background:{pictures.ASLEEP if what.startswith('sleeping') else STATE_COLOURS.get(what.split(' ')[0], '#8c959f')};"
+            f"{'color:#1f2328' if what.startswith('sleeping') else ''}'>{escape(name)}</span>"
             for name, what in d["engines"].items())
         size = f" ({d['memory_gb']:g} GB)" if d["memory_gb"] else ""
         held = ", ".join(f"{escape(name)} {escape(what)}" for name, what in d["engines"].items()) or "—"
@@ -70,7 +70,7 @@ def _placement(place: dict[str, Any], booted: bool) -> str:
         f"<span class='key'><span class='swatch' style='background:{c}'></span>{s}</span>"
         for s, c in (("awake", STATE_COLOURS["awake"]), ("booting", STATE_COLOURS["booting"]), ("waking", STATE_COLOURS["waking"]),
                      ("verifying", STATE_COLOURS["verifying"]), ("draining", STATE_COLOURS["draining"]),
-                     ("asleep: its residual (CUDA context, pools)", pictures.ASLEEP), ("free", "#eaeef2"))) + "</div>")
+                     ("sleeping: its residual (CUDA context, pools)", pictures.ASLEEP), ("free", "#eaeef2"))) + "</div>")
     host = place["host"]
     rows.append(f"<p class='muted'>host RAM held for sleep: {host['level1_gb']:.2f} of "
                 f"{host['ram_budget_gb']:g} GB</p>")

@@ -11,12 +11,13 @@ import urllib.error
 from typing import Any, Optional
 from urllib.parse import urlencode
 
-from router.cli.status import fetch
+from router.cli.admin_api import NotARouter, fetch_json
 
 FOLLOW_POLL_S = 1.0  # how often --follow asks for new records
 CALL_S = 10.0  # each call's timeout
 FOLLOW_LIMIT = 10_000  # records one --follow poll may bring (the route's maximum)
-COLUMNS = ("TIME", "KEY", "MODEL", "ENGINE", "ENDPOINT", "STATUS", "LEASE", "WAIT", "TTFB", "TOTAL", "TOKENS in/out", "MAL")
+COLUMNS = ("TIME", "KEY", "MODEL", "ENGINE", "ENDPOINT", "STATUS", "LEASE", "WAIT s", "TTFB s", "TOTAL s", "TOKENS in/out",
+           "MAL")  # the times in seconds, as the columns say
 WIDTHS = (8, 10, 16, 16, 16, 6, 10, 7, 7, 7, 13, 5)
 
 
@@ -49,7 +50,10 @@ def _or_dash(value: Optional[int]) -> str:
 
 def _records(url: str, admin_key: Optional[str], **query: Any) -> list[dict[str, Any]]:
     path = "/admin/activity?" + urlencode({k: v for k, v in query.items() if v is not None})
-    return fetch(url, admin_key, CALL_S, path)["records"]
+    records = fetch_json(url, path, admin_key, CALL_S, ("enabled", "records"))["records"]
+    if not isinstance(records, list):
+        raise NotARouter(f"{url.rstrip('/')}/admin/activity: not a hotswap router: `records` is a {type(records).__name__}")
+    return records
 
 
 def _stop_on_ctrl_c_and_sigterm() -> None:
@@ -84,5 +88,12 @@ def show(url: str, admin_key: Optional[str], model: Optional[str], limit: int, f
         return 1
     except (urllib.error.URLError, OSError) as exc:
         print(f"hotswap activity: cannot reach a router at {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        return 1
+    except NotARouter as exc:
+        print(f"hotswap activity: {exc}", file=sys.stderr)
+        return 1
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # records of another shape
+        print(f"hotswap activity: {url.rstrip('/')}/admin/activity: not a hotswap router's records "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
         return 1
     return 0

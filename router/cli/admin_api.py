@@ -1,10 +1,12 @@
-"""The admin API as the CLI calls it: the admin key as a bearer token (never printed), and a refusal in words."""
+"""The admin API as the CLI calls it: the admin key as a bearer token (never printed), a refusal in words, and an
+answer that is not a router's (a web page, another service's JSON) said as such rather than as a traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import urllib.request
-from typing import Optional
+from typing import Any, Iterable, Optional
 
 KEY_ENV = "HOTSWAP_ADMIN_KEY"
 
@@ -28,3 +30,28 @@ def refusal(command: str, url: str, status: int, admin_key: Optional[str]) -> Op
         return (f"hotswap {command}: {url} answers /admin/* only over loopback while its roster sets no admin key: run "
                 f"this on the router's host, or set auth.admin_key in the roster and pass it (--admin-key or {KEY_ENV})")
     return None
+
+
+class NotARouter(Exception):
+    """The URL answered, but not as a hotswap router does: str() says what was found, for the operator."""
+
+
+def fetch_json(url: str, path: str, admin_key: Optional[str], timeout: float, keys: Iterable[str]) -> dict[str, Any]:
+    """GET `path`'s JSON object, which must carry `keys`; else NotARouter naming what came back instead."""
+    with urllib.request.urlopen(admin_request(url, path, admin_key), timeout=timeout) as response:
+        kind = response.headers.get_content_type()
+        body = response.read()
+    where = url.rstrip("/") + path.split("?")[0]
+    if kind != "application/json":
+        raise NotARouter(f"{where}: not a hotswap router: {kind}")
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise NotARouter(f"{where}: not a hotswap router: its application/json is not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise NotARouter(f"{where}: not a hotswap router: a JSON {type(data).__name__}, not an object")
+    missing = [k for k in keys if k not in data]
+    if missing:
+        found = ", ".join(sorted(data)[:8]) or "none"
+        raise NotARouter(f"{where}: not a hotswap router: JSON without {', '.join(missing)} (its keys: {found})")
+    return data

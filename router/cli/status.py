@@ -2,31 +2,31 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import urllib.error
-import urllib.request
 from typing import Any, Optional
 
-from router.cli.admin_api import admin_request, refusal
+from router.cli.admin_api import NotARouter, fetch_json, refusal
+
+STATUS_KEYS = ("ready", "booted", "placement", "engines", "last_swap")
 
 
-def fetch(url: str, admin_key: Optional[str], timeout: float = 10, path: str = "/admin/status") -> dict[str, Any]:
-    with urllib.request.urlopen(admin_request(url, path, admin_key), timeout=timeout) as response:
-        return json.load(response)
+def fetch(url: str, admin_key: Optional[str], timeout: float = 10) -> dict[str, Any]:
+    return fetch_json(url, "/admin/status", admin_key, timeout, STATUS_KEYS)
 
 
 def render(status: dict[str, Any]) -> str:
     lines = [f"ready: {'yes' if status['ready'] else 'no'}{'' if status['booted'] else ' (booting)'}"]
     place = status["placement"]
-    for d in place["devices"]:
-        size = f" of {d['memory_gb']:g} GB" if d["memory_gb"] else ""
+    for d in place["devices"]:  # shares of the device, as --gpu-memory-utilization writes them; its size in GB
+        size = f" ({d['memory_gb']:g} GB)" if d["memory_gb"] else ""
         held = ", ".join(f"{name} {what}" for name, what in d["engines"].items()) or "-"
-        lines.append(f"GPU {d['index']}{size}: awake {d['planned']:.2f}, residual {d['residual']:.2f}, free {d['free']:.2f}  ({held})")
+        lines.append(f"GPU {d['index']}{size}, shares of it: awake {d['planned']:.2f}, residual {d['residual']:.2f}, "
+                     f"free {d['free']:.2f}  ({held})")
     host = place["host"]
     lines.append(f"host RAM held for sleep: {host['level1_gb']:.2f} of {host['ram_budget_gb']:.2f} GB (host.ram_budget_gb)")
-    rows = [("MODEL", "STATE", "FOR", "LEVEL", "GPUS", "SHARE", "WAKE~", "IN-FLIGHT", "QUEUED", "MAL base/obs", "DRIFT last/max",
+    rows = [("MODEL", "STATE", "FOR", "LEVEL", "GPUS", "SHARE", "WAKE~", "IN-FLIGHT", "QUEUED", "MAL base/obs", "DRIFT last/limit",
              "RESTARTS", "LAST VERDICT")]
     for e in status["engines"]:
         verdict = e["last_verdict"] or {}
@@ -87,8 +87,8 @@ def host_memory_lines(engines: list[dict[str, Any]]) -> list[str]:
 
 
 def _drift(drift: dict[str, Any]) -> str:
-    """`0.0012/0.05`: the last judged canary's logprob drift and gate.max_logprob_drift (`-` where unmeasured)."""
-    if drift.get("max") is None:
+    """`0.0012/0.05`: the last judged canary's logprob drift and its limit, gate.max_logprob_drift (`-` where unmeasured)."""
+    if drift.get("max") is None:  # /admin/status's `max` is that limit
         return "off"
     last = "-" if drift.get("last") is None else f"{drift['last']:.2g}"
     return f"{last}/{drift['max']:g}"
@@ -104,5 +104,14 @@ def show(url: str, admin_key: Optional[str]) -> int:
     except (urllib.error.URLError, OSError) as exc:
         print(f"hotswap status: cannot reach a router at {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
         return 1
-    print(render(status))
+    except NotARouter as exc:
+        print(f"hotswap status: {exc}", file=sys.stderr)
+        return 1
+    try:
+        text = render(status)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # the right keys, with the wrong things in them
+        print(f"hotswap status: {url}/admin/status: not a hotswap router's status ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 1
+    print(text)
     return 0

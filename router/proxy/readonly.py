@@ -8,7 +8,7 @@ from aiohttp import web
 
 from router.fleet import card as node_card
 from router.auth import grant_of
-from router.errors import APIError
+from router.errors import APIError, json_answer
 from router.keys import Grant
 from router.live import ROUTER_KEY, Router
 
@@ -33,19 +33,19 @@ def _model_cards(router: Router, grant: Grant) -> list[dict]:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": _model_cards(request.app[ROUTER_KEY], grant_of(request))})
+    return json_answer({"object": "list", "data": _model_cards(request.app[ROUTER_KEY], grant_of(request))})
 
 
 async def get_model(request: web.Request) -> web.Response:
     model_id = request.match_info["model_id"]
     for card in _model_cards(request.app[ROUTER_KEY], grant_of(request)):
         if card["id"] == model_id:
-            return web.json_response(card)
+            return json_answer(card)
     raise APIError(404, f"The model '{model_id}' does not exist.", "model_not_found", param="model")
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return json_answer({"status": "ok"})
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -58,4 +58,4 @@ async def ready(request: web.Request) -> web.Response:
     # Draining for shutdown: a front that polls /ready takes the node out of rotation now,
     # while it still answers (new work gets 503 + Retry-After, in-flight work finishes).
     headers = {"Retry-After": str(DRAINING_RETRY_AFTER_S)} if router.draining else None
-    return web.json_response(body, status=200 if body["ready"] else 503, headers=headers)
+    return json_answer(body, status=200 if body["ready"] else 503, headers=headers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from engines.engine import Engine
 
@@ -26,7 +26,14 @@ class SwapRecord:
     # What the gate said during it, in order, with the restart between: ["refused", "restarted", "passed"]
     # is a wake the gate refused and a cold restart repaired (its `result` is still "ok").
     gates: list[str] = field(default_factory=list)
-    id: int = 0  # unique within the router process: the activity records of the requests that waited for it carry it
+    id: int = 0  # unique across restarts (router.app): the activity records of the requests that waited for it carry it
+
+    def as_dict(self) -> dict[str, Any]:
+        """As /admin/status, /admin/timeline and /ui show it."""
+        return {"id": self.id, "to": self.to_model, "from": self.from_models, "result": self.result,
+                "seconds": round(self.seconds, 4), "predicted_s": round(self.predicted_s, 3),
+                "phases": {k: round(v, 4) for k, v in self.phases.items()}, "error": self.error, "at": self.at,
+                "gates": self.gates}
 
 
 class Events:

@@ -18,6 +18,7 @@ MAX_INTERVALS = 2000  # per engine: a swap every second for half an hour
 MAX_SWAPS = 500
 MAX_MARKS = 1000
 MAX_SAMPLES = 3600  # taken on change, at most one a second
+REMOVED = "removed"  # a lane's last state once its engine left the roster (not an engine state: it has no engine)
 
 
 @dataclass
@@ -85,6 +86,19 @@ class History:
         lane.append(Interval(state, now, level=level))
         self._forget(now)
 
+    def retired(self, engine: str) -> None:
+        """`engine` left the roster (a reload removed it): its lane ends now, with a last `removed` interval
+        that ends where it begins. Without it the lane would stay in its last state, `cold`, ongoing for
+        ever; a model added back under the same name opens the lane again."""
+        lane = self.lanes.get(engine)
+        if not lane or lane[-1].state == REMOVED:
+            return
+        now = self.clock()
+        if lane[-1].end is None:
+            lane[-1].end = now
+        lane.append(Interval(REMOVED, now, end=now))
+        self._forget(now)
+
     def swap(self, record: SwapRecord) -> None:
         self.swaps.append(record)
         self._forget(self.clock())
@@ -115,9 +129,11 @@ class History:
 
     def _forget(self, now: float) -> None:
         cutoff = now - self.keep_s
-        for lane in self.lanes.values():
+        for name, lane in list(self.lanes.items()):
             while len(lane) > 1 and lane[0].end is not None and lane[0].end < cutoff:
                 lane.popleft()
+            if lane[-1].state == REMOVED and lane[-1].start < cutoff:  # removed before the hour kept: nothing to draw
+                del self.lanes[name]
         for items in (self.swaps, self.marks):
             while items and items[0].at < cutoff:
                 items.popleft()

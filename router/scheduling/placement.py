@@ -213,11 +213,11 @@ class DeviceView:
     memory_gb: Optional[float]
     planned: float = 0.0  # shares of engines awake or on their way in or out
     residual: float = 0.0  # residuals of sleeping engines
-    shares: dict[str, tuple[str, float]] = field(default_factory=dict)  # name -> ("awake", 0.25) / ("asleep", 0.01)
+    shares: dict[str, tuple[str, float]] = field(default_factory=dict)  # name -> ("awake", 0.25) / ("sleeping", 0.01)
 
     @property
     def engines(self) -> dict[str, str]:
-        """`shares` as text: name -> "awake 0.25" / "asleep 0.01"."""
+        """`shares` as text: name -> "awake 0.25" / "sleeping 0.01"."""
         return {name: f"{state} {fraction:.3g}" for name, (state, fraction) in self.shares.items()}
 
 
@@ -229,7 +229,7 @@ def devices_view(ledger: Ledger) -> list[DeviceView]:
             view = views.setdefault(device, DeviceView(device, gpus.get(device)))
             if engine.state is State.SLEEPING and engine.name not in ledger.reserved:
                 view.residual += fraction
-                view.shares[engine.name] = ("asleep", fraction)
+                view.shares[engine.name] = ("sleeping", fraction)
             elif fraction > 0:
                 view.planned += fraction
                 view.shares[engine.name] = (engine.state.value, fraction)

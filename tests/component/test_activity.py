@@ -12,7 +12,7 @@ import sys
 import aiohttp
 import pytest
 
-from tests.support import ask, client, eventually, http, roster_dict, sim_model
+from tests.support import RouterProcess, ask, client, eventually, http, roster_dict, sim_model
 
 PROMPT = "the secret prompt words"
 # `a` answers at once; `b` has a draft the router does not restore, so its every wake is refused
@@ -126,7 +126,8 @@ async def test_the_route_filters_by_model_and_time_and_refuses_bad_parameters(st
     assert [r["engine"] for r in await activity(router, "?limit=1")] == ["a"]
     assert [r["engine"] for r in await activity(router, f"?since={records[1]['at']!r}")] == ["a"]
     for query, param in (("?since=yesterday", "since"), ("?limit=0", "limit"), ("?limit=2.5", "limit"), ("?since=-1", "since"),
-                         ("?limit=100000", "limit"), ("?colour=red", "colour")):
+                         ("?limit=100000", "limit"), ("?colour=red", "colour"), ("?limit=1_0", "limit"),
+                         ("?since=1e9", "since")):
         status, _, body = await http(router, "GET", "/admin/activity" + query)
         assert status == 400 and body["error"]["param"] == param and body["error"]["code"] == "invalid_parameter", (query, body)
 
@@ -227,3 +228,32 @@ async def test_a_request_whose_wake_the_gate_refused_for_good_is_recorded_as_the
     assert record["found_awake"] is None and record["swap_id"] is None, "no lease was taken"
     assert record["duration_s"] > 0 and record["completion_tokens"] is None
     no_text(record, PROMPT)
+
+
+async def test_swap_ids_go_on_across_a_restart_so_an_old_record_never_names_a_swap_of_this_run(start_router, tmp_path):
+    roster = {**TWO, "activity": {"path": str(tmp_path / "activity.db")}}
+    first = await start_router(roster)
+    assert await ask(client(first), "a") and await ask(client(first), "b")  # a and b never fit together: b's wake is a swap
+    old = [r["swap_id"] for r in await newest(first, 2) if r["swap_id"] is not None]
+    assert old, "a request waited for a swap"
+    assert first.stop() == 0, first.log()
+
+    second = await start_router(roster)
+    assert await ask(client(second), "a") and await ask(client(second), "b")
+    swaps = [s["id"] for s in (await second.status())["swaps"]]
+    assert swaps and min(swaps) > max(old), (old, swaps)
+    records = await newest(second, 4)
+    assert {r["swap_id"] for r in records[2:]} == set(old) | {None}, "the refilled records keep their swaps"
+
+
+def test_an_activity_path_that_cannot_be_used_fails_the_start_naming_it(tmp_path):
+    not_sqlite = tmp_path / "activity.db"
+    not_sqlite.write_text("not a database " * 200)
+    router = RouterProcess(roster_dict(sim_model("a"), activity={"path": str(not_sqlite)}), tmp_path)
+    try:
+        assert router.proc.wait(30) == 1, router.log()
+    finally:
+        router.stop()
+    assert f"hotswap: activity.path {not_sqlite}: cannot be used as the activity log's file: file is not a database" \
+        in router.log()
+    assert "Traceback" not in router.log()

@@ -128,10 +128,10 @@ async def test_hotswap_status_prints_a_readable_table(start_router):
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[0] == "ready: yes"
-    assert "GPU 0 of 80 GB: awake 0.90, residual 0.01, free 0.09  (a asleep 0.0125, b awake 0.9)" in lines, lines
+    assert "GPU 0 (80 GB), shares of it: awake 0.90, residual 0.01, free 0.09  (a sleeping 0.0125, b awake 0.9)" in lines, lines
     header = next(l for l in lines if l.strip().startswith("MODEL"))
     assert header.split() == ["MODEL", "STATE", "FOR", "LEVEL", "GPUS", "SHARE", "WAKE~", "IN-FLIGHT", "QUEUED", "MAL", "base/obs",
-                              "DRIFT", "last/max", "RESTARTS", "LAST", "VERDICT"]
+                              "DRIFT", "last/limit", "RESTARTS", "LAST", "VERDICT"]
     row_b = next(l.split() for l in lines if l.strip().startswith("b "))
     assert row_b[1] == "awake" and row_b[4:7] == ["0", "0.9", "0.0s"] and row_b[-1] == "passed" and row_b[-2] == "1"
     assert row_b[-3] == "0/0.05", "the woken engine's logprob drift (bit-exact sim) and gate.max_logprob_drift"
@@ -246,3 +246,16 @@ def svg_or_table(dom: str, start: str, end: str) -> str:
 
 def classes(element: ElementTree.Element, css: str) -> int:
     return sum(1 for e in element.iter() if e.get("class") == css)
+
+
+async def test_every_json_answer_of_the_router_ends_with_a_newline(start_router):
+    """`curl` at a terminal leaves the prompt on a line of its own, and line-reading tools see a whole line."""
+    router = await start_router(roster_dict(sim_model("a", default=True)))
+    async with aiohttp.ClientSession() as s:
+        for method, path in (("GET", "/admin/status"), ("GET", "/admin/timeline"), ("GET", "/admin/activity"),
+                             ("GET", "/admin/logs/a?lines=1"), ("GET", "/v1/models"), ("GET", "/v1/models/a"),
+                             ("GET", "/health"), ("GET", "/ready"), ("GET", "/admin/timeline?minutes=soon"),
+                             ("POST", "/v1/chat/completions"), ("GET", "/admin/logs/nope")):
+            async with s.request(method, router.url + path) as r:
+                body = await r.read()
+                assert r.content_type == "application/json" and body.endswith(b"}\n"), (path, r.status, body[-80:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 from pathlib import Path
 from typing import AsyncIterator, Callable
@@ -12,6 +13,7 @@ import pytest
 
 from router.admin.logs import HEARTBEAT_S, MAX_LINE_CHARS, MAX_LINES
 from tests.component.test_admin import CHROMIUM
+from tests.component.test_stalled_clients import its_stream_ended
 from tests.support import ask, client, eventually, http, roster_dict, sim_model, until
 
 ADMIN = {"Authorization": "Bearer ops-key"}
@@ -52,12 +54,14 @@ async def test_an_operator_reads_the_last_lines_of_an_engines_log(start_router):
 
 async def test_a_bad_line_count_an_unknown_model_and_a_client_key_are_refused_in_openais_shape(start_router):
     router = await start_router(KEYED, env=KEYS, admin_key="ops-key")
-    for bad in ("-1", "ten", str(MAX_LINES + 1), ""):
+    # one way and one error for every /admin/* query (pydantic, `invalid_parameter`), as /admin/activity and /timeline
+    for bad in ("-1", "ten", str(MAX_LINES + 1), "", "1_0", " 10", "10.0", "+5"):
         status, _, body = await http(router, "GET", f"/admin/logs/a?lines={bad}", headers=ADMIN)
-        assert status == 400 and body["error"]["code"] == "invalid_lines" and body["error"]["param"] == "lines", (bad, body)
-        assert str(MAX_LINES) in body["error"]["message"]
-    status, _, body = await http(router, "GET", "/admin/logs/a?follow=yes", headers=ADMIN)
-    assert status == 400 and body["error"]["param"] == "follow"
+        assert status == 400 and body["error"]["code"] == "invalid_parameter" and body["error"]["param"] == "lines", (bad, body)
+        assert f"from 0 to {MAX_LINES}" in body["error"]["message"]
+    for query, param in (("follow=yes", "follow"), ("lines=5&tail=1", "tail")):
+        status, _, body = await http(router, "GET", f"/admin/logs/a?{query}", headers=ADMIN)
+        assert status == 400 and body["error"]["param"] == param and body["error"]["code"] == "invalid_parameter", body
     status, _, body = await http(router, "GET", "/admin/logs/nope", headers=ADMIN)
     assert status == 404 and body["error"]["type"] == "not_found_error" and "nope" in body["error"]["message"]
     for headers in ({"Authorization": "Bearer client-key"}, {}):
@@ -117,6 +121,72 @@ async def test_the_router_stops_at_once_with_a_follower_still_connected(start_ro
                 pass
         assert await stopping == 0, router.log()
 
+
+def stalled_follower(router, model: str) -> socket.socket:
+    """Follow `model`'s log with a 4 kB receive buffer, and never read a byte."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: it sets the window offered
+    s.connect(("127.0.0.1", router.port))
+    s.sendall(f"GET /admin/logs/{model}?follow=1&lines=0 HTTP/1.1\r\nHost: router\r\n"
+              "Authorization: Bearer ops-key\r\n\r\n".encode())
+    return s
+
+
+def unacknowledged(router_port: int, client: socket.socket) -> int:
+    """Bytes the router has sent on `client`'s connection that the client has not taken (/proc/net/tcp's tx_queue)."""
+    client_port = client.getsockname()[1]
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == router_port and int(fields[2].split(":")[1], 16) == client_port:
+            return int(fields[4].split(":")[0], 16)
+    return 0
+
+
+def flood(log_file: Path, megabytes: int = 30) -> None:
+    """Append what a chatty engine writes in a busy minute: far more than the socket buffers hold."""
+    line = b"INFO engine: " + b"x" * 1010 + b"\n"
+    with log_file.open("ab") as log:
+        log.write(line * (megabytes * 1024))
+
+
+async def test_a_follower_that_reads_nothing_is_cut_after_stall_timeout_s(start_router):
+    roster = {**KEYED, "queue": {"stall_timeout_s": 1}}
+    router = await start_router(roster, env=KEYS, admin_key="ops-key")
+    log_file = Path((await router.engine("a"))["log_file"])
+    s = stalled_follower(router, "a")
+    try:
+        flood(log_file)
+        await eventually(lambda: "cut a follower of a's log from 127.0.0.1: the client took nothing of the log for "
+                                 "queue.stall_timeout_s=1 s" in router.log(), timeout=30, what="the stalled follower cut")
+        assert its_stream_ended(s)
+    finally:
+        s.close()
+    status, _, body = await http(router, "GET", "/admin/logs/a?lines=1", headers=ADMIN)  # the router carries on
+    assert status == 200 and body["lines"], body
+    assert "Traceback" not in router.log() and "Error handling request" not in router.log(), router.log()
+
+
+async def test_a_sigterm_ends_at_once_a_follower_that_reads_nothing(start_router):
+    roster = {**KEYED, "queue": {"stall_timeout_s": 600}}  # the stall bound is not what ends it here
+    router = await start_router(roster, env=KEYS, admin_key="ops-key")
+    log_file = Path((await router.engine("a"))["log_file"])
+    s = stalled_follower(router, "a")
+    try:
+        flood(log_file)
+        readings = [-1]
+
+        def stopped_sending() -> bool:  # the follower waits for its client: what it sent stopped growing
+            readings.append(unacknowledged(router.port, s))
+            return readings[-1] == readings[-2] > 0
+
+        await eventually(stopped_sending, timeout=30, interval=0.5, what="the router's sends to the follower piling up "
+                         "unread until its socket is full")
+        # Well within aiohttp's 60 s shutdown timeout: before, the router waited for the follower that long, and more.
+        assert await asyncio.to_thread(router.stop, 30) == 0, router.log()
+        assert "cut a follower of a's log from 127.0.0.1: the router is shutting down" in router.log()
+        assert "Traceback" not in router.log(), router.log()
+    finally:
+        s.close()
 
 
 async def test_the_status_page_offers_to_follow_each_log_and_stops_refreshing_while_it_does(start_router):

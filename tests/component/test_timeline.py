@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import time
 
+import aiohttp
+import yaml
+
 from tests.support import ask, client, eventually, http, roster_dict, sim_model
 
 # b has a draft but no draft restore: a Level-2 wake loses the draft, the gate refuses, a cold restart repairs it
@@ -52,7 +55,7 @@ async def test_the_timeline_tells_a_swap_whose_gate_refused_as_refused_restarted
     body = await eventually(sampled_after_the_swap, timeout=10, what="a sample with b awake")
     last = body["samples"][-1]
     assert last["gpus"]["0"]["b"] == {"state": "awake", "share": 0.9}
-    assert last["gpus"]["0"]["a"]["state"] == "asleep" and 0 < last["gpus"]["0"]["a"]["share"] < 0.1
+    assert last["gpus"]["0"]["a"]["state"] == "sleeping" and 0 < last["gpus"]["0"]["a"]["share"] < 0.1
     assert last["budget_gb"] >= 0 and last["host_gb"] >= 0
     # the status page's swap table says the same
     _, _, status_body = await http(router, "GET", "/admin/status")
@@ -75,10 +78,33 @@ async def test_minutes_narrows_the_window_and_bad_input_gets_a_400_in_openais_sh
     assert narrow["swaps"] == [] and narrow["marks"] == []
     assert len(narrow["samples"]) == 1 and narrow["samples"][0]["at"] < narrow["since"], "the sample in force at the window's start"
 
-    for bad in ("0", "-5", "61", "soon", "nan", "inf"):
+    for bad in ("0", "-5", "61", "soon", "nan", "inf", "1_0", " 5", "1e1"):
         status, _, body = await http(router, "GET", f"/admin/timeline?minutes={bad}")
         assert status == 400, (bad, body)
-        assert body["error"]["code"] == "invalid_timeline_query" and body["error"]["param"] == "minutes", body
+        assert body["error"]["code"] == "invalid_parameter" and body["error"]["param"] == "minutes", body
         assert "at most 60" in body["error"]["message"]
     status, _, body = await http(router, "GET", "/admin/timeline?minute=5")
-    assert status == 400 and body["error"]["param"] == "minute"
+    assert status == 400 and body["error"]["param"] == "minute" and body["error"]["code"] == "invalid_parameter"
+
+
+async def test_a_model_removed_by_a_reload_has_its_lane_end_at_its_retirement(start_router):
+    share = ("--gpu-memory-utilization", "0.2")  # both fit awake: the reload parks nobody
+    router = await start_router(roster_dict(sim_model("a", default=True, args=share), sim_model("gone", args=share)))
+    router.roster_path.write_text(yaml.safe_dump(roster_dict(sim_model("a", default=True, args=share))))
+    status, _, body = await http(router, "POST", "/admin/reload")
+    assert status == 200 and body["changes"]["removed"] == ["gone"], body
+
+    async def lane_ended():
+        _, _, now = await http(router, "GET", "/admin/timeline")
+        return now if now["engines"]["gone"][-1]["state"] == "removed" else None
+    body = await eventually(lane_ended, timeout=15, what="gone's lane ended with `removed`")
+    gone = body["engines"]["gone"]
+    assert states(gone)[-2:] == ["cold", "removed"], gone  # stopped, then out of the roster
+    assert all(i["to"] is not None for i in gone) and gone[-1]["from"] == gone[-1]["to"] <= body["now"], gone
+    assert all(x["to"] == y["from"] for x, y in zip(gone, gone[1:])), gone
+    assert body["engines"]["a"][-1]["to"] is None  # the model that stays is still in its state
+    # /ui draws the lane up to the retirement and says it was removed, not `cold` until now
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/ui") as r:
+        page = await r.text()
+    lane = page.split("id='lane-gone'")[1].split("</g>")[0]
+    assert "gone: removed from the roster at " in lane and "–now</title>" not in lane, lane

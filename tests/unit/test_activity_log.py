@@ -7,7 +7,10 @@ import json
 import logging
 import sqlite3
 
+import pytest
+
 from config.schema import Activity
+from router.admin import ActivityFileError
 from router.admin.activity import ActivityLog, answer_numbers
 from tests.support import until
 
@@ -77,12 +80,32 @@ def test_the_numbers_come_from_the_answers_usage_and_its_own_acceptance_never_it
     assert answer_numbers(None) == (None, None, None)
 
 
-def test_a_file_that_is_not_an_activity_log_leaves_the_log_in_memory_and_says_so(tmp_path, caplog):
-    path = tmp_path / "other.db"
-    with sqlite3.connect(path) as db:
-        db.execute("CREATE TABLE activity (id INTEGER PRIMARY KEY, something_else)")
-    with caplog.at_level(logging.ERROR, logger="hotswap"):
-        log = ActivityLog(Activity(ring=10, path=str(path)))
-    assert log.file is None and "cannot be opened as the activity log's file" in caplog.text
-    done(log)
-    assert len(log.query()) == 1
+def test_a_file_that_cannot_be_the_activity_log_fails_the_start_naming_it(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("an operator's notes, not SQLite " * 100)
+    with pytest.raises(ActivityFileError) as refused:
+        ActivityLog(Activity(ring=10, path=str(path)))
+    assert str(refused.value).startswith(f"activity.path {path}: cannot be used as the activity log's file: ")
+    assert "unset it to keep the log in memory" in str(refused.value)
+
+
+def test_a_file_of_an_older_version_gets_the_new_columns_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:  # as a version that recorded fewer things wrote it
+        db.execute("CREATE TABLE activity (id INTEGER PRIMARY KEY, at, key_name, model, engine, endpoint, status, "
+                   "found_awake, queue_wait_s, swap_id)")
+        db.execute("INSERT INTO activity (at, key_name, model, engine, endpoint, status, found_awake, queue_wait_s, swap_id) "
+                   "VALUES (1.5, 'team', 'a', 'a', 'completions', 200, 0, 0.25, 7)")
+    log = ActivityLog(Activity(ring=10, path=str(path)))
+    try:
+        [old] = log.query()
+        assert (old.engine, old.swap_id, old.found_awake, old.duration_s) == ("a", 7, False, None)
+        assert log.last_swap_id == 7, "this run's swaps are numbered past the file's"
+    finally:
+        log.close()
+
+
+def test_without_a_file_swap_ids_start_at_one():
+    assert ActivityLog(Activity(ring=10)).last_swap_id == 0
+
+

@@ -123,3 +123,68 @@ def test_a_launcher_from_defaults_is_reported_once_where_it_is_written(tmp_path:
 def test_check_of_the_demo_roster_warns_about_nothing():
     run = subprocess.run([*HOTSWAP, "check", "--config", str(EXAMPLES / "demo.yaml")], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert (run.returncode, run.stderr) == (0, "")
+
+
+@pytest.fixture
+def not_a_router():
+    """A URL that answers 200 with whatever `answers` holds: a web page, or another service's JSON."""
+    answers: dict[str, tuple[str, bytes]] = {}
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            kind, body = answers["now"]
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", answers
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("command", ["status", "activity"])
+@pytest.mark.parametrize("kind, body, found", [
+    ("text/html; charset=utf-8", b"<html><body>Welcome to nginx!</body></html>", "not a hotswap router: text/html"),
+    ("application/json", b'{"status": "ok", "version": "1.2"}', "not a hotswap router: JSON without"),
+    ("application/json", b"[1, 2, 3]", "not a hotswap router: a JSON list, not an object"),
+    ("application/json", b"{not json", "not a hotswap router: its application/json is not JSON"),
+])
+def test_a_url_that_answers_200_but_not_as_a_router_is_named_as_such_with_exit_1(command, kind, body, found, not_a_router):
+    url, answers = not_a_router
+    answers["now"] = (kind, body)
+    run = subprocess.run([*HOTSWAP, command, "--url", url], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1, run
+    assert run.stderr.startswith(f"hotswap {command}: {url}/admin/{command}: {found}"), run.stderr
+    assert "Traceback" not in run.stderr and run.stdout == ""
+
+
+@pytest.mark.parametrize("command, body", [
+    ("status", {"ready": True, "booted": True, "placement": "none", "engines": 3, "last_swap": None}),
+    ("activity", {"enabled": True, "records": [{"at": "yesterday"}]}),
+])
+def test_an_answer_with_the_right_keys_and_the_wrong_contents_is_an_error_not_a_traceback(command, body, not_a_router):
+    url, answers = not_a_router
+    answers["now"] = ("application/json", json.dumps(body).encode())
+    run = subprocess.run([*HOTSWAP, command, "--url", url], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run
+    assert run.stderr.startswith(f"hotswap {command}: {url}/admin/{command}: not a hotswap router's"), run.stderr
+
+
+def test_status_and_activity_say_the_unit_of_every_number_and_one_word_for_sleeping():
+    from router.cli import activity, status
+
+    page = status.render({"ready": True, "booted": True, "engines": [], "last_swap": None, "swaps": [],
+                          "placement": {"devices": [{"index": 0, "memory_gb": 80, "planned": 0.9, "residual": 0.0125,
+                                                     "free": 0.0875, "engines": {"a": "sleeping 0.0125", "b": "awake 0.9"}}],
+                                        "host": {"ram_budget_gb": 8, "level1_gb": 0}}})
+    lines = page.splitlines()
+    assert lines[1] == "GPU 0 (80 GB), shares of it: awake 0.90, residual 0.01, free 0.09  (a sleeping 0.0125, b awake 0.9)"
+    assert "DRIFT last/limit" in lines[3] and "max" not in lines[3]  # the drift's limit, gate.max_logprob_drift
+    assert activity.header().split()[7:13] == ["WAIT", "s", "TTFB", "s", "TOTAL", "s"]

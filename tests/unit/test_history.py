@@ -43,7 +43,7 @@ def test_what_is_older_than_the_history_keeps_is_forgotten_but_the_state_in_forc
     clock.now += 700
     h.state("a", "draining")
     h.state("a", "sleeping", 2)
-    h.sample(1.0, 10.0, {0: {"a": ("asleep", 0.01)}})
+    h.sample(1.0, 10.0, {0: {"a": ("sleeping", 0.01)}})
     assert [i.state for i in h.lanes["a"]] == ["awake", "draining", "sleeping"], "the awake one ended only now: it stays"
     clock.now += 700
     h.state("a", "waking")
@@ -98,7 +98,7 @@ def scenario() -> dict:
     h = History(clock)
     h.state("a", "awake")
     h.state(NASTY, "sleeping", 2)
-    h.sample(0.0, 12.0, {0: {"a": ("awake", 0.9), NASTY: ("asleep", 0.0125)}})
+    h.sample(0.0, 12.0, {0: {"a": ("awake", 0.9), NASTY: ("sleeping", 0.0125)}})
     clock.now += 5
     h.state("a", "draining")
     h.state("a", "sleeping", 2)
@@ -111,7 +111,7 @@ def scenario() -> dict:
     h.state(NASTY, "booting")
     clock.now += 3
     h.state(NASTY, "awake")
-    h.sample(0.0, 12.0, {0: {"a": ("asleep", 0.0125), NASTY: ("awake", 0.9)}})
+    h.sample(0.0, 12.0, {0: {"a": ("sleeping", 0.0125), NASTY: ("awake", 0.9)}})
     h.swap(SwapRecord(NASTY, ["a"], "ok", 4.0, {"drain": 0.1, "sleep": 0.2, "wake_weights": 0.5, "gate": 0.2, "restart": 3.0},
                       2.0, at=clock.now, gates=["refused", "restarted", "passed"]))
     clock.now += 1
@@ -151,7 +151,24 @@ def test_the_phase_bars_tell_the_refusal_and_the_memory_chart_each_gpu():
     assert any(t.text == "refused → restarted → passed" for t in swap.iter(SVG + "text"))
     memory = parse(pictures.memory(data))
     assert [g.get("id") for g in memory.iter(SVG + "g") if g.get("class") == "gpu-shares"] == ["gpu-shares-0"]
-    residual = [r for r in memory.iter(SVG + "rect") if NASTY + ": asleep" in "".join(r.itertext())]
+    residual = [r for r in memory.iter(SVG + "rect") if NASTY + ": sleeping" in "".join(r.itertext())]
     assert residual and all(float(r.get("height")) >= 2 for r in residual), "a residual of 1 % stays visible"
     assert pictures.phases([]).startswith("<p") and pictures.story(["passed"]) is None
     assert pictures.story(["refused", "restarted", "refused"]) == "refused → restarted → refused"
+
+
+def test_a_removed_engines_lane_ends_at_its_retirement_and_is_forgotten_once_older_than_the_hour_kept():
+    clock = Clock()
+    h = History(clock, keep_s=100)
+    h.state("gone", "cold")
+    clock.now += 10
+    h.retired("gone")
+    h.retired("gone")  # told twice: one end
+    assert [(i["state"], i["to"] is None) for i in h.window(30)["engines"]["gone"]] == [("cold", False), ("removed", False)]
+    clock.now += 5
+    h.state("gone", "cold")  # added back by a later reload: the lane goes on
+    assert h.window(30)["engines"]["gone"][-1] == {"state": "cold", "from": clock.now, "to": None}
+    h.retired("gone")
+    clock.now += 101
+    h.state("other", "cold")  # any later record forgets what is past the hour
+    assert "gone" not in h.window(30)["engines"]
