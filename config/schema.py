@@ -39,7 +39,7 @@ from config.argv import (
     no_router_owned_flags,
     split_argv,
 )
-from config.secrets import mask_argv, mask_env
+from config.secrets import mask_argv, mask_env, mask_url
 from config.sections import Activity, ApiKey, Auth, Gpu, Host, Listen, Node, NonEmptyStr, Queue, Section, StepTimeouts, Swap
 
 __all__ = ["Activity", "ApiKey", "Auth", "Gate", "Gpu", "Host", "Listen", "ModelSpec", "Node", "Queue", "Roster", "RosterFile", "Section", "StepTimeouts", "Swap"]
@@ -146,6 +146,11 @@ class ModelSpec(Section):
         """`argv` (this engine's, or a part of it) as it may be printed or logged: see `config.secrets`."""
         return mask_argv(argv, self._from_env)
 
+    @property
+    def shown_url(self) -> Optional[str]:
+        """`url` as it may be printed or logged: its userinfo and ${ENV} values masked (`config.secrets`)."""
+        return None if self.url is None else mask_url(self.masked([self.url])[0])
+
     @field_validator("url")
     @classmethod
     def _url_is_http(cls, url: Optional[str]) -> Optional[str]:
@@ -161,7 +166,7 @@ class ModelSpec(Section):
         if "url" in info.data and not (info.data["url"] or "").startswith("https://"):  # (a bad url has its own error)
             url = info.data["url"]
             raise ValueError("applies only to an engine attached by an https:// url "
-                             f"({f'url is {url}' if url else 'this model has no url'})")
+                             f"({f'url is {mask_url(url)}' if url else 'this model has no url'})")
         try:  # what the engine's TLS will do with it, so a file that passes here works there
             ssl.create_default_context(cafile=path)
         except FileNotFoundError:
@@ -356,4 +361,5 @@ class Roster(Section):
                     m[key] = spec.masked(m[key])
             if m["model"] is not None:  # it is in the argv too
                 m["model"] = spec.masked([m["model"]])[0]
+            m["url"] = spec.shown_url
         return data

@@ -61,7 +61,7 @@ async def engine_log(request: web.Request) -> web.StreamResponse:
         raise APIError(400, f"follow must be 1 or 0 (found {follow[:20]!r})", "invalid_follow", param="follow")
     path = engine.log_path
     if path is None:
-        raise APIError(404, f"{engine.name} is attached (url: {engine.spec.url}): the router starts no process for it and "
+        raise APIError(404, f"{engine.name} is attached (url: {engine.spec.shown_url}): the router starts no process for it and "
                             "has no log of it; read it where the process that runs it writes it.", "no_engine_log")
     if follow in ("1", "true"):
         return await _follow(request, path, lines, request.app[FOLLOWERS_KEY].closing)

@@ -26,7 +26,9 @@ def _model_cards(router: Router, grant: Grant) -> list[dict]:
                 "parent": parent, "state": engine.state.value, "group": engine.spec.group,
                 "wake_estimate_s": round(scheduler.predicted_wait(engine, now), 2), "node": where}
 
-    cards = [card(name, engine, None if name == engine.name else engine.name, engine.spec.model or engine.spec.url or engine.name)
+    # `root`: what the engine serves, never where it listens (an attached engine's url is internal, and may
+    # carry a password): a `url:` or `command:` engine's card says its name.
+    cards = [card(name, engine, None if name == engine.name else engine.name, engine.spec.model or engine.name)
              for name, engine in router.by_name.items() if grant.allows(engine, name)]
     # An adapter's parent is its engine's roster name: the name clients use (vLLM's card says the served name).
     return cards + [card(name, engine, engine.name, root) for name, engine, root in router.adapters() if grant.allows(engine, name)]
