@@ -59,6 +59,17 @@ def _output_check(value: str) -> str:
     raise ValueError("must be 'exact', 'off' or 'prefix:N' (N characters, N >= 1)")
 
 
+def _one_word(name: str) -> str:
+    # The agent protocol (`<key> <model> backup`) and the front's routing rule carry a name as one word.
+    bad = next((c for c in name if c.isspace() or not c.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"{name!r} has {'a space' if bad == ' ' else repr(bad)} at position {name.index(bad)}: names and "
+                         "aliases are one word, without whitespace or control characters (HAProxy's agent-send line and "
+                         "the front's routing rule cannot carry them)")
+    return name
+
+
+ModelName = Annotated[str, Field(min_length=1), AfterValidator(_one_word)]
 _Scalar = Union[str, float, bool]
 ArgvItem = Annotated[str, BeforeValidator(arg_text, json_schema_input_type=_Scalar)]
 Argv = Annotated[list[ArgvItem], BeforeValidator(split_argv, json_schema_input_type=Union[str, list[_Scalar]])]
@@ -98,8 +109,8 @@ class ModelSpec(Section):
     which is how each cross-field error lands on the key that is wrong.
     """
 
-    name: NonEmptyStr = Field(description="What clients put in `model`.")
-    aliases: list[NonEmptyStr] = Field(default_factory=list, description="Other names clients may use.")
+    name: ModelName = Field(description="What clients put in `model`: one word (no whitespace or control characters).")
+    aliases: list[ModelName] = Field(default_factory=list, description="Other names clients may use (one word each, as names).")
     group: Optional[NonEmptyStr] = Field(
         None, description="Models that share a group are never awake together; unset: placed by GPU memory only.")
     default: bool = Field(False, description="Serves requests that name no model; kept awake at boot when it fits.")

@@ -412,6 +412,18 @@ def test_check_prints_every_error_and_exits_2(tmp_path: Path):
     assert "2 errors" in lines[2]
 
 
+def test_check_refuses_a_name_or_alias_the_agent_line_and_the_front_rule_cannot_carry(tmp_path: Path):
+    roster = tmp_path / "names.yaml"
+    roster.write_text('models:\n  - name: my model\n    model: /m\n    aliases: [ok, "tab\\there", "bell\\a"]\n')
+    run = hotswap("check", "--config", str(roster))
+    assert run.returncode == 2 and run.stdout == ""
+    lines = run.stderr.splitlines()
+    rule = "names and aliases are one word, without whitespace or control characters"
+    assert lines[0].startswith(f"{roster}:2:11: models[0].name: 'my model' has a space at position 2: {rule}"), lines
+    assert lines[1].startswith(f"{roster}:4:19: models[0].aliases[1]: 'tab\\there' has '\\t' at position 3: {rule}"), lines
+    assert lines[2].startswith(f"{roster}:4:32: models[0].aliases[2]: 'bell\\x07' has '\\x07' at position 4: {rule}"), lines
+
+
 def test_check_of_a_missing_file_exits_2():
     run = hotswap("check", "--config", "/nonexistent/roster.yaml")
     assert run.returncode == 2 and "/nonexistent/roster.yaml:1:1: roster: cannot read file" in run.stderr
