@@ -29,7 +29,9 @@ async def test_models_carry_state_and_the_nodes_name_and_labels(start_router):
     for card in cards.values():
         assert card.node == {"name": "gpu-a", "labels": {"zone": "a", "gpu": "h100"}}
     one = await client(router).models.retrieve("bee")
-    assert one.node["name"] == "gpu-a" and one.parent == "b"
+    assert one.node["name"] == "gpu-a" and one.alias_of == "b"
+    assert one.parent is None, "parent is a LoRA adapter's engine (README), not an alias's"
+    assert cards["b"].alias_of is None and cards["b"].parent is None
 
 
 async def test_an_unnamed_node_is_named_after_its_host(start_router):
