@@ -365,6 +365,8 @@ class Roster(Section):
             data["auth"]["admin_key"] = "***"
         for entry in data["auth"]["keys"]:
             entry["key"] = "***"
+        if self.node.agent_key:
+            data["node"]["agent_key"] = "***"
         for m, spec in zip(data["models"], self.models):
             m["env"] = mask_env(spec.env, spec._from_env)
             for key in ("launcher", "args", "command"):

@@ -515,3 +515,22 @@ def test_node_peers_are_base_urls_of_other_nodes():
         "roster.yaml:4:7: node.peers[1]: URL scheme should be 'http' or 'https' (found 'b:8080')"]
     assert errors("node:\n  peers: [http://b:8080, 'http://b:8080/']\nmodels: [{name: a, model: m}]\n") == [
         "roster.yaml:2:10: node.peers: peers[1] 'http://b:8080' is listed twice"]
+
+
+def test_an_agent_beyond_loopback_needs_an_agent_key_written_as_an_env_reference(tmp_path: Path):
+    models = "models: [{name: a, model: m}]\n"
+    assert errors("listen: {host: 0.0.0.0}\nnode: {agent_port: 8081}\n" + models) == [
+        "roster.yaml:2:20: node.agent_port: an agent on 0.0.0.0 would tell anyone who reaches it which models this node "
+        "serves: set node.agent_key: ${ENV_VAR} (HAProxy sends it on its agent-send line, docs/multi-node.md), or listen on loopback"]
+    assert errors("node: {agent_port: 8081, agent_key: literal-key}\n" + models) == [
+        "roster.yaml:1:37: node.agent_key: write secrets as ${ENV_VAR} and set them in the environment, never in the file"]
+    assert load("node: {agent_port: 8081}\n" + models).node.agent_key is None  # loopback: no key needed
+    keyed = load("listen: {host: 0.0.0.0}\nnode: {agent_port: 8081, agent_key: '${AGENT}'}\n" + models, {"AGENT": "ag-key-1"})
+    assert keyed.node.agent_key == "ag-key-1" and keyed.redacted()["node"]["agent_key"] == "***"
+    assert errors("node: {agent_port: 8081, agent_key: '${AGENT}'}\n" + models, {"AGENT": "two words"})[0].endswith(
+        "node.agent_key: must be one word, without whitespace or control characters: it is the first word of the agent-check line")
+
+    roster = tmp_path / "roster.yaml"
+    roster.write_text("node: {agent_port: 8081}\n" + models)
+    run = hotswap("serve", "--config", str(roster), "--host", "0.0.0.0")
+    assert run.returncode == 2 and f"{roster}: node.agent_port: with --host an agent on 0.0.0.0 would tell anyone" in run.stderr
