@@ -65,8 +65,10 @@ defaults
 frontend openai
     bind @BIND@
 @ADMIN@    http-request set-var(txn.model) req.body,json_query('$.model')
-    # X-Hotswap-Node is the node's to give (a request it passed on to a peer: the peer's); it gives none to a
-    # caller without a key (a 401, /health), and the front adds none either.
+    # The node names itself (a request it passed on to a peer: the peer); for an older node the server's
+    # name does, without the ":wake" of a backup line (agent_servers), but never on a refusal: a caller
+    # without a key learns no node name (the node gives none there either).
+    http-response set-header X-Hotswap-Node %[srv_name,field(1,:)] unless { res.hdr(X-Hotswap-Node) -m found } || { status 401 403 }
 @MODELS@@RULES@    default_backend any_node
 @STATS@"""
 

@@ -93,6 +93,18 @@ async def test_with_forward_admin_but_no_key_in_its_environment_the_front_forwar
         assert (await get(url + "/admin/status", headers=auth))[0] == 403, auth
 
 
+async def test_a_refusal_through_the_front_names_no_node_and_an_answer_to_a_key_does(start_router, front):
+    router = await start_router(roster_dict(sim_model("a", default=True), auth={"api_keys": ["${T_CLIENT}"]},
+                                            node={"name": "node-a"}), env={"T_CLIENT": "client-key"})
+    url, _ = front(router.port)
+    await eventually(lambda: up(url), 15, what="the front forwards")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/completions", json={"model": "a", "prompt": "x"}) as r:
+            assert r.status == 401 and "X-Hotswap-Node" not in r.headers, dict(r.headers)
+        async with s.get(url + "/v1/models", headers={"Authorization": "Bearer client-key"}) as r:
+            assert r.status == 200 and r.headers["X-Hotswap-Node"] == "node-a"
+
+
 async def _states(stats: str) -> dict:
     async with aiohttp.ClientSession() as s, s.get(stats + "/haproxy-stats;csv") as r:
         return {server: state.split()[0] for (backend, server), state in haproxy.server_states(await r.text()).items()
