@@ -1,5 +1,5 @@
 """What a roster reload changes: which models are new, gone, to be restarted, or changed in place,
-and which router-wide sections changed.
+and which router-wide keys changed (in place, or not until a restart: RESTART_KEYS).
 
 Pure: two rosters in, a `RosterDiff` out. A model's settings are of two kinds. Those the engine
 process was started with (ENGINE_KEYS, and the canary's own keys, since a baseline recorded with
@@ -12,12 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Mapping, Optional
 
-from config.schema import ModelSpec, Roster
+from config.schema import ModelSpec, Roster, Section
 
 ENGINE_KEYS = ("model", "url", "tls_ca_file", "port", "command", "launcher", "args", "env", "speculative", "devices", "draft_restore")
 CANARY_KEYS = ("enabled", "prompt", "max_tokens", "lora_canary")  # gate keys that make the canary another one
-SECTIONS = ("auth", "queue", "swap", "gpus", "host", "node")  # router-wide, changed in place
-RESTART_SECTIONS = ("listen", "activity")  # bound or opened once at start: a change needs a router restart
+SECTIONS = ("auth", "queue", "swap", "gpus", "host", "node", "listen", "activity")  # router-wide
+# Keys bound or opened once at start (None: the whole section): a change needs a router restart. Every
+# other key of a section is read where it is used, so it changes in place.
+RESTART_KEYS: dict[str, Optional[tuple[str, ...]]] = {"listen": None, "activity": None, "node": ("agent_port",)}
+WHAT_RESTARTS = {"listen": "the listener", "activity": "the activity log", "node": "the agent's port"}
 
 
 @dataclass(frozen=True)
@@ -38,8 +41,8 @@ class RosterDiff:
     revived: tuple[str, ...] = ()  # removed by an earlier reload, back before its engine stopped: it keeps that engine
     changed: tuple[ModelChange, ...] = ()
     unchanged: tuple[str, ...] = ()
-    sections: tuple[str, ...] = ()  # router-wide sections changed in place
-    needs_restart: tuple[str, ...] = ()  # dotted keys under listen and activity: not applied
+    sections: tuple[str, ...] = ()  # router-wide sections with a key changed in place
+    needs_restart: tuple[str, ...] = ()  # dotted keys of RESTART_KEYS: not applied
 
     @property
     def empty(self) -> bool:
@@ -71,8 +74,8 @@ class RosterDiff:
             what = "restarts at its next idle moment" if c.restart else "changed in place"
             out.append(f"~ {c.name}: {what} ({', '.join(c.fields)})")
         out += [f"~ {section}: changed in place" for section in self.sections]
-        out += [f"! {key}: NOT applied: {'the listener' if key.startswith('listen.') else 'the activity log'} needs a router "
-                "restart (still on the old one)" for key in self.needs_restart]
+        out += [f"! {key}: NOT applied: {WHAT_RESTARTS[key.partition('.')[0]]} needs a router restart (still on the old one)"
+                for key in self.needs_restart]
         return out or ["no changes"]
 
 
@@ -93,10 +96,26 @@ def diff(old: Roster, current: Mapping[str, ModelSpec], new: Roster, retiring: A
             changed.append(change)
         elif spec.name not in revived:  # bringing a model back is a change, even with the same entry
             unchanged.append(spec.name)
-    sections = tuple(s for s in SECTIONS if getattr(old, s) != getattr(new, s))
-    needs_restart = tuple(f"{s}.{k}" for s in RESTART_SECTIONS for k, v in getattr(new, s).model_dump().items()
-                          if getattr(getattr(old, s), k) != v)
+    sections, needs_restart = _section_changes(old, new)
     return RosterDiff(added, removed, revived, tuple(changed), tuple(unchanged), sections, needs_restart)
+
+
+def _section_changes(old: Roster, new: Roster) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(sections with a key that changes in place, the dotted keys that need a restart), key by key."""
+    in_place, restart = [], []
+    for section in SECTIONS:
+        a, b = getattr(old, section), getattr(new, section)
+        if a == b:
+            continue
+        if not isinstance(b, Section):  # gpus: a list (or none), read as a whole
+            in_place.append(section)
+            continue
+        bound = RESTART_KEYS.get(section, ())
+        keys = [k for k in type(b).model_fields if getattr(a, k) != getattr(b, k)]
+        restart += [f"{section}.{k}" for k in keys if bound is None or k in bound]
+        if any(bound is not None and k not in bound for k in keys):
+            in_place.append(section)
+    return tuple(in_place), tuple(restart)
 
 
 def model_change(running: ModelSpec, new: ModelSpec) -> Optional[ModelChange]:

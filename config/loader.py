@@ -12,6 +12,7 @@ written in the file: `[--gpu-memory-utilization, 0.85]` needs no quotes, and `0.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 import typing
@@ -27,7 +28,7 @@ from config.placement_check import check_placement
 from config.schema import IDENTITY_KEYS, Activity, Auth, Gpu, Host, Listen, ModelDefaults, ModelSpec, Node, Queue, Roster, Swap
 SECTIONS: dict[str, type[BaseModel]] = {"listen": Listen, "auth": Auth, "queue": Queue, "swap": Swap, "host": Host, "node": Node, "activity": Activity}
 TOP_LEVEL_KEYS = (*SECTIONS, "gpus", "defaults", "models")
-SECRET_PATHS = (("auth", "admin_key"), ("auth", "api_keys"), ("auth", "keys", int, "key"))
+SECRET_PATHS = (("auth", "admin_key"), ("auth", "api_keys"), ("auth", "keys", int, "key"), ("node", "agent_key"))
 ARGV_KEYS = ("args", "launcher", "command")
 # Scalars YAML would turn into something else than a string; in an argv list they keep their spelling.
 _TEXT_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("int", "float", "bool", "timestamp"))
@@ -206,6 +207,7 @@ class _Loader:
             return None
         models = [self.validate_entry(entry, defaults, i) for i, entry in enumerate(raw_models)]
         self.check_across(raw_models, defaults, sections["listen"])
+        self.check_agent(sections["listen"], sections["node"])
         whole_gpus = gpus is not None and len(gpus) == len(data["gpus"])  # a broken entry would make indexes look unknown
         check_placement(self.report, raw_models, defaults, sorted({g.index for g in gpus}) if whole_gpus else None)
         if self.issues:
@@ -295,6 +297,31 @@ class _Loader:
             group = merged.get("group")
             if merged.get("default") is True and isinstance(group, str):
                 claim(group_default, group, (*base, "default"), "group '{key}' already has its default model at {other}")
+
+    def check_agent(self, listen: Optional[Listen], node: Optional[Node]) -> None:
+        if listen is not None and node is not None and (problem := exposed_agent(listen.host, node)):
+            self.report(("node", "agent_port"), problem)
+
+
+def exposed_agent(host: str, node: Node) -> Optional[str]:
+    """Why an agent on `host` (listen.host, or `hotswap serve --host`) may not run as `node` says, if it may not:
+    it answers which models are served here to whoever reaches it, so beyond loopback only to the front, which
+    proves itself with `node.agent_key`."""
+    if node.agent_port is None or node.agent_key is not None or is_loopback(host):
+        return None
+    return (f"an agent on {host} would tell anyone who reaches it which models this node serves: set node.agent_key: "
+            "${ENV_VAR} (HAProxy sends it on its agent-send line, docs/multi-node.md), or listen on loopback")
+
+
+def is_loopback(host: str) -> bool:
+    """`host` (an address or a name) is this machine's loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
 
 @dataclass(frozen=True)
 class Locations:

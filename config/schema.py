@@ -39,7 +39,7 @@ from config.argv import (
     no_router_owned_flags,
     split_argv,
 )
-from config.secrets import mask_argv, mask_env
+from config.secrets import mask_argv, mask_env, mask_url
 from config.sections import Activity, ApiKey, Auth, Gpu, Host, Listen, Node, NonEmptyStr, Queue, Section, StepTimeouts, Swap
 
 __all__ = ["Activity", "ApiKey", "Auth", "Gate", "Gpu", "Host", "Listen", "ModelSpec", "Node", "Queue", "Roster", "RosterFile", "Section", "StepTimeouts", "Swap"]
@@ -59,6 +59,17 @@ def _output_check(value: str) -> str:
     raise ValueError("must be 'exact', 'off' or 'prefix:N' (N characters, N >= 1)")
 
 
+def _one_word(name: str) -> str:
+    # The agent protocol (`<key> <model> backup`) and the front's routing rule carry a name as one word.
+    bad = next((c for c in name if c.isspace() or not c.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"{name!r} has {'a space' if bad == ' ' else repr(bad)} at position {name.index(bad)}: names and "
+                         "aliases are one word, without whitespace or control characters (HAProxy's agent-send line and "
+                         "the front's routing rule cannot carry them)")
+    return name
+
+
+ModelName = Annotated[str, Field(min_length=1), AfterValidator(_one_word)]
 _Scalar = Union[str, float, bool]
 ArgvItem = Annotated[str, BeforeValidator(arg_text, json_schema_input_type=_Scalar)]
 Argv = Annotated[list[ArgvItem], BeforeValidator(split_argv, json_schema_input_type=Union[str, list[_Scalar]])]
@@ -98,8 +109,8 @@ class ModelSpec(Section):
     which is how each cross-field error lands on the key that is wrong.
     """
 
-    name: NonEmptyStr = Field(description="What clients put in `model`.")
-    aliases: list[NonEmptyStr] = Field(default_factory=list, description="Other names clients may use.")
+    name: ModelName = Field(description="What clients put in `model`: one word (no whitespace or control characters).")
+    aliases: list[ModelName] = Field(default_factory=list, description="Other names clients may use (one word each, as names).")
     group: Optional[NonEmptyStr] = Field(
         None, description="Models that share a group are never awake together; unset: placed by GPU memory only.")
     default: bool = Field(False, description="Serves requests that name no model; kept awake at boot when it fits.")
@@ -146,6 +157,11 @@ class ModelSpec(Section):
         """`argv` (this engine's, or a part of it) as it may be printed or logged: see `config.secrets`."""
         return mask_argv(argv, self._from_env)
 
+    @property
+    def shown_url(self) -> Optional[str]:
+        """`url` as it may be printed or logged: its userinfo and ${ENV} values masked (`config.secrets`)."""
+        return None if self.url is None else mask_url(self.masked([self.url])[0])
+
     @field_validator("url")
     @classmethod
     def _url_is_http(cls, url: Optional[str]) -> Optional[str]:
@@ -161,7 +177,7 @@ class ModelSpec(Section):
         if "url" in info.data and not (info.data["url"] or "").startswith("https://"):  # (a bad url has its own error)
             url = info.data["url"]
             raise ValueError("applies only to an engine attached by an https:// url "
-                             f"({f'url is {url}' if url else 'this model has no url'})")
+                             f"({f'url is {mask_url(url)}' if url else 'this model has no url'})")
         try:  # what the engine's TLS will do with it, so a file that passes here works there
             ssl.create_default_context(cafile=path)
         except FileNotFoundError:
@@ -349,6 +365,8 @@ class Roster(Section):
             data["auth"]["admin_key"] = "***"
         for entry in data["auth"]["keys"]:
             entry["key"] = "***"
+        if self.node.agent_key:
+            data["node"]["agent_key"] = "***"
         for m, spec in zip(data["models"], self.models):
             m["env"] = mask_env(spec.env, spec._from_env)
             for key in ("launcher", "args", "command"):
@@ -356,4 +374,5 @@ class Roster(Section):
                     m[key] = spec.masked(m[key])
             if m["model"] is not None:  # it is in the argv too
                 m["model"] = spec.masked([m["model"]])[0]
+            m["url"] = spec.shown_url
         return data

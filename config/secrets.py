@@ -3,13 +3,15 @@
 An engine's command line and environment carry its secrets (`--api-key`, `--hf-token`, a
 `VLLM_API_KEY`), and `hotswap check`, `/admin` and the engine's log file show them. So every
 argv shown is masked: the value of a secret flag, and every value the roster gave as `${ENV}`
-(the loader hands over the values it substituted), become `***`.
+(the loader hands over the values it substituted), become `***`. So does the userinfo of an
+attached engine's `url` (`http://user:pw@host`), written in the file or not.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 MASK = "***"
 # vLLM's flags whose value is a credential; any other flag's secret comes in as ${ENV}.
@@ -47,3 +49,22 @@ def mask_argv(argv: Iterable[str], from_env: Iterable[str] = ()) -> list[str]:
 def mask_env(env: Mapping[str, str], from_env: Iterable[str] = ()) -> dict[str, str]:
     """`env` safe to print: a secret-named variable, or one whose value came from ${ENV}, as `***`."""
     return {k: MASK if SECRET_NAME.search(k) else mask_argv([v], from_env)[0] for k, v in env.items()}
+
+
+def mask_url(url: str) -> str:
+    """`url` safe to print: its userinfo (`user:password@`, however it was written) as `***@`."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=MASK + "@" + parts.netloc.rpartition("@")[2]))
+
+
+def split_userinfo(url: str) -> tuple[str, Optional[tuple[str, str]]]:
+    """`url` without its userinfo, and the (user, password) it carried (percent-decoded), if any: an
+    engine's address is then printed, pooled and sent as a Host header without its credentials."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, None
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    return urlunsplit(parts._replace(netloc=host)), (unquote(user), unquote(password))

@@ -119,6 +119,11 @@ class Node(Section):
         "model's name, this node answers from that model's state here (awake: ready; parked: drain on the primary line, a "
         "weight from its wake estimate on the backup line), so a request goes where its model is awake "
         "(docs/multi-node.md); unset: no agent. Bound at start, like `listen`: a reload does not move it.")
+    agent_key: Optional[NonEmptyStr] = Field(
+        None, description="A shared secret the front sends before the model on each agent-check line (`<key> <model>`; "
+        "HAProxy's agent-send reads it from its environment, docs/multi-node.md), so the agent tells only the front which "
+        "models are served here: a line without it is answered as an unknown name. Write it as ${ENV_VAR}. Needed for an "
+        "agent on an address other than loopback.")
     peers: list[AnyHttpUrl] = Field(
         default_factory=list, description="Base URLs of the fleet's other nodes (e.g. `http://10.0.0.2:8080`). A request "
         "for a model this node does not serve is passed on to a peer whose /v1/models lists it (a front that could not "
@@ -128,6 +133,14 @@ class Node(Section):
         "as long as its answer lasts); one more is answered 503 `peer_busy` with Retry-After at once, never queued. "
         "These connections are their own pool: the engines' control calls (sleep, wake, canary, metrics) never wait "
         "for them.")
+
+    @field_validator("agent_key")
+    @classmethod
+    def _one_word_key(cls, key: Optional[str]) -> Optional[str]:
+        if key is not None and any(c.isspace() or not c.isprintable() for c in key):  # never the key itself in a message
+            raise ValueError("must be one word, without whitespace or control characters: it is the first word of the "
+                             "agent-check line")
+        return key
 
     @field_validator("peers")
     @classmethod

@@ -4,7 +4,8 @@ client key's scope (`router.keys`) is left on the request for the handlers: a mo
 answered as one that does not exist.
 With client keys, nothing open names models or keys: /metrics and /metrics/model-server (the
 Inference Extension's scrape) take a metrics or admin key (unless auth.open_metrics), and /ready
-lists only what the caller's key may see.
+lists only what the caller's key may see. Nor does an answer to a caller without a key say which node
+this is (`known_caller`, read by `router.fleet.node`'s X-Hotswap-Node).
 
 Clients present their key as `Authorization: Bearer`; on the Anthropic routes (/v1/messages*)
 also as `x-api-key`, which is how the anthropic SDK sends it. Failures raise APIError, so
@@ -29,6 +30,7 @@ METRICS_PATHS = frozenset({"/metrics", "/metrics/model-server"})
 FORWARDING_HEADERS = ("X-Forwarded-For", "Forwarded", "X-Real-IP")
 GRANT = "hotswap.grant"  # request[GRANT]: the Grant of the client key on /v1/* and the proxied routes
 KEY_NAME = "hotswap.key_name"  # request[KEY_NAME]: the name of the key presented, for the access log (never the key)
+KNOWN = "hotswap.known"  # request[KNOWN]: the caller passed a key check (or needs none for a client route)
 
 
 def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str]):
@@ -61,6 +63,7 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
                 how = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if anthropic_path(path) else "'Authorization: Bearer <key>'"
                 raise APIError(401, f"Missing or invalid API key: send {how}.", "invalid_api_key")
             request[GRANT] = grant
+            request[KNOWN] = True
         if path.startswith("/admin/") or path == "/ui":
             if table.admin_auth:
                 grant = _identify(request, table, presented(request))
@@ -71,6 +74,7 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
                     # page's own requests to /admin/* (its log follower) need it, as /ui does.
                     response.headers["WWW-Authenticate"] = 'Basic realm="hotswap"'
                     return response
+                request[KNOWN] = True
             elif not _is_loopback(request.remote) or _forwarded(request):
                 return error_response(403, f"{path} is loopback-only until an admin key is set (auth.admin_key, "
                                            "or a key with admin: true); a request a proxy forwarded "
@@ -82,10 +86,12 @@ def auth_middleware(keys: Callable[[], KeyTable], client_paths: Collection[str])
                                            "every model and key) takes a key with metrics: true or an admin key, as "
                                            "'Authorization: Bearer <key>' (Prometheus: `authorization:` in its scrape config); "
                                            "or set auth.open_metrics: true.", "invalid_metrics_key")
+            request[KNOWN] = True
         if path == "/ready" and table.client_auth:
             # /ready is for probes, which send no key: they get the status; a key gets the names it may see.
             grant = _identify(request, table, presented(request))
             request[GRANT] = NOTHING if grant is None else EVERYTHING if grant.metrics else grant
+            request[KNOWN] = grant is not None
         return await handler(request)
 
     return auth
@@ -103,6 +109,13 @@ def _as_sent(value: str) -> bytes:
     that are not UTF-8 (`Bearer \\xff\\xfe`) arrive as lone surrogates a plain .encode() refuses; given back
     as sent, they are a key like any other, and no key matches them."""
     return value.encode("utf-8", "surrogateescape")
+
+
+def known_caller(request: web.Request) -> bool:
+    """Whether the caller may be told which node this is: it passed a key check (a client route without client
+    keys needs none: /v1/models names the node to anyone then). A 401, /health and a probe of /ready without a
+    key are not told."""
+    return request.get(KNOWN, False)
 
 
 def grant_of(request: web.Request) -> Grant:

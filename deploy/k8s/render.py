@@ -29,7 +29,8 @@ STATS_PORT = 8404  # HAProxy's stats, loopback in the front's pod: `kubectl port
 # namespace is kustomization.yaml's; another namespace or cluster domain means editing this.
 HEADLESS = "hotswap-headless.hotswap.svc.cluster.local"
 # What the rosters reference from the environment; any value will do to read their model names.
-ROSTER_ENV = {"HOTSWAP_API_KEY": "k", "HOTSWAP_ADMIN_KEY": "k", "HOTSWAP_METRICS_KEY": "m", "POD_NAME": "hotswap-0"}
+ROSTER_ENV = {"HOTSWAP_API_KEY": "k", "HOTSWAP_ADMIN_KEY": "k", "HOTSWAP_METRICS_KEY": "m", "HOTSWAP_AGENT_KEY": "a",
+              "POD_NAME": "hotswap-0"}
 
 
 def rosters() -> dict[str, object]:

@@ -12,6 +12,10 @@ example placement (tests/deploy checks that they stay equal). Why each line is t
 `/admin/*` and `/ui` are not forwarded (403) unless `--admin`, and then only with the admin key
 (`Authorization: Bearer <key>`), compared to `HOTSWAP_ADMIN_KEY` in HAProxy's environment at its start:
 the key is never in the config file. HAProxy's stats are on their own loopback-only bind.
+
+The agent-check lines send `HOTSWAP_AGENT_KEY` from HAProxy's environment before the model (the nodes'
+`node.agent_key`; expanded by HAProxy at its start, never written here): without it a node's agent answers
+as if it served nothing. Unset, the lines carry no key, for nodes whose agent listens on loopback without one.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from pathlib import Path
 from typing import Optional
 
 NO_MODEL_BACKEND = "no_such_model"
+AGENT_KEY_ENV = "HOTSWAP_AGENT_KEY"
+AGENT_KEY_REF = "${" + AGENT_KEY_ENV + "}"
 LUA_FILE = Path(__file__).resolve().parent / "models.lua"
 
 GLOBAL = """\
@@ -60,8 +66,9 @@ frontend openai
     bind @BIND@
 @ADMIN@    http-request set-var(txn.model) req.body,json_query('$.model')
     # The node names itself (a request it passed on to a peer: the peer); for an older node the server's
-    # name does, without the ":wake" of a backup line (agent_servers).
-    http-response set-header X-Hotswap-Node %[srv_name,field(1,:)] unless { res.hdr(X-Hotswap-Node) -m found }
+    # name does, without the ":wake" of a backup line (agent_servers), but never on a refusal: a caller
+    # without a key learns no node name (the node gives none there either).
+    http-response set-header X-Hotswap-Node %[srv_name,field(1,:)] unless { res.hdr(X-Hotswap-Node) -m found } || { status 401 403 }
 @MODELS@@RULES@    default_backend any_node
 @STATS@"""
 
@@ -150,8 +157,10 @@ def agent_servers(model: str, node: Node) -> str:
     # re-resolved at run time in Kubernetes (an agent-addr name would be resolved once, at start).
     where = "" if agent_host == addr.rpartition(":")[0] else f"agent-addr {agent_host} "
     ask = f"agent-check {where}agent-port {agent_port} agent-inter 1s observe layer4 error-limit 1 on-error mark-down"
-    return (f'    server {name} {addr} check {ask} agent-send "{model}\\n"\n'
-            f'    server {name}:wake {addr} check backup weight 100 {ask} agent-send "{model} backup\\n"\n')
+    # "${HOTSWAP_AGENT_KEY}": HAProxy expands it from its environment when it starts; the key is never in the file.
+    send = f"{AGENT_KEY_REF} {model}"
+    return (f'    server {name} {addr} check {ask} agent-send "{send}\\n"\n'
+            f'    server {name}:wake {addr} check backup weight 100 {ask} agent-send "{send} backup\\n"\n')
 
 
 def model_servers(model: str, nodes: list[Node]) -> str:

@@ -48,7 +48,7 @@ def weights_gb(spec: ModelSpec) -> tuple[Optional[float], str]:
     if spec.weights_gb is not None:
         return spec.weights_gb, f"weights_gb: {spec.weights_gb:g} in the roster"
     if spec.model is None:
-        how = "runs a `command`" if spec.command is not None else f"is attached by url ({spec.url})"
+        how = "runs a `command`" if spec.command is not None else f"is attached by url ({spec.shown_url})"
         return None, f"model '{spec.name}' {how}, so the router cannot see its checkpoint; set weights_gb"
     env = {**os.environ, **spec.env}
     try:

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from config.schema import ModelSpec
+from config.secrets import split_userinfo
 
 
 class EngineError(Exception):
@@ -59,10 +60,19 @@ class VLLMClient:
 
     def __init__(self, base_url: str, session: aiohttp.ClientSession, api_key: Optional[str] = None,
                  tls: Optional[ssl.SSLContext] = None):
+        # Credentials in the url (`http://user:pw@host`, an engine behind a proxy that wants Basic auth)
+        # travel as a header, never in `base_url`: that is printed in every error, keys the proxy's
+        # connection pool and becomes the proxied requests' Host header.
+        base_url, userinfo = split_userinfo(base_url)
         self.base_url = base_url.rstrip("/")
         self.session = session
         self.tls = tls  # for https: what verifies the engine's certificate (tls_context)
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if api_key:  # the engine's own key wins: one Authorization header only
+            self.headers = {"Authorization": f"Bearer {api_key}"}
+        elif userinfo is not None:
+            self.headers = {"Authorization": aiohttp.BasicAuth(*userinfo).encode()}
+        else:
+            self.headers = {}
         self.model_cards: dict[str, dict[str, Any]] = {}  # the last GET /v1/models, by id
 
     async def request(

@@ -78,7 +78,7 @@ async def engine_log(request: web.Request) -> web.StreamResponse:
     lines = query.lines
     path = engine.log_path
     if path is None:
-        raise APIError(404, f"{engine.name} is attached (url: {engine.spec.url}): the router starts no process for it and "
+        raise APIError(404, f"{engine.name} is attached (url: {engine.spec.shown_url}): the router starts no process for it and "
                             "has no log of it; read it where the process that runs it writes it.", "no_engine_log")
     if query.follow in ("1", "true"):
         return await _follow(request, engine.name, path, lines, request.app[FOLLOWERS_KEY].closing,

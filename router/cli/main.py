@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import yaml
 
-from config import DEMO_ROSTER, Issue, Roster, RosterError, RosterFile, load_roster
+from config import DEMO_ROSTER, Issue, Roster, RosterError, RosterFile, exposed_agent, load_roster
 from engines.process import compose_argv
 
 EXIT_OK = 0
@@ -179,6 +179,10 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     roster = _load(str(DEMO_ROSTER) if args.demo else args.config)
     if roster is None:
+        return EXIT_BAD_ROSTER
+    problem = exposed_agent(args.host, roster.node) if args.host else None
+    if problem:  # the roster was checked against its own listen.host
+        print(f"{roster.source}: node.agent_port: with --host {problem}", file=sys.stderr)
         return EXIT_BAD_ROSTER
     from router.daemon import run  # imported late: `check` and `schema` need no event loop
 

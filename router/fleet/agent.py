@@ -13,11 +13,16 @@ while no primary line is usable, so:
 
 HAProxy connects, sends one line, reads one reply line (words: `up`, `down`, `ready`, `drain`,
 `NN%`, and `#` before a free-text description it shows in its stats) and closes. docs/multi-node.md.
+
+With `node.agent_key` the line starts with it (`<key> <model>[ backup]`): the agent listens where any
+client may reach it, and which names a node serves is for the front only. A line without the right
+key is answered exactly as a name this node does not serve, so it tells the caller nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from typing import TYPE_CHECKING, Optional
 
@@ -33,14 +38,31 @@ READ_TIMEOUT_S = 2.0  # HAProxy sends its line as soon as it connects
 WAKEABLE = (State.COLD, State.BOOTING, State.DRAINING, State.SLEEPING, State.WAKING, State.VERIFYING)
 
 
+NOT_SERVED = "down #not served on this node"
+
+
+def keyed(key: Optional[str], line: str) -> Optional[list[str]]:
+    """The line's words after the key (all of them without one), or None when the key is not the right one."""
+    words = line.split()
+    if key is None:
+        return words
+    if not words or not hmac.compare_digest(words[0].encode(), key.encode()):
+        return None
+    return words[1:]
+
+
 def reply(router: "Router", line: str) -> str:
     """The agent's answer (without its newline) to one `agent-send` line."""
-    words = line.split()
+    key = router.roster.node.agent_key
+    words = keyed(key, line)
+    if words is None:
+        return NOT_SERVED
     if not 1 <= len(words) <= 2 or (len(words) == 2 and words[1] != "backup"):
-        return "down #expected '<model>' or '<model> backup'"
+        first = "<key> <model>" if key else "<model>"
+        return f"down #expected '{first}' or '{first} backup'"
     engine = router.by_name.get(words[0])
     if engine is None or engine.retiring:
-        return "down #not served on this node"
+        return NOT_SERVED
     if router.draining:
         return "drain #node draining for shutdown"
     if engine.state is State.FAILED:
@@ -71,6 +93,7 @@ class Agent:
     def __init__(self, router: "Router", host: str, port: int) -> None:
         self.router, self.host, self.port = router, host, port
         self._server: Optional[asyncio.base_events.Server] = None
+        self._refused_logged = False  # a front without the key asks every second: said once, until one has it
 
     async def start(self) -> None:
         """Raises OSError when the port cannot be bound."""
@@ -82,6 +105,14 @@ class Agent:
             await self._server.wait_closed()
             self._server = None
 
+    def _note_key(self, line: str, peer) -> None:
+        if keyed(self.router.roster.node.agent_key, line) is not None:
+            self._refused_logged = False
+        elif not self._refused_logged:
+            self._refused_logged = True
+            log.warning("agent-check: a line from %s without the right node.agent_key, answered as an unknown name (is "
+                        "HOTSWAP_AGENT_KEY in HAProxy's environment the roster's node.agent_key?)", peer)
+
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             try:
@@ -92,7 +123,9 @@ class Agent:
                 line = b""
             except asyncio.TimeoutError:
                 return
-            writer.write(reply(self.router, line.decode("utf-8", "replace")).encode() + b"\n")
+            text = line.decode("utf-8", "replace")
+            self._note_key(text, writer.get_extra_info("peername"))
+            writer.write(reply(self.router, text).encode() + b"\n")
             await asyncio.wait_for(writer.drain(), READ_TIMEOUT_S)
         except (ConnectionError, asyncio.TimeoutError):
             pass  # the front went away; it asks again at its next agent-inter

@@ -11,6 +11,7 @@ import socket
 from typing import Callable
 
 from config.schema import Roster
+from router.auth import known_caller
 
 
 def card(roster: Roster) -> dict:
@@ -22,10 +23,12 @@ NODE_HEADER = "X-Hotswap-Node"
 
 
 def names_its_answers(roster_of: Callable[[], Roster]):
-    """An on_response_prepare hook: every answer says which node gave it, unless a peer's answer relayed
-    through this node already does (a front passes the header on, so a client can tell where it was served)."""
+    """An on_response_prepare hook: every answer to a known caller (`router.auth.known_caller`) says which node
+    gave it, unless a peer's answer relayed through this node already does (a front passes the header on, so a
+    client can tell where it was served). A caller without a key (a 401, a probe) learns no node name."""
 
     async def stamp(request, response) -> None:
-        response.headers.setdefault(NODE_HEADER, card(roster_of())["name"])
+        if known_caller(request):
+            response.headers.setdefault(NODE_HEADER, card(roster_of())["name"])
 
     return stamp

@@ -21,15 +21,19 @@ def _model_cards(router: Router, grant: Grant) -> list[dict]:
     now = scheduler.clock()
     where = node_card(router.roster)
 
-    def card(name: str, engine, parent, root) -> dict:
+    def card(name: str, engine, root, parent=None, alias_of=None) -> dict:
         return {"id": name, "object": "model", "created": router.started, "owned_by": "hotswap", "root": root,
-                "parent": parent, "state": engine.state.value, "group": engine.spec.group,
+                "parent": parent, "alias_of": alias_of, "state": engine.state.value, "group": engine.spec.group,
                 "wake_estimate_s": round(scheduler.predicted_wait(engine, now), 2), "node": where}
 
-    cards = [card(name, engine, None if name == engine.name else engine.name, engine.spec.model or engine.spec.url or engine.name)
+    # `root`: what the engine serves, never where it listens (an attached engine's url is internal, and may
+    # carry a password): a `url:` or `command:` engine's card says its name. `parent` is OpenAI's and vLLM's
+    # word for an adapter's base model; an alias is another name of the same engine, so it says `alias_of`.
+    cards = [card(name, engine, engine.spec.model or engine.name, alias_of=None if name == engine.name else engine.name)
              for name, engine in router.by_name.items() if grant.allows(engine, name)]
     # An adapter's parent is its engine's roster name: the name clients use (vLLM's card says the served name).
-    return cards + [card(name, engine, engine.name, root) for name, engine, root in router.adapters() if grant.allows(engine, name)]
+    return cards + [card(name, engine, root, parent=engine.name) for name, engine, root in router.adapters()
+                    if grant.allows(engine, name)]
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -91,3 +91,28 @@ def test_an_agent_port_in_use_is_a_clear_startup_error(tmp_path):
                               "--log-dir", str(tmp_path / "engines")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 1
     assert f"cannot listen for HAProxy's agent-check on 127.0.0.1:{port} (node.agent_port)" in run.stderr
+
+
+async def test_with_an_agent_key_the_agent_answers_only_the_front_that_sends_it(start_router):
+    port = free_port()
+    router = await start_router(roster_dict(sim_model("a", default=True), sim_model("b"),
+                                            node={"agent_port": port, "agent_key": "${T_AGENT_KEY}"}),
+                                env={"T_AGENT_KEY": "fleet-agent-key"})
+    await ask(client(router), "a")
+    assert words(await agent(port, "fleet-agent-key a\n")) == ["up", "ready", "100%"]
+    assert words(await agent(port, "fleet-agent-key b backup\n"))[:2] == ["up", "ready"]
+    unknown = await agent(port, "fleet-agent-key nobody\n")
+    for line in ("a\n", "a backup\n", "wrong-key a\n", "fleet-agent-keyX a\n", "\n"):
+        assert await agent(port, line) == unknown == "down #not served on this node\n", line
+    assert "fleet-agent-key" not in router.log()
+
+
+async def test_a_reload_that_moves_the_agent_port_says_it_needs_a_restart_and_the_agent_stays(start_router):
+    port = free_port()
+    roster = roster_dict(sim_model("a", default=True), node={"agent_port": port})
+    router = await start_router(roster)
+    router.roster_path.write_text(yaml.safe_dump({**roster, "node": {"agent_port": free_port()}}))
+    status, _, body = await http(router, "POST", "/admin/reload")
+    assert status == 200, body
+    assert body["summary"] == ["! node.agent_port: NOT applied: the agent's port needs a router restart (still on the old one)"]
+    assert words(await agent(port, "a\n")) == ["up", "ready", "100%"], "still on the port it was started with"

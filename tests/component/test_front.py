@@ -28,12 +28,15 @@ def front(tmp_path):
     """start(node_url, forward_admin, env) -> the front's base URL; stopped at teardown."""
     procs: list[subprocess.Popen] = []
 
-    def start(node_port: int, forward_admin: bool = False, env: dict[str, str] | None = None) -> tuple[str, str]:
+    def start(node_port: int, forward_admin: bool = False, env: dict[str, str] | None = None,
+              agent_port: int | None = None) -> tuple[str, str]:
         port, stats = free_port(), free_port()
         cfg = tmp_path / f"haproxy{len(procs)}.cfg"
-        cfg.write_text(haproxy.render({"a": [("node-a", f"127.0.0.1:{node_port}")]}, f"127.0.0.1:{port}",
-                                      stats=f"127.0.0.1:{stats}", forward_admin=forward_admin))
-        environ = {k: v for k, v in os.environ.items() if k != "HOTSWAP_ADMIN_KEY"}
+        node = ("node-a", f"127.0.0.1:{node_port}", *([f"127.0.0.1:{agent_port}"] if agent_port else []))
+        cfg.write_text(haproxy.render({"a": [node]}, f"127.0.0.1:{port}", stats=f"127.0.0.1:{stats}", forward_admin=forward_admin))
+        for value in (env or {}).values():
+            assert value not in cfg.read_text(), "a key is read from HAProxy's environment, never written in its config"
+        environ = {k: v for k, v in os.environ.items() if k not in ("HOTSWAP_ADMIN_KEY", haproxy.AGENT_KEY_ENV)}
         procs.append(subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], env={**environ, **(env or {})},
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         return f"http://127.0.0.1:{port}", f"http://127.0.0.1:{stats}"
@@ -88,6 +91,43 @@ async def test_with_forward_admin_but_no_key_in_its_environment_the_front_forwar
     await eventually(lambda: up(url), 15, what="the front forwards")
     for auth in ({}, {"Authorization": "Bearer "}, {"Authorization": "Bearer"}):
         assert (await get(url + "/admin/status", headers=auth))[0] == 403, auth
+
+
+async def test_a_refusal_through_the_front_names_no_node_and_an_answer_to_a_key_does(start_router, front):
+    router = await start_router(roster_dict(sim_model("a", default=True), auth={"api_keys": ["${T_CLIENT}"]},
+                                            node={"name": "node-a"}), env={"T_CLIENT": "client-key"})
+    url, _ = front(router.port)
+    await eventually(lambda: up(url), 15, what="the front forwards")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/completions", json={"model": "a", "prompt": "x"}) as r:
+            assert r.status == 401 and "X-Hotswap-Node" not in r.headers, dict(r.headers)
+        async with s.get(url + "/v1/models", headers={"Authorization": "Bearer client-key"}) as r:
+            assert r.status == 200 and r.headers["X-Hotswap-Node"] == "node-a"
+
+
+async def _states(stats: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(stats + "/haproxy-stats;csv") as r:
+        return {server: state.split()[0] for (backend, server), state in haproxy.server_states(await r.text()).items()
+                if backend == "model_a"}
+
+
+@pytest.mark.parametrize("sent, served", [("agent-key-of-the-fleet", "UP"), ("another-key", "DOWN"), (None, "DOWN")])
+async def test_the_fronts_agent_check_carries_the_key_from_its_environment_and_a_wrong_one_learns_nothing(
+        start_router, front, sent, served):
+    agent = free_port()
+    roster = roster_dict(sim_model("a", default=True), node={"agent_port": agent, "agent_key": "${T_AGENT}"})
+    router = await start_router(roster, env={"T_AGENT": "agent-key-of-the-fleet"})
+    _, stats = front(router.port, env={haproxy.AGENT_KEY_ENV: sent} if sent else {}, agent_port=agent)
+    # a is awake: with the key both lines are UP; without it the agent answers as for a name it does not serve.
+    await eventually(lambda: _settled(stats, served), 15, what=f"node-a's lines {served}")
+    assert ("without the right node.agent_key" in router.log()) == (served == "DOWN")
+
+
+async def _settled(stats: str, expected: str) -> bool:
+    try:
+        return await _states(stats) == {"node-a": expected, "node-a:wake": expected}
+    except aiohttp.ClientError:
+        return False
 
 
 def test_a_placement_without_agents_renders_no_agent_or_backup_lines_and_one_with_them_renders_both():

@@ -29,7 +29,9 @@ async def test_models_carry_state_and_the_nodes_name_and_labels(start_router):
     for card in cards.values():
         assert card.node == {"name": "gpu-a", "labels": {"zone": "a", "gpu": "h100"}}
     one = await client(router).models.retrieve("bee")
-    assert one.node["name"] == "gpu-a" and one.parent == "b"
+    assert one.node["name"] == "gpu-a" and one.alias_of == "b"
+    assert one.parent is None, "parent is a LoRA adapter's engine (README), not an alias's"
+    assert cards["b"].alias_of is None and cards["b"].parent is None
 
 
 async def test_an_unnamed_node_is_named_after_its_host(start_router):
@@ -102,3 +104,19 @@ async def _ready_draining(router):
     except aiohttp.ClientError:
         return None
     return (status, headers, body) if status == 503 and body.get("draining") else None
+
+
+async def test_a_caller_without_a_key_is_not_told_the_nodes_name(start_router):
+    roster = roster_dict(sim_model("a", default=True), auth={"api_keys": ["${T_CLIENT}"], "admin_key": "${T_ADMIN}"},
+                         node={"name": "gpu-secret-node"})
+    router = await start_router(roster, env={"T_CLIENT": "client-key", "T_ADMIN": "admin-key"}, admin_key="admin-key")
+    header = "X-Hotswap-Node"
+    for method, path, headers, expected in [
+            ("GET", "/v1/models", {}, 401), ("GET", "/v1/models", {"Authorization": "Bearer wrong"}, 401),
+            ("POST", "/v1/completions", {}, 401), ("GET", "/admin/status", {}, 401), ("GET", "/metrics", {}, 401),
+            ("GET", "/health", {}, 200), ("GET", "/ready", {}, 200)]:
+        status, got, _ = await http(router, method, path, headers=headers)
+        assert status == expected and header not in got, (method, path, status, got)
+    for path, key in [("/v1/models", "client-key"), ("/ready", "client-key"), ("/admin/status", "admin-key")]:
+        status, got, _ = await http(router, "GET", path, headers={"Authorization": f"Bearer {key}"})
+        assert status == 200 and got[header] == "gpu-secret-node", (path, got)

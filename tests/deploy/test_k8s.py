@@ -152,6 +152,15 @@ def test_the_front_routes_every_roster_name_and_haproxy_accepts_its_config(rende
     assert routed == names
     deployment = rendered["Deployment/hotswap-front"]
     assert deployment["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"] == front_cm["metadata"]["name"]
+    # The agent-check lines carry the nodes' node.agent_key from HAProxy's environment, from the pods' Secret.
+    [haproxy_container] = deployment["spec"]["template"]["spec"]["containers"]
+    front_env = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in haproxy_container.get("env", [])}
+    assert set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", cfg)) == {"HOTSWAP_AGENT_KEY"} <= set(front_env)
+    pod_env = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"]
+               for e in rendered["StatefulSet/hotswap"]["spec"]["template"]["spec"]["containers"][0]["env"]
+               if "secretKeyRef" in e.get("valueFrom", {})}
+    assert front_env["HOTSWAP_AGENT_KEY"] == pod_env["HOTSWAP_AGENT_KEY"], "the front and the nodes share one agent key"
+    assert all(f'agent-send "${{HOTSWAP_AGENT_KEY}} ' in line for line in cfg.splitlines() if "agent-send" in line)
     (tmp_path / "haproxy.cfg").write_text(cfg)
     (tmp_path / "models.lua").write_text(front_cm["data"]["models.lua"])  # loaded from beside the config
     run = subprocess.run([need("haproxy"), "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True, timeout=30)

@@ -12,14 +12,15 @@ from router.fleet.agent import reply, wake_weight
 from router.scheduling.estimates import WakeCosts
 
 
-def node(**engines: State) -> SimpleNamespace:
+def node(agent_key=None, **engines: State) -> SimpleNamespace:
     costs = WakeCosts()
     costs.observe_boot("cold", 20.0)
     costs.observe_wake("cheap", 1, 0.25)
     costs.observe_wake("dear", 2, 9.0)
     by_name = {name: SimpleNamespace(name=name, state=state, retiring=False, sleep_level=2 if name == "dear" else 1)
                for name, state in engines.items()}
-    return SimpleNamespace(by_name=by_name, draining=False, placement=SimpleNamespace(costs=costs))
+    return SimpleNamespace(by_name=by_name, draining=False, placement=SimpleNamespace(costs=costs),
+                           roster=SimpleNamespace(node=SimpleNamespace(agent_key=agent_key)))
 
 
 def words(text: str) -> list[str]:
@@ -66,3 +67,18 @@ def test_a_failed_or_retiring_model_is_down_and_a_draining_node_drains():
 def test_the_weight_falls_with_the_wake_time_and_stays_in_haproxys_range():
     assert wake_weight(0) == 100 and wake_weight(1) == 50 and wake_weight(10**6) == 1 and wake_weight(-1) == 100
     assert [wake_weight(s) for s in (0.1, 0.5, 2, 5, 30)] == sorted([wake_weight(s) for s in (0.1, 0.5, 2, 5, 30)], reverse=True)
+
+
+@pytest.mark.parametrize("line", ["shared", "shared backup", "wrong-key shared", "k3y-0f-the-front2 shared", "shared k3y-0f-the-front",
+                                  "", "x" * 600])
+def test_with_an_agent_key_a_line_without_it_is_answered_as_a_name_not_served_here(line):
+    n = node(agent_key="k3y-0f-the-front", shared=State.AWAKE)
+    assert reply(n, line) == reply(n, "k3y-0f-the-front nobody") == "down #not served on this node"
+
+
+def test_with_an_agent_key_the_fronts_line_carries_it_before_the_model():
+    n = node(agent_key="k3y-0f-the-front", shared=State.AWAKE, cheap=State.SLEEPING)
+    assert words(reply(n, "k3y-0f-the-front shared\n")) == ["up", "ready", "100%"]
+    assert words(reply(n, "k3y-0f-the-front cheap")) == ["up", "drain"]
+    assert "ready" in words(reply(n, "k3y-0f-the-front cheap backup"))
+    assert reply(n, "k3y-0f-the-front cheap primary") == "down #expected '<key> <model>' or '<key> <model> backup'"

@@ -412,6 +412,18 @@ def test_check_prints_every_error_and_exits_2(tmp_path: Path):
     assert "2 errors" in lines[2]
 
 
+def test_check_refuses_a_name_or_alias_the_agent_line_and_the_front_rule_cannot_carry(tmp_path: Path):
+    roster = tmp_path / "names.yaml"
+    roster.write_text('models:\n  - name: my model\n    model: /m\n    aliases: [ok, "tab\\there", "bell\\a"]\n')
+    run = hotswap("check", "--config", str(roster))
+    assert run.returncode == 2 and run.stdout == ""
+    lines = run.stderr.splitlines()
+    rule = "names and aliases are one word, without whitespace or control characters"
+    assert lines[0].startswith(f"{roster}:2:11: models[0].name: 'my model' has a space at position 2: {rule}"), lines
+    assert lines[1].startswith(f"{roster}:4:19: models[0].aliases[1]: 'tab\\there' has '\\t' at position 3: {rule}"), lines
+    assert lines[2].startswith(f"{roster}:4:32: models[0].aliases[2]: 'bell\\x07' has '\\x07' at position 4: {rule}"), lines
+
+
 def test_check_of_a_missing_file_exits_2():
     run = hotswap("check", "--config", "/nonexistent/roster.yaml")
     assert run.returncode == 2 and "/nonexistent/roster.yaml:1:1: roster: cannot read file" in run.stderr
@@ -503,3 +515,22 @@ def test_node_peers_are_base_urls_of_other_nodes():
         "roster.yaml:4:7: node.peers[1]: URL scheme should be 'http' or 'https' (found 'b:8080')"]
     assert errors("node:\n  peers: [http://b:8080, 'http://b:8080/']\nmodels: [{name: a, model: m}]\n") == [
         "roster.yaml:2:10: node.peers: peers[1] 'http://b:8080' is listed twice"]
+
+
+def test_an_agent_beyond_loopback_needs_an_agent_key_written_as_an_env_reference(tmp_path: Path):
+    models = "models: [{name: a, model: m}]\n"
+    assert errors("listen: {host: 0.0.0.0}\nnode: {agent_port: 8081}\n" + models) == [
+        "roster.yaml:2:20: node.agent_port: an agent on 0.0.0.0 would tell anyone who reaches it which models this node "
+        "serves: set node.agent_key: ${ENV_VAR} (HAProxy sends it on its agent-send line, docs/multi-node.md), or listen on loopback"]
+    assert errors("node: {agent_port: 8081, agent_key: literal-key}\n" + models) == [
+        "roster.yaml:1:37: node.agent_key: write secrets as ${ENV_VAR} and set them in the environment, never in the file"]
+    assert load("node: {agent_port: 8081}\n" + models).node.agent_key is None  # loopback: no key needed
+    keyed = load("listen: {host: 0.0.0.0}\nnode: {agent_port: 8081, agent_key: '${AGENT}'}\n" + models, {"AGENT": "ag-key-1"})
+    assert keyed.node.agent_key == "ag-key-1" and keyed.redacted()["node"]["agent_key"] == "***"
+    assert errors("node: {agent_port: 8081, agent_key: '${AGENT}'}\n" + models, {"AGENT": "two words"})[0].endswith(
+        "node.agent_key: must be one word, without whitespace or control characters: it is the first word of the agent-check line")
+
+    roster = tmp_path / "roster.yaml"
+    roster.write_text("node: {agent_port: 8081}\n" + models)
+    run = hotswap("serve", "--config", str(roster), "--host", "0.0.0.0")
+    assert run.returncode == 2 and f"{roster}: node.agent_port: with --host an agent on 0.0.0.0 would tell anyone" in run.stderr

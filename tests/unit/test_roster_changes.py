@@ -89,3 +89,13 @@ def test_what_an_engine_waiting_for_its_restart_is_judged_by():
     interim = router_side(running, new_canary)
     assert interim.group == "g" and interim.model == "m/a" and interim.gate == running.gate, \
         "its baseline was recorded with its own canary, so the new thresholds wait for the new one"
+
+
+def test_a_changed_agent_port_needs_a_restart_while_the_rest_of_node_changes_in_place():
+    old = sim_roster({"name": "a", "model": "m/a"}, node={"agent_port": 9001})
+    moved = diff(old, {m.name: m for m in old.models}, sim_roster({"name": "a", "model": "m/a"}, node={"agent_port": 9002}))
+    assert moved.needs_restart == ("node.agent_port",) and not moved.sections
+    assert moved.summary() == ["! node.agent_port: NOT applied: the agent's port needs a router restart (still on the old one)"]
+    both = diff(old, {m.name: m for m in old.models},
+                sim_roster({"name": "a", "model": "m/a"}, node={"agent_port": 9002, "name": "n2"}))
+    assert both.needs_restart == ("node.agent_port",) and both.sections == ("node",)

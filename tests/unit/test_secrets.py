@@ -27,6 +27,8 @@ ROSTER = """
         env: {VLLM_API_KEY: "${ENGINE_KEY}", HF_HOME: /cache, SOME_URL: "${S3_URL}", OMP_NUM_THREADS: "${THREADS:-4}"}
       - name: b
         command: [python, -c, "pass", --port, "{port}", --api-key=literal-b-key, "${HF_SECRET}"]
+      - name: c
+        url: "http://ops:literal-url-pw@10.0.0.5:8001/v1-proxy"
 """
 
 
@@ -40,15 +42,25 @@ def test_check_prints_no_engine_secret_from_args_command_or_env(tmp_path):
     run = subprocess.run([sys.executable, "-m", "router.cli", "check", "--config", str(write_roster(tmp_path))],
                          cwd=REPO, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **SECRETS})
     assert run.returncode == 0, run.stderr
-    for secret in (*SECRETS.values(), "hf_literal_in_file", "literal-b-key"):
+    for secret in (*SECRETS.values(), "hf_literal_in_file", "literal-b-key", "literal-url-pw"):
         assert secret not in run.stdout + run.stderr, secret
-    a, b = yaml.safe_load(run.stdout)["models"]
+    a, b, c = yaml.safe_load(run.stdout)["models"]
     # what is no secret stays readable, a fallback written in the file included
     assert a["args"] == ["--api-key", "***", "--hf-token=***", "--load-format", "runai_streamer",
                          '--model-loader-extra-config={"url": "***"}', "--max-model-len", "4096"]
     assert a["env"] == {"VLLM_API_KEY": "***", "HF_HOME": "/cache", "SOME_URL": "***", "OMP_NUM_THREADS": "4"}
     assert a["model"] == "***/a"
     assert b["command"] == ["python", "-c", "pass", "--port", "{port}", "--api-key=***", "***"]
+    assert c["url"] == "http://***@10.0.0.5:8001/v1-proxy", "a url's userinfo is a secret, however it was written"
+
+
+def test_an_error_about_an_attached_engines_url_shows_it_without_its_password(tmp_path):
+    roster = tmp_path / "roster.yaml"
+    roster.write_text("models:\n  - name: c\n    url: http://ops:${PW}@10.0.0.5:8001\n    tls_ca_file: /etc/ssl/ca.pem\n")
+    run = subprocess.run([sys.executable, "-m", "router.cli", "check", "--config", str(roster)],
+                         cwd=REPO, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "PW": "pw-from-env-42"})
+    assert run.returncode != 0 and "models[0].tls_ca_file: applies only to an engine attached by an https:// url" in run.stderr
+    assert "url is http://***@10.0.0.5:8001" in run.stderr and "pw-from-env-42" not in run.stdout + run.stderr, run.stderr
 
 
 async def test_the_engine_log_records_its_command_line_masked(tmp_path, monkeypatch):
