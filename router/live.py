@@ -91,9 +91,6 @@ class Router(Observer, Events):
         self.history.state(engine.name, engine.state.value)
         self.placement.add(engine)
 
-    def scheduler(self, engine: Engine) -> Scheduler:
-        return self.placement
-
     def lookup(self, model: str, grant: Grant = EVERYTHING) -> Engine:
         """The engine serving roster name or alias `model`, if `grant` may use it; else the 404 of
         an unknown model, listing only the names `grant` may use."""
@@ -193,14 +190,14 @@ class Router(Observer, Events):
         else:
             engine.gate.watch_error = None
         if engine.gate.needs_restart:
-            self.scheduler(engine).poke()
+            self.placement.poke()
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests; give those in flight or already queued until `timeout` to finish."""
         self.draining = True
         self.placement.close()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(e.in_flight or self.scheduler(e).queued(e) for e in self.engines.values()):
+        while time.monotonic() < deadline and any(e.in_flight or self.placement.queued(e) for e in self.engines.values()):
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
@@ -222,7 +219,7 @@ class Router(Observer, Events):
             # attached (`url:`) engine outlives its entry and would hold them open.
             self.upstreams.close(engine.client.base_url)
         if new is State.FAILED:
-            self.scheduler(engine).poke()
+            self.placement.poke()
 
     def step_done(self, engine: Engine, phase: str, seconds: float, ok: bool) -> None:
         self.metrics.step_done(engine, phase, seconds, ok)

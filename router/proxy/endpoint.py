@@ -101,7 +101,7 @@ async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
             stream = "true" if body.get("stream") is True else "false"
         label, group = engine.name, engine.spec.group or ""
         request[ROUTED_MODEL] = engine.name
-        scheduler = router.scheduler(engine)
+        scheduler = router.placement
         prepared = None
         interval = router.roster.queue.stream_keepalive_s
         limit = max_wait(request)
@@ -205,7 +205,7 @@ async def response_pinned(request: web.Request) -> web.StreamResponse:
         request[ROUTED_MODEL] = engine.name
         path = f"/v1/responses/{quote(response_id, safe='')}" + ("/cancel" if cancel else "")
         params = {k: v for k, v in request.query.items() if k in ("starting_after", "stream")}
-        scheduler = router.scheduler(engine)
+        scheduler = router.placement
         lease = await scheduler.acquire(engine, max_wait_s=max_wait(request))
         try:
             response = await forward(request, router.upstreams, engine, path + ("?" + "&".join(
