@@ -39,6 +39,14 @@ ANSWER_END = "answer_end"
 log = logging.getLogger("hotswap")
 
 
+class ClientClosed(Exception):
+    """The client left mid-stream (or was cut for taking nothing of it): `response` is all it got."""
+
+    def __init__(self, response: web.StreamResponse):
+        super().__init__("the client went away before the end of its stream")
+        self.response = response
+
+
 class Hold:
     """A request's hold on its engine, as the engine's drain ends it early (`Engine.cuttable`)."""
 
@@ -160,11 +168,11 @@ async def _stream(request: web.Request, exchange: Exchange, engine: Engine, snif
     writer.chunked = False  # type: ignore[attr-defined]  # the relay frames the body; write_eof adds nothing
     try:
         await exchange.relay(relay, lambda: relay.drained(writer.drain, stall_s))
-    except ClientStalled as exc:
-        log.warning("cut a stream of %s to %s: %s; its lease is freed", engine.name, request.remote, exc)
-        return response
-    except ClientGone:  # aiohttp cancels this handler for it too (handler_cancellation); nothing left to send
-        return response
+    except ClientGone as exc:  # aiohttp cancels this handler for it too (handler_cancellation); nothing left to send
+        if isinstance(exc, ClientStalled):
+            log.warning("cut a stream of %s to %s: %s; its lease is freed", engine.name, request.remote, exc)
+        request["first_byte_at"] = exchange.first_body_at or time.monotonic()
+        raise ClientClosed(response) from None
     except asyncio.CancelledError:
         if not hold.was_cut():
             raise
