@@ -31,7 +31,7 @@ from router.keys import Grant
 from router.live import ROUTED_MODEL, ROUTER_KEY, Router
 from router.metrics import UNKNOWN_MODEL
 from router.proxy.body import read_json
-from router.proxy.forward import ANSWER_END, ClientClosed, forward, json_for
+from router.proxy.forward import ANSWER_NUMBERS, NONE, ClientClosed, forward, json_for
 from router.proxy.responses import Pin, ResponseIds, StreamSniffer, id_in_answer
 from router.scheduling import Lease
 
@@ -210,7 +210,7 @@ class Walk:
         engine, router = self.engine, self.router
         assert engine is not None
         kw: dict[str, Any] = {"prepared": prepared, "stall_s": router.roster.queue.stall_timeout_s,
-                              "keep_tail": router.activity.wants_answers}
+                              "numbers": router.activity.wants_answers}
         try:
             if self.form is not None:
                 model = self.form.value("model")
@@ -258,12 +258,13 @@ class Walk:
         label, group = (engine.name, engine.spec.group or "") if engine is not None else (UNKNOWN_MODEL, "")
         self.router.metrics.request_done(label, group, self.endpoint, "true" if self.stream else "false", self.status,
                                          self.queued_s, first_byte_s, done - self.started, key=key)
-        lease = self.lease
+        lease, numbers = self.lease, request.get(ANSWER_NUMBERS, NONE)
         self.router.activity.request_done(
             key_name=key, model=self.asked, engine=None if engine is None else engine.name, endpoint=self.endpoint,
             status=self.status, found_awake=None if lease is None else lease.found_awake,
             swap_id=None if lease is None else lease.swap_id, queue_wait_s=self.queued_s,
-            ttfb_s=first_byte_s if self.stream else None, duration_s=done - self.started, answer=request.get(ANSWER_END))
+            ttfb_s=first_byte_s if self.stream else None, duration_s=done - self.started, prompt_tokens=numbers.prompt_tokens,
+            completion_tokens=numbers.completion_tokens, mean_acceptance_length=numbers.mean_acceptance_length)
 
 
 def _engine_for(request: web.Request, router, body: dict[str, Any], route: routes.Route) -> tuple[Engine, str]:

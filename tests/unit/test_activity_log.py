@@ -1,9 +1,8 @@
-"""The activity log's store: the ring, the SQLite file's rotation and refill, and the numbers read
-from an answer's end."""
+"""The activity log's store: the ring, the SQLite file's rotation and refill (the answer's numbers
+it records are read by the proxy: tests/unit/test_answers.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import sqlite3
 
@@ -11,13 +10,14 @@ import pytest
 
 from config.schema import Activity
 from router.admin import ActivityFileError
-from router.admin.activity import ActivityLog, answer_numbers
+from router.admin.activity import ActivityLog
 from tests.support import until
 
 
-def done(log: ActivityLog, engine: str = "a", status: int = 200, answer: bytes | None = None) -> None:
+def done(log: ActivityLog, engine: str = "a", status: int = 200) -> None:
     log.request_done(key_name="team", model=engine, engine=engine, endpoint="completions", status=status, found_awake=True,
-                     swap_id=None, queue_wait_s=0.0, ttfb_s=None, duration_s=0.01, answer=answer)
+                     swap_id=None, queue_wait_s=0.0, ttfb_s=None, duration_s=0.01, prompt_tokens=3, completion_tokens=5,
+                     mean_acceptance_length=None)
 
 
 def test_the_ring_keeps_the_newest_records_and_answers_newest_first():
@@ -64,20 +64,6 @@ def test_a_file_that_cannot_be_written_is_logged_once_and_never_fails_a_request(
     assert len(log.query()) == 3, "the ring still has them"
     failures = [r for r in caplog.records if "writing" in r.getMessage() and "failed" in r.getMessage()]
     assert len(failures) == 1 and failures[0].exc_info is not None
-
-
-def test_the_numbers_come_from_the_answers_usage_and_its_own_acceptance_never_its_text():
-    body = json.dumps({"choices": [{"text": 'a "usage": {"prompt_tokens": 999} trap'}],
-                       "usage": {"prompt_tokens": 7, "completion_tokens": 16, "total_tokens": 23},
-                       "metrics": {"speculative_decoding": {"num_spec_steps": 10, "num_accepted_draft_tokens": 8}}}).encode()
-    assert answer_numbers(body) == (7, 16, 1.8)
-    stream_tail = (b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}\n\n'
-                   b"data: [DONE]\n\n")
-    assert answer_numbers(stream_tail) == (3, 5, None)
-    anthropic = b'event: message_delta\ndata: {"type":"message_delta","usage":{"input_tokens":4,"output_tokens":2}}\n\n'
-    assert answer_numbers(anthropic) == (4, 2, None)
-    assert answer_numbers(b'data: {"usage":{"prompt_to') == (None, None, None)  # a tail cut inside the event
-    assert answer_numbers(None) == (None, None, None)
 
 
 def test_a_file_that_cannot_be_the_activity_log_fails_the_start_naming_it(tmp_path):
