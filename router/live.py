@@ -46,7 +46,7 @@ class RequestLog(Protocol):
     def wants_answers(self) -> bool:
         """Whether `request_done` records the answer's numbers (a stream then keeps its last bytes to read them)."""
 
-    def request_done(self, *, key_name: str, model: Any, engine: Optional[str], endpoint: str, status: int,
+    def request_done(self, *, key_name: str, model: Any, engine: Optional[str], peer: Optional[str], endpoint: str, status: int,
                      found_awake: Optional[bool], swap_id: Optional[int], queue_wait_s: Optional[float],
                      ttfb_s: Optional[float], duration_s: float, prompt_tokens: Optional[int],
                      completion_tokens: Optional[int], mean_acceptance_length: Optional[float]) -> None: ...

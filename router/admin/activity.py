@@ -1,7 +1,8 @@
 """The activity log: one record per proxied request, for an operator asking "what happened to
 my request?" (GET /admin/activity, `hotswap activity`, /ui's recent requests).
 
-A record says who asked (the key's name, never the key), for what, where it went, how it came
+A record says who asked (the key's name, never the key), for what, where it went (an engine, or the
+peer node it was passed to: `peer`, with the peer's status, timings and tokens), how it came
 by its lease (found its model awake, or waited for swap N: /admin/status's swaps carry the
 same id), how it ended, how long it took, and the answer's token counts and acceptance as the
 engine reported them in `usage` and `metrics.speculative_decoding`. Never any prompt or
@@ -36,7 +37,7 @@ class Record(NamedTuple):
     at: float  # epoch seconds when the request ended (its record was made)
     key_name: Optional[str]  # None: client auth is off
     model: Optional[str]  # as the client asked (an alias, an adapter); None: it named none
-    engine: Optional[str]  # None: no engine was chosen (an unknown model, a bad body)
+    engine: Optional[str]  # None: no engine was chosen (an unknown model, a bad body, a request passed to a peer)
     endpoint: str  # the route family, as in the metrics' `endpoint` label
     status: int
     found_awake: Optional[bool]  # None: no lease was taken
@@ -47,6 +48,7 @@ class Record(NamedTuple):
     prompt_tokens: Optional[int]
     completion_tokens: Optional[int]
     mean_acceptance_length: Optional[float]
+    peer: Optional[str] = None  # the node a request was passed to (node.peers); last, so a file of before gains a column
 
     def as_dict(self) -> dict[str, Any]:
         # Rounded here, when read, rather than per request when made.
@@ -78,7 +80,7 @@ class ActivityLog:
         """Whether the proxy should read answers' numbers for it (a stream then keeps its last bytes)."""
         return self.enabled
 
-    def request_done(self, *, key_name: str, model: Any, engine: Optional[str], endpoint: str, status: int,
+    def request_done(self, *, key_name: str, model: Any, engine: Optional[str], peer: Optional[str], endpoint: str, status: int,
                      found_awake: Optional[bool], swap_id: Optional[int], queue_wait_s: Optional[float],
                      ttfb_s: Optional[float], duration_s: float, prompt_tokens: Optional[int],
                      completion_tokens: Optional[int], mean_acceptance_length: Optional[float]) -> None:
@@ -86,7 +88,7 @@ class ActivityLog:
             return
         asked = model[:MAX_MODEL_CHARS] if isinstance(model, str) else None
         record = Record(time.time(), key_name or None, asked, engine, endpoint, status, found_awake, queue_wait_s, swap_id,
-                        ttfb_s, duration_s, prompt_tokens, completion_tokens, mean_acceptance_length)
+                        ttfb_s, duration_s, prompt_tokens, completion_tokens, mean_acceptance_length, peer)
         self.ring.append(record)
         if self.file is not None:
             self.file.put(record)

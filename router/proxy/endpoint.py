@@ -31,7 +31,7 @@ from router.keys import Grant
 from router.live import ROUTED_MODEL, ROUTER_KEY, Router
 from router.metrics import UNKNOWN_MODEL
 from router.proxy.body import read_json
-from router.proxy.forward import ANSWER_NUMBERS, NONE, ClientClosed, forward, json_for
+from router.proxy.forward import ANSWER_NUMBERS, NONE, ClientClosed, forward, json_for, read_numbers
 from router.proxy.responses import Pin, ResponseIds, StreamSniffer, id_in_answer
 from router.scheduling import Lease
 
@@ -103,6 +103,7 @@ class Walk:
         self.raw = b""
         self.form: Optional[multipart.Form] = None
         self.engine: Optional[Engine] = None
+        self.peer: Optional[str] = None  # the node a request for a model this node does not serve was passed to
         self.name = ""  # the name the engine was asked by (an alias, an adapter)
         self.not_here: Optional[APIError] = None  # the 404 of a model this node does not serve
         self.lease: Optional[Lease] = None
@@ -188,8 +189,16 @@ class Walk:
     async def hand_off(self, route: routes.Route) -> web.StreamResponse:
         """The request to the peer node that serves its model (router.fleet.peers), or the 404."""
         assert self.not_here is not None
-        return await self.request.app[PEERS_KEY].hand_off(self.request, self.router, route.path, self.raw,
-                                                          self.body["model"], self.not_here)
+        passed = await self.request.app[PEERS_KEY].hand_off(self.request, self.router, route.path, self.raw,
+                                                            self.body["model"], self.not_here)
+        self.peer = passed.peer
+        if passed.first_byte_at is not None:
+            self.request["first_byte_at"] = passed.first_byte_at
+        if self.router.activity.wants_answers and passed.status < 300:
+            self.request[ANSWER_NUMBERS] = read_numbers(passed.end)
+        if passed.status == CLIENT_CLOSED:
+            raise ClientClosed(passed.response)
+        return passed.response
 
     async def take_lease(self, keepalive_s: float, anthropic: bool = False) -> Optional[web.StreamResponse]:
         """The engine's lease: at once when it is awake, else once the scheduler has woken it. A stream that
@@ -260,7 +269,7 @@ class Walk:
                                          self.queued_s, first_byte_s, done - self.started, key=key)
         lease, numbers = self.lease, request.get(ANSWER_NUMBERS, NONE)
         self.router.activity.request_done(
-            key_name=key, model=self.asked, engine=None if engine is None else engine.name, endpoint=self.endpoint,
+            key_name=key, model=self.asked, engine=None if engine is None else engine.name, peer=self.peer, endpoint=self.endpoint,
             status=self.status, found_awake=None if lease is None else lease.found_awake,
             swap_id=None if lease is None else lease.swap_id, queue_wait_s=self.queued_s,
             ttfb_s=first_byte_s if self.stream else None, duration_s=done - self.started, prompt_tokens=numbers.prompt_tokens,

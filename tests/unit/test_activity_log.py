@@ -10,12 +10,12 @@ import pytest
 
 from config.schema import Activity
 from router.admin import ActivityFileError
-from router.admin.activity import ActivityLog
+from router.admin.activity import ActivityLog, Record
 from tests.support import until
 
 
 def done(log: ActivityLog, engine: str = "a", status: int = 200) -> None:
-    log.request_done(key_name="team", model=engine, engine=engine, endpoint="completions", status=status, found_awake=True,
+    log.request_done(key_name="team", model=engine, engine=engine, peer=None, endpoint="completions", status=status, found_awake=True,
                      swap_id=None, queue_wait_s=0.0, ttfb_s=None, duration_s=0.01, prompt_tokens=3, completion_tokens=5,
                      mean_acceptance_length=None)
 
@@ -95,3 +95,19 @@ def test_without_a_file_swap_ids_start_at_one():
     assert ActivityLog(Activity(ring=10)).last_swap_id == 0
 
 
+def test_a_file_written_before_the_peer_column_gains_it_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "activity.db"
+    older = [f for f in Record._fields if f != "peer"]
+    with sqlite3.connect(path) as db:
+        db.execute(f"CREATE TABLE activity (id INTEGER PRIMARY KEY, {', '.join(older)})")
+        db.execute(f"INSERT INTO activity ({', '.join(older)}) VALUES ({', '.join('?' * len(older))})",
+                   (1.0, "team", "a", "a", "completions", 200, 1, 0.0, None, None, 0.01, 3, 5, None))
+    log = ActivityLog(Activity(ring=10, path=str(path)))
+    assert log.file is not None, "the file of an earlier version is still the log's file"
+    [old] = log.query()
+    assert old.engine == "a" and old.peer is None and old.found_awake is True
+    log.request_done(key_name="team", model="b", engine=None, peer="node-b", endpoint="completions", status=200,
+                     found_awake=None, swap_id=None, queue_wait_s=None, ttfb_s=None, duration_s=0.01, prompt_tokens=None,
+                     completion_tokens=None, mean_acceptance_length=None)
+    log.close()
+    assert [r.peer for r in ActivityLog(Activity(ring=10, path=str(path))).query()] == ["node-b", None]

@@ -39,7 +39,7 @@ def test_one_answer_is_parsed_once_for_the_acceptance_watch_and_the_activity_log
     forward._answered(request, engine, BODY)  # the relay path, as the engine's answer ends
     numbers = request[forward.ANSWER_NUMBERS]
     log = ActivityLog(Activity(ring=10))
-    log.request_done(key_name="team", model="b", engine="b", endpoint="completions", status=200, found_awake=True, swap_id=None,
+    log.request_done(key_name="team", model="b", engine="b", peer=None, endpoint="completions", status=200, found_awake=True, swap_id=None,
                      queue_wait_s=0.0, ttfb_s=None, duration_s=0.1, prompt_tokens=numbers.prompt_tokens,
                      completion_tokens=numbers.completion_tokens, mean_acceptance_length=numbers.mean_acceptance_length)
 
