@@ -41,6 +41,10 @@ def line(cells: tuple[str, ...], fit: tuple[int, ...] = WIDTHS) -> str:
     return "  ".join(c.ljust(w) for c, w in zip(cells, fit)).rstrip()
 
 
+def header(fit: tuple[int, ...] = WIDTHS) -> str:
+    return line(COLUMNS, fit)
+
+
 def _seconds(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -71,7 +75,7 @@ def show(url: str, admin_key: Optional[str], model: Optional[str], limit: int, f
         records = _records(url, admin_key, model=model, limit=limit)[::-1]  # oldest first, as a log reads
         rows = [cells(r) for r in records]
         fit = widths(rows)  # --follow keeps them: a later, longer cell only pushes its own line
-        print(line(COLUMNS, fit))
+        print(header(fit))
         for r in rows:
             print(line(r, fit))
         since = records[-1]["at"] if records else time.time()
