@@ -129,13 +129,14 @@ class ModelSpec(Section):
         None, description="For an `https://` url: a PEM file of the CA certificate(s) the engine's certificate is "
         "verified against, instead of the system store (a private CA). Read at load: it must exist and hold a certificate.")
     port: Optional[int] = Field(None, ge=1, le=65535, description="Engine port; picked free when unset.")
-    command: Optional[Argv] = Field(None, description="Full argv; {port}, {model}, {name} are filled in.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine process.")
     speculative: Optional[dict[str, Any]] = Field(None, description="Becomes --speculative-config (JSON).")
     sleep_level: Literal["auto", 1, 2] = Field(
         "auto", description="vLLM sleep level when parked: 1 keeps weights in host RAM, 2 discards them; "
         "auto: 1 while host.ram_budget_gb holds what it would hold there, else 2 (else a stop, for a --load-format vLLM cannot "
         "reload from: dummy, ipc_cache, modelexpress, sharded_state, runai_streamer_sharded, tensorizer; 2 is refused for those).")
+    # After sleep_level, so that its validator sees it (pydantic validates fields in this order).
+    command: Optional[Argv] = Field(None, description="Full argv; {port}, {model}, {name} are filled in.")
     draft_restore: Optional[Literal["reload", "preserve", "none"]] = Field(
         None,
         validate_default=True,
@@ -251,17 +252,20 @@ class ModelSpec(Section):
             )
         return args
 
-    @field_validator("args")
+    @field_validator("command", "args")
     @classmethod
-    def _level2_can_reload(cls, args: list[str], info: ValidationInfo) -> list[str]:
-        load_format = flag_value(info.data.get("command") or args, LOAD_FORMAT_FLAG)
+    def _level2_can_reload(cls, argv: Optional[list[str]], info: ValidationInfo) -> Optional[list[str]]:
+        # On the field the flag was written in: a `command:` engine's own argv (its args are not used), else args.
+        if argv is None or (info.field_name == "args" and not ("command" in info.data and info.data["command"] is None)):
+            return argv
+        load_format = flag_value(argv, LOAD_FORMAT_FLAG)
         if info.data.get("sleep_level") == 2 and load_format in NO_RELOAD_FORMATS:
             raise ValueError(
                 f"sleep_level: 2 discards the weights and its wake reloads them from disk, which vLLM {NO_RELOAD_VLLM} "
                 f"cannot do for {LOAD_FORMAT_FLAG} {load_format} (its loader has no get_all_weights; the first wake "
                 "would fail): set sleep_level: 1, or auto (level 1 while host RAM holds the weights, else a stop and "
                 "a cold boot)")
-        return args
+        return argv
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":

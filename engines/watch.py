@@ -7,7 +7,8 @@ observer), and engine.py imports the gate; the judging itself is the gate record
 
 - acceptance: over a sliding window (gate.MidlifeWatch), because a draft can collapse mid-life,
   after its gate passed: from the numbers served answers carry (`answered`, fed by the proxy)
-  where they carry them, else from the spec-decode counters.
+  (the proxy reads them once, for the activity log too) where they carry them, else from the
+  spec-decode counters.
 - suspect: a proxied answer broke off. One broken connection does not justify a cold restart
   (minutes on a GPU), but vLLM keeps its API server up after its engine core died, and then
   only /health tells.
@@ -38,10 +39,11 @@ async def acceptance(engine: Engine) -> None:
         engine.observer.midlife_collapse(engine, engine.gate.observed_mal, collapse)
 
 
-def answered(engine: Engine, payload: bytes) -> None:
-    """A served answer (a buffered body, or a stream's last bytes), for the acceptance window."""
+def answered(engine: Engine, steps: int, accepted: int) -> None:
+    """A served answer's own speculative-decoding counts (the proxy read them from its end), for the
+    acceptance window."""
     if engine.has_draft:
-        engine.gate.answered(payload)
+        engine.gate.answered(steps, accepted)
 
 
 def suspect(engine: Engine, why: str) -> None:

@@ -44,11 +44,12 @@ class RequestLog(Protocol):
 
     @property
     def wants_answers(self) -> bool:
-        """Whether `request_done` reads the answer's end (a stream then keeps its last bytes)."""
+        """Whether `request_done` records the answer's numbers (a stream then keeps its last bytes to read them)."""
 
-    def request_done(self, *, key_name: str, model: Any, engine: Optional[str], endpoint: str, status: int,
+    def request_done(self, *, key_name: str, model: Any, engine: Optional[str], peer: Optional[str], endpoint: str, status: int,
                      found_awake: Optional[bool], swap_id: Optional[int], queue_wait_s: Optional[float],
-                     ttfb_s: Optional[float], duration_s: float, answer: Optional[bytes]) -> None: ...
+                     ttfb_s: Optional[float], duration_s: float, prompt_tokens: Optional[int],
+                     completion_tokens: Optional[int], mean_acceptance_length: Optional[float]) -> None: ...
 
     def close(self) -> None:
         """Flush and close (it may block: called off the event loop)."""
@@ -90,9 +91,6 @@ class Router(Observer, Events):
         self.metrics.engine_added(engine)
         self.history.state(engine.name, engine.state.value)
         self.placement.add(engine)
-
-    def scheduler(self, engine: Engine) -> Scheduler:
-        return self.placement
 
     def lookup(self, model: str, grant: Grant = EVERYTHING) -> Engine:
         """The engine serving roster name or alias `model`, if `grant` may use it; else the 404 of
@@ -193,14 +191,14 @@ class Router(Observer, Events):
         else:
             engine.gate.watch_error = None
         if engine.gate.needs_restart:
-            self.scheduler(engine).poke()
+            self.placement.poke()
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests; give those in flight or already queued until `timeout` to finish."""
         self.draining = True
         self.placement.close()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(e.in_flight or self.scheduler(e).queued(e) for e in self.engines.values()):
+        while time.monotonic() < deadline and any(e.in_flight or self.placement.queued(e) for e in self.engines.values()):
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
@@ -222,7 +220,7 @@ class Router(Observer, Events):
             # attached (`url:`) engine outlives its entry and would hold them open.
             self.upstreams.close(engine.client.base_url)
         if new is State.FAILED:
-            self.scheduler(engine).poke()
+            self.placement.poke()
 
     def step_done(self, engine: Engine, phase: str, seconds: float, ok: bool) -> None:
         self.metrics.step_done(engine, phase, seconds, ok)

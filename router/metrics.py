@@ -25,8 +25,6 @@ class Served(Protocol):
     engines: dict[str, Engine]
     placement: Scheduler
 
-    def scheduler(self, engine: Engine) -> Scheduler: ...
-
 
 UNKNOWN_MODEL = "_unknown"  # requests naming no roster model share one label value
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -190,7 +188,7 @@ class _LiveState(Collector):
                 state.add_metric([*labels, s.value], 1.0 if engine.state is s else 0.0)
             level.add_metric(labels, float(engine.sleep_level or 0) if engine.state is State.SLEEPING else 0.0)
             in_flight.add_metric(labels, engine.in_flight)
-            queued.add_metric(labels, self.router.scheduler(engine).queued(engine))
+            queued.add_metric(labels, scheduler.queued(engine))
             if engine.gate.baseline is not None and engine.gate.baseline.mal is not None:
                 baseline.add_metric(labels, engine.gate.baseline.mal)
             if engine.gate.observed_mal is not None:

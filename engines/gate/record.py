@@ -12,7 +12,7 @@ import time
 from typing import Optional
 
 from config.schema import Gate
-from engines.gate.canary import Canary, Counters, answer_spec_counts
+from engines.gate.canary import Canary, Counters
 from engines.gate.promotion import Baseline, canaries, run_gate
 from engines.gate.verdict import MidlifeWatch, Verdict
 from engines.vllm.client import VLLMClient
@@ -89,12 +89,9 @@ class GateRecord:
             self.needs_restart = reason
         return reason
 
-    def answered(self, payload: bytes) -> None:
-        """A served answer (a buffered body, or a stream's last bytes): its own acceptance numbers, if it
-        has them, go to the window. A substring search, and a parse of the metrics object alone."""
-        counts = answer_spec_counts(payload)
-        if counts is not None:
-            self.midlife.answered(time.monotonic(), *counts)
+    def answered(self, steps: int, accepted: int) -> None:
+        """A served answer's own acceptance numbers (`metrics.speculative_decoding`, read by the proxy), for the window."""
+        self.midlife.answered(time.monotonic(), steps, accepted)
 
     # -- roster changes ------------------------------------------------------------------------
 

@@ -1,12 +1,13 @@
 """The activity log: one record per proxied request, for an operator asking "what happened to
 my request?" (GET /admin/activity, `hotswap activity`, /ui's recent requests).
 
-A record says who asked (the key's name, never the key), for what, where it went, how it came
+A record says who asked (the key's name, never the key), for what, where it went (an engine, or the
+peer node it was passed to: `peer`, with the peer's status, timings and tokens), how it came
 by its lease (found its model awake, or waited for swap N: /admin/status's swaps carry the
 same id), how it ended, how long it took, and the answer's token counts and acceptance as the
 engine reported them in `usage` and `metrics.speculative_decoding`. Never any prompt or
-completion text: the answer's numbers are read from its last bytes by key, and only numbers
-are kept.
+completion text: the proxy reads the answer's numbers from its last bytes by key, once, for the
+acceptance watch and for this log (`router.proxy.forward.read_numbers`), and hands over only numbers.
 
 The newest `activity.ring` records are kept in memory; with `activity.path` they also go to an
 SQLite file (`router.admin.activity_file`, written off the event loop), which refills the
@@ -16,23 +17,16 @@ ring at start.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import time
 from typing import Any, NamedTuple, Optional
 
 from config.schema import Activity as Settings
-from engines.gate import answer_spec_counts, mean_acceptance_length
 from router.admin.activity_file import ActivityFile
 
 log = logging.getLogger("hotswap")
 
-_USAGE_KEY = b'"usage":'  # JSON escapes a quote inside a string, so generated text cannot match
-_DECODER = json.JSONDecoder()
 MAX_MODEL_CHARS = 200  # a client's `model` that names nothing is kept, cut to this
-# `usage` and `metrics` close an answer's JSON (and a stream's kept tail is small already): only
-# this many bytes at its end are searched, so a large body (many embeddings) costs no more.
-END_BYTES = 16_384
 
 
 class Record(NamedTuple):
@@ -43,7 +37,7 @@ class Record(NamedTuple):
     at: float  # epoch seconds when the request ended (its record was made)
     key_name: Optional[str]  # None: client auth is off
     model: Optional[str]  # as the client asked (an alias, an adapter); None: it named none
-    engine: Optional[str]  # None: no engine was chosen (an unknown model, a bad body)
+    engine: Optional[str]  # None: no engine was chosen (an unknown model, a bad body, a request passed to a peer)
     endpoint: str  # the route family, as in the metrics' `endpoint` label
     status: int
     found_awake: Optional[bool]  # None: no lease was taken
@@ -54,6 +48,7 @@ class Record(NamedTuple):
     prompt_tokens: Optional[int]
     completion_tokens: Optional[int]
     mean_acceptance_length: Optional[float]
+    peer: Optional[str] = None  # the node a request was passed to (node.peers); last, so a file of before gains a column
 
     def as_dict(self) -> dict[str, Any]:
         # Rounded here, when read, rather than per request when made.
@@ -64,32 +59,6 @@ class Record(NamedTuple):
 
 
 FIELDS = Record._fields
-
-
-def answer_numbers(tail: Optional[bytes]) -> tuple[Optional[int], Optional[int], Optional[float]]:
-    """(prompt tokens, completion tokens, mean acceptance length) from an answer's body, or a stream's
-    last bytes where the final usage event is. OpenAI's `usage` names, or Anthropic's and Responses'
-    (`input_tokens`, `output_tokens`)."""
-    if not tail:
-        return None, None, None
-    tail = tail[-END_BYTES:]
-    prompt = completion = None
-    at = tail.rfind(_USAGE_KEY)
-    if at >= 0:
-        try:
-            usage, _ = _DECODER.raw_decode(tail[at + len(_USAGE_KEY):].decode("utf-8").lstrip())
-        except (ValueError, UnicodeDecodeError):  # a tail cut inside the event: no numbers
-            usage = None
-        if isinstance(usage, dict):
-            prompt = _count(usage.get("prompt_tokens", usage.get("input_tokens")))
-            completion = _count(usage.get("completion_tokens", usage.get("output_tokens")))
-    counts = answer_spec_counts(tail)
-    mal = mean_acceptance_length(*counts) if counts is not None else None
-    return prompt, completion, None if mal is None else round(mal, 4)
-
-
-def _count(value: Any) -> Optional[int]:
-    return value if type(value) is int and value >= 0 else None
 
 
 class ActivityLog:
@@ -108,18 +77,18 @@ class ActivityLog:
 
     @property
     def wants_answers(self) -> bool:
-        """Whether streams should keep their last bytes (the usage event) for it."""
+        """Whether the proxy should read answers' numbers for it (a stream then keeps its last bytes)."""
         return self.enabled
 
-    def request_done(self, *, key_name: str, model: Any, engine: Optional[str], endpoint: str, status: int,
+    def request_done(self, *, key_name: str, model: Any, engine: Optional[str], peer: Optional[str], endpoint: str, status: int,
                      found_awake: Optional[bool], swap_id: Optional[int], queue_wait_s: Optional[float],
-                     ttfb_s: Optional[float], duration_s: float, answer: Optional[bytes]) -> None:
+                     ttfb_s: Optional[float], duration_s: float, prompt_tokens: Optional[int],
+                     completion_tokens: Optional[int], mean_acceptance_length: Optional[float]) -> None:
         if not self.enabled:
             return
         asked = model[:MAX_MODEL_CHARS] if isinstance(model, str) else None
-        prompt, completion, mal = answer_numbers(answer)
         record = Record(time.time(), key_name or None, asked, engine, endpoint, status, found_awake, queue_wait_s, swap_id,
-                        ttfb_s, duration_s, prompt, completion, mal)
+                        ttfb_s, duration_s, prompt_tokens, completion_tokens, mean_acceptance_length, peer)
         self.ring.append(record)
         if self.file is not None:
             self.file.put(record)

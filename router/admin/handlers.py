@@ -99,7 +99,7 @@ async def admin_action(request: web.Request) -> web.Response:
         raise APIError(400, f"POST /admin/{action} needs ?model=NAME", "missing_model", param="model")
     engine = router.lookup(model)
     request[ROUTED_MODEL] = engine.name
-    scheduler = router.scheduler(engine)
+    scheduler = router.placement
     run = {"swap": scheduler.swap_in, "sleep": scheduler.sleep, "restart": scheduler.restart}[action]
     log.info("admin: %s %s", action, engine.name)
     try:

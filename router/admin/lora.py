@@ -35,7 +35,7 @@ async def admin_lora(request: web.Request, router) -> web.Response:
         raise APIError(400, "Give lora_name (and, to load, lora_path) as strings.", "invalid_request")
     if action == "load" and name in router.by_name:
         raise APIError(400, f"'{name}' is a roster name; an adapter needs its own name.", "invalid_request")
-    scheduler = router.scheduler(engine)
+    scheduler = router.placement
     await scheduler.acquire(engine, admin=True)  # an operator's action: a parked engine is woken first, no demand counted
     try:
         async with asyncio.timeout(ADMIN_TIMEOUT_S):

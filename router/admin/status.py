@@ -37,7 +37,7 @@ def placement_status(router: Router) -> dict[str, Any]:
 
 def engine_status(router: Router, e: Engine) -> dict[str, Any]:
     now = time.monotonic()
-    scheduler = router.scheduler(e)
+    scheduler = router.placement
     doing = scheduler.doing.get(e.name)
     return {
         "name": e.name,
@@ -88,7 +88,7 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
 def host_memory_status(router: Router, e: Engine) -> dict[str, Any]:
     """What the engine holds in host RAM for sleep: estimated (checkpoint x prior) vs measured, and what
     the budget counts for it; `source` is where the counted number came from (extension | proc | estimate)."""
-    scheduler = router.scheduler(e)
+    scheduler = router.placement
     measured = e.host.as_dict()
     estimate = scheduler.level1_estimate_gb(e)
     return {**measured,

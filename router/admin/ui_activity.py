@@ -30,7 +30,7 @@ def recent_requests(records: list[Record], models: list[str], selected: Optional
                  else f"<a href='#swap-{r.swap_id}'>swap {r.swap_id}</a>" if r.swap_id is not None else "waited")
         rows.append(
             f"<tr class='activity'><td>{time.strftime('%H:%M:%S', time.localtime(r.at))}</td><td>{escape(r.key_name or '—')}</td>"
-            f"<td>{escape(r.model or '—')}</td><td>{escape(r.engine or '—')}</td><td>{escape(r.endpoint)}</td>"
+            f"<td>{escape(r.model or '—')}</td><td>{escape(r.engine or (f'peer {r.peer}' if r.peer else '—'))}</td><td>{escape(r.endpoint)}</td>"
             f"<td class='{'ok' if r.status < 400 else 'bad'}'>{r.status}</td><td>{lease}</td><td>{_s(r.queue_wait_s)}</td>"
             f"<td>{_s(r.ttfb_s)}</td><td>{_s(r.duration_s)}</td><td>{_n(r.prompt_tokens)} / {_n(r.completion_tokens)}</td>"
             f"<td>{'—' if r.mean_acceptance_length is None else f'{r.mean_acceptance_length:.2f}'}</td></tr>")

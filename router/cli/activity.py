@@ -21,23 +21,28 @@ COLUMNS = ("TIME", "KEY", "MODEL", "ENGINE", "ENDPOINT", "STATUS", "LEASE", "WAI
 WIDTHS = (8, 10, 16, 16, 16, 6, 10, 7, 7, 7, 13, 5)
 
 
-def row(r: dict[str, Any]) -> str:
+def cells(r: dict[str, Any]) -> tuple[str, ...]:
     lease = ("-" if r["found_awake"] is None else "awake" if r["found_awake"]
              else f"swap {r['swap_id']}" if r["swap_id"] is not None else "waited")
     tokens = "-" if r["prompt_tokens"] is None and r["completion_tokens"] is None else \
         f"{_or_dash(r['prompt_tokens'])}/{_or_dash(r['completion_tokens'])}"
-    cells = (time.strftime("%H:%M:%S", time.localtime(r["at"])), r["key_name"] or "-", r["model"] or "-", r["engine"] or "-",
-             r["endpoint"], str(r["status"]), lease, _seconds(r["queue_wait_s"]), _seconds(r["ttfb_s"]),
-             _seconds(r["duration_s"]), tokens, "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}")
-    return _line(cells)
+    engine = r["engine"] or (f"peer {r['peer']}" if r.get("peer") else "-")  # a request passed on to another node
+    return (time.strftime("%H:%M:%S", time.localtime(r["at"])), r["key_name"] or "-", r["model"] or "-", engine,
+            r["endpoint"], str(r["status"]), lease, _seconds(r["queue_wait_s"]), _seconds(r["ttfb_s"]),
+            _seconds(r["duration_s"]), tokens, "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}")
 
 
-def header() -> str:
-    return _line(COLUMNS)
+def widths(rows: list[tuple[str, ...]]) -> tuple[int, ...]:
+    """Each column as wide as its longest cell (a long key name, a peer's name), at least its usual width."""
+    return tuple(max([w, *(len(r[i]) for r in rows)]) for i, w in enumerate(WIDTHS))
 
 
-def _line(cells: tuple[str, ...]) -> str:
-    return "  ".join(c.ljust(w) for c, w in zip(cells, WIDTHS)).rstrip()
+def line(cells: tuple[str, ...], fit: tuple[int, ...] = WIDTHS) -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(cells, fit)).rstrip()
+
+
+def header(fit: tuple[int, ...] = WIDTHS) -> str:
+    return line(COLUMNS, fit)
 
 
 def _seconds(value: Optional[float]) -> str:
@@ -68,9 +73,11 @@ def show(url: str, admin_key: Optional[str], model: Optional[str], limit: int, f
     admin_key = admin_key or os.environ.get("HOTSWAP_ADMIN_KEY")
     try:
         records = _records(url, admin_key, model=model, limit=limit)[::-1]  # oldest first, as a log reads
-        print(header())
-        for r in records:
-            print(row(r))
+        rows = [cells(r) for r in records]
+        fit = widths(rows)  # --follow keeps them: a later, longer cell only pushes its own line
+        print(header(fit))
+        for r in rows:
+            print(line(r, fit))
         since = records[-1]["at"] if records else time.time()
         if follow:
             _stop_on_ctrl_c_and_sigterm()
@@ -79,7 +86,7 @@ def show(url: str, admin_key: Optional[str], model: Optional[str], limit: int, f
             time.sleep(FOLLOW_POLL_S)
             records = _records(url, admin_key, model=model, since=repr(since), limit=FOLLOW_LIMIT)[::-1]
             for r in records:
-                print(row(r))
+                print(line(cells(r), fit))
             since = records[-1]["at"] if records else since
     except KeyboardInterrupt:
         return 0

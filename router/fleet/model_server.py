@@ -33,8 +33,6 @@ class Node(Protocol):
     engines: dict[str, Engine]
     placement: Scheduler
 
-    def scheduler(self, engine: Engine) -> Scheduler: ...
-
     def adapters(self) -> list[tuple[str, Engine, Optional[str]]]: ...
 
 
@@ -50,7 +48,7 @@ class ModelServerView(Collector):
         # One unlabelled series per family: the picker takes the first series of a family whose
         # labels match its spec (none by default), so a per-model series would hide the others.
         yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting: queued for their model to wake.",
-                                value=sum(node.scheduler(e).queued(e) for e in engines))
+                                value=sum(node.placement.queued(e) for e in engines))
         yield GaugeMetricFamily("vllm:num_requests_running", "Requests in flight on this node's awake engines.",
                                 value=sum(e.in_flight for e in engines))
         # The router does not read its engines' KV use (a scrape of each awake engine every time the picker

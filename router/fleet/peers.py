@@ -30,7 +30,7 @@ import collections
 import hashlib
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import aiohttp
 from aiohttp import web
@@ -49,7 +49,19 @@ CREDENTIALS = ("Authorization", "x-api-key")
 ANSWER_HEADERS = ("Content-Type", "Retry-After", NODE_HEADER, "Cache-Control", "X-Request-Id")
 CONNECT_S = 5.0
 BUSY_RETRY_AFTER_S = 1.0
+TAIL_CHUNKS = 16  # a stream's last chunks kept for its record: where the usage event is
+CLIENT_CLOSED = 499  # nginx's "client closed request", as the proxy records it
 log = logging.getLogger("hotswap")
+
+
+class Passed(NamedTuple):
+    """A hand-off's answer, and what the proxy records of it (the activity log's `peer` and numbers)."""
+
+    response: web.StreamResponse
+    peer: str  # the node that answered (its X-Hotswap-Node, else its listing's node), else its URL
+    status: int  # the peer's; CLIENT_CLOSED when the client left before the end of the stream
+    first_byte_at: Optional[float]  # time.monotonic() when the peer's first body bytes came
+    end: bytes  # the body, or a stream's last chunks
 
 
 class Peers:
@@ -74,7 +86,7 @@ class Peers:
             await self._session.close()
 
     async def hand_off(self, request: web.Request, router, path: str, body: bytes, model: str,
-                       not_here: APIError) -> web.StreamResponse:
+                       not_here: APIError) -> Passed:
         """Answer the request from the peer that serves `model`, or raise `not_here` (no peer has it: said, not named)."""
         peers = router.roster.node.peer_urls()
         if not peers or HOP_HEADER in request.headers:
@@ -88,22 +100,28 @@ class Peers:
         queue = router.roster.queue
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_S, sock_read=queue.max_wait_s + queue.stall_timeout_s)
         response: Optional[web.StreamResponse] = None
+        named, status, first, tail = self.listings.of(peer).node or peer, 502, None, collections.deque(maxlen=TAIL_CHUNKS)
         self.passed_on[peer] += 1
         try:
             async with self.session.post(peer + path, data=body, headers=headers, timeout=timeout) as answer:
+                named, status = answer.headers.get(NODE_HEADER, named), answer.status
                 kept = {k: answer.headers[k] for k in ANSWER_HEADERS if k in answer.headers}
                 kept[PASSED_ON_HEADER] = headers[HOP_HEADER]
                 if not answer.content_type == "text/event-stream":
-                    return web.Response(status=answer.status, body=await answer.read(), headers=kept)
+                    payload = await answer.read()
+                    return Passed(web.Response(status=status, body=payload, headers=kept), named, status, time.monotonic(), payload)
                 response = web.StreamResponse(status=answer.status, headers=kept)
                 await response.prepare(request)
                 async for chunk in answer.content.iter_any():
+                    first = first or time.monotonic()
+                    tail.append(chunk)
                     await response.write(chunk)
                 await response.write_eof()
-                return response
+                return Passed(response, named, status, first, b"".join(tail))
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as exc:
             if response is not None and (request.transport is None or request.transport.is_closing()):
-                return response  # the client went away mid-stream: leaving the block cut the peer's answer too
+                # The client went away mid-stream: leaving the block cut the peer's answer too.
+                return Passed(response, named, CLIENT_CLOSED, first, b"")
             self.listings.forget(peer)
             if response is None:  # logged there, once while the problem lasts
                 what = f"did not answer ({type(exc).__name__})"
@@ -115,7 +133,7 @@ class Peers:
             await response.write(sse_error(f"The peer node '{node}' serving '{model}' {what}.", "peer_unreachable",
                                            status=502, anthropic=anthropic_path(path)))
             await response.write_eof()
-            return response
+            return Passed(response, named, status, first, b"")
         finally:
             self.passed_on[peer] -= 1
 

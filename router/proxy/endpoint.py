@@ -1,17 +1,23 @@
-"""The proxied routes (see `router.proxy.routes`): pick the engine, take a lease, forward, release.
+"""The proxied routes (see `router.proxy.routes`), as a request's walk: read its body, resolve its
+model to an engine (or to a peer node), take a lease, forward, and record how it ended.
 
 Every route goes through the same queue, lease and gate as chat completions: a request for
 a parked model wakes it. The engine comes from `router.lookup` (roster names and aliases),
 from the LoRA adapters the engines serve, from the roster's default model when the request
 names none, or, for Responses follow-ups, retrieve and cancel, from the engine that created
 the response.
+
+How a request ended is the status its client got, with one addition: a client that went away
+before its answer was complete (mid-stream, or while it waited for a swap) is recorded as 499,
+nginx's "client closed request", so that a disconnect is never counted as a server error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from typing import Any, Optional
+from typing import Any, Awaitable, Optional
 from urllib.parse import quote
 
 from aiohttp import web
@@ -22,15 +28,16 @@ from router.auth import grant_of
 from router.fleet import PEERS_KEY
 from router.errors import APIError, sse_error
 from router.keys import Grant
-from router.live import ROUTED_MODEL, ROUTER_KEY
+from router.live import ROUTED_MODEL, ROUTER_KEY, Router
 from router.metrics import UNKNOWN_MODEL
 from router.proxy.body import read_json
-from router.proxy.forward import ANSWER_END, forward, json_for
+from router.proxy.forward import ANSWER_NUMBERS, NONE, ClientClosed, forward, json_for, read_numbers
 from router.proxy.responses import Pin, ResponseIds, StreamSniffer, id_in_answer
 from router.scheduling import Lease
 
 RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
+CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before its answer was complete
 
 
 def max_wait(request: web.Request) -> Optional[float]:
@@ -70,91 +77,203 @@ def resolve(router, model: Any, grant: Grant) -> tuple[Engine, str]:
 
 
 async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
-    router = request.app[ROUTER_KEY]
     route = routes.BY_PATH[request.match_info.route.resource.canonical]  # type: ignore[union-attr]
-    started = time.monotonic()
-    label, group, status, stream, queued_s = UNKNOWN_MODEL, "", 500, "false", None
-    asked: Any = None
-    lease: Optional[Lease] = None
-    try:
-        if route.multipart:
-            form = await multipart.read_form(request, router.roster.listen)
-            asked = form.value("model")
-            engine, _ = resolve(router, asked, grant_of(request))
-            stream = "true" if (form.value("stream") or "").lower() == "true" else "false"
-        else:
-            body, raw = await read_json(request, router.roster.listen)
-            asked = body.get("model")
-            try:
-                engine, name = _engine_for(request, router, body, route)
-            except APIError as exc:
-                if exc.code != "model_not_found":
-                    raise
-                # Not a model of this node: a peer may serve it (a front that could not read `model` sent it here).
-                response = await request.app[PEERS_KEY].hand_off(request, router, route.path, raw, body["model"], exc)
-                status = response.status
-                return response
-            if body.get("model") is None and name in engine.other_names:
-                # A follow-up of an adapter's conversation stays on the adapter (a key may be scoped to it alone).
-                body["model"] = name
-                raw = json.dumps(body).encode()
-            stream = "true" if body.get("stream") is True else "false"
-        label, group = engine.name, engine.spec.group or ""
-        request[ROUTED_MODEL] = engine.name
-        scheduler = router.scheduler(engine)
-        prepared = None
-        interval = router.roster.queue.stream_keepalive_s
-        limit = max_wait(request)
-        if interval and stream == "true":
-            prepared, lease = await keepalive.acquire(request, scheduler, engine, interval, route.anthropic, max_wait_s=limit)
-        else:
-            lease = await scheduler.acquire(engine, max_wait_s=limit)
-        queued_s = time.monotonic() - started
+    walk = Walk(request, route.endpoint)
+    return await walk.ends(walk.proxied(route))
+
+
+async def response_pinned(request: web.Request) -> web.StreamResponse:
+    """GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, on the engine that created it."""
+    walk = Walk(request, "responses")
+    return await walk.ends(walk.pinned())
+
+
+class Walk:
+    """One proxied request on its way: each step below is one stage of it, and `ends` records how
+    it ended (router.metrics, and the activity log the Router was handed)."""
+
+    def __init__(self, request: web.Request, endpoint: str):
+        self.request = request
+        self.router: Router = request.app[ROUTER_KEY]
+        self.endpoint = endpoint  # the route family, the metrics' `endpoint` label
+        self.started = time.monotonic()
+        self.asked: Any = None  # the client's `model`, as it wrote it
+        self.stream = False
+        self.body: dict[str, Any] = {}
+        self.raw = b""
+        self.form: Optional[multipart.Form] = None
+        self.engine: Optional[Engine] = None
+        self.peer: Optional[str] = None  # the node a request for a model this node does not serve was passed to
+        self.name = ""  # the name the engine was asked by (an alias, an adapter)
+        self.not_here: Optional[APIError] = None  # the 404 of a model this node does not serve
+        self.lease: Optional[Lease] = None
+        self.queued_s: Optional[float] = None
+        # Replaced by how the walk ends; left as it is, an exception of ours (the error middleware's 500).
+        self.status = 500
+
+    async def ends(self, steps: Awaitable[web.StreamResponse]) -> web.StreamResponse:
         try:
-            if route.multipart:
-                model = form.value("model")
-                form_type, data = await form.encode(model if model in engine.served_names else engine.served_name)
-                response = await forward(request, router.upstreams, engine, route.path, data, content_type=form_type,
-                                         prepared=prepared, stall_s=router.roster.queue.stall_timeout_s,
-                                         keep_tail=router.activity.wants_answers)
+            response = await steps
+        except keepalive.AnsweredInStream as exc:
+            self.status = exc.status
+            return exc.response
+        except ClientClosed as exc:
+            self.status = CLIENT_CLOSED
+            return exc.response
+        except APIError as exc:
+            self.status = exc.status
+            raise
+        except ConnectionResetError:  # a write to the client's closed connection (a keep-alive comment, say)
+            self.status = CLIENT_CLOSED
+            raise
+        except asyncio.CancelledError:
+            # aiohttp cancels the handler of a client that disconnects; otherwise it is the router's own
+            # doing (a shutdown that cut what the drain left), and a server error.
+            transport = self.request.transport
+            if transport is None or transport.is_closing():
+                self.status = CLIENT_CLOSED
+            raise
+        else:
+            self.status = response.status
+            return response
+        finally:
+            self.record()
+
+    # -- the steps, in order ---------------------------------------------------------------------
+
+    async def proxied(self, route: routes.Route) -> web.StreamResponse:
+        await self.read(route)
+        if not self.resolve(route):
+            return await self.hand_off(route)
+        prepared = await self.take_lease(self.router.roster.queue.stream_keepalive_s if self.stream else 0,
+                                         route.anthropic)
+        try:
+            return await self.forward(route, prepared)
+        finally:
+            self.router.placement.release(self.engine)
+
+    async def read(self, route: routes.Route) -> None:
+        """The client's body (bounded in size and time): a multipart form (audio) or JSON; its `model`, and
+        whether it asks for a stream."""
+        listen = self.router.roster.listen
+        if route.multipart:
+            self.form = await multipart.read_form(self.request, listen)
+            self.asked = self.form.value("model")
+            self.stream = (self.form.value("stream") or "").lower() == "true"
+        else:
+            self.body, self.raw = await read_json(self.request, listen)
+            self.asked = self.body.get("model")
+            self.stream = self.body.get("stream") is True
+
+    def resolve(self, route: routes.Route) -> bool:
+        """The engine for the request's model. False: no model of this node, which a peer may serve (a front
+        that could not read `model` sent it here); a form is not passed on (its bytes are not kept)."""
+        grant = grant_of(self.request)
+        try:
+            if self.form is not None:
+                self.engine, self.name = resolve(self.router, self.asked, grant)
             else:
-                kw = _pinning(request, engine, name, body) if route.creates_response else {}
-                response = await forward(request, router.upstreams, engine, route.path, json_for(engine, body, raw),
-                                         prepared=prepared, anthropic=route.anthropic,
-                                         stall_s=router.roster.queue.stall_timeout_s,
-                                         keep_tail=router.activity.wants_answers, **kw)
+                self.engine, self.name = _engine_for(self.request, self.router, self.body, route)
+        except APIError as exc:
+            if exc.code != "model_not_found" or self.form is not None:
+                raise
+            self.not_here = exc
+            return False
+        if self.form is None and self.asked is None and self.name in self.engine.other_names:
+            # A follow-up of an adapter's conversation stays on the adapter (a key may be scoped to it alone).
+            self.body["model"] = self.name
+            self.raw = json.dumps(self.body).encode()
+        self.request[ROUTED_MODEL] = self.engine.name
+        return True
+
+    async def hand_off(self, route: routes.Route) -> web.StreamResponse:
+        """The request to the peer node that serves its model (router.fleet.peers), or the 404."""
+        assert self.not_here is not None
+        passed = await self.request.app[PEERS_KEY].hand_off(self.request, self.router, route.path, self.raw,
+                                                            self.body["model"], self.not_here)
+        self.peer = passed.peer
+        if passed.first_byte_at is not None:
+            self.request["first_byte_at"] = passed.first_byte_at
+        if self.router.activity.wants_answers and passed.status < 300:
+            self.request[ANSWER_NUMBERS] = read_numbers(passed.end)
+        if passed.status == CLIENT_CLOSED:
+            raise ClientClosed(passed.response)
+        return passed.response
+
+    async def take_lease(self, keepalive_s: float, anthropic: bool = False) -> Optional[web.StreamResponse]:
+        """The engine's lease: at once when it is awake, else once the scheduler has woken it. A stream that
+        waits gets comment lines every `keepalive_s`; returns the response they began, if any."""
+        assert self.engine is not None
+        limit = max_wait(self.request)
+        prepared = None
+        if keepalive_s:
+            prepared, self.lease = await keepalive.acquire(self.request, self.router.placement, self.engine, keepalive_s,
+                                                           anthropic, max_wait_s=limit)
+        else:
+            self.lease = await self.router.placement.acquire(self.engine, max_wait_s=limit)
+        self.queued_s = time.monotonic() - self.started
+        return prepared
+
+    async def forward(self, route: routes.Route, prepared: Optional[web.StreamResponse]) -> web.StreamResponse:
+        """The request to the engine, its answer back; a failure after keep-alive comments ends their stream."""
+        engine, router = self.engine, self.router
+        assert engine is not None
+        kw: dict[str, Any] = {"prepared": prepared, "stall_s": router.roster.queue.stall_timeout_s,
+                              "numbers": router.activity.wants_answers}
+        try:
+            if self.form is not None:
+                model = self.form.value("model")
+                form_type, data = await self.form.encode(model if model in engine.served_names else engine.served_name)
+                return await forward(self.request, router.upstreams, engine, route.path, data, content_type=form_type, **kw)
+            if route.creates_response:
+                kw.update(_pinning(self.request, engine, self.name, self.body))
+            return await forward(self.request, router.upstreams, engine, route.path, json_for(engine, self.body, self.raw),
+                                 anthropic=route.anthropic, **kw)
         except APIError as exc:
             if prepared is None:
                 raise
             await prepared.write(sse_error(exc.message, exc.code, status=exc.status, anthropic=route.anthropic))
             await prepared.write_eof()
             raise keepalive.AnsweredInStream(prepared, exc.status) from None
+
+    async def pinned(self) -> web.StreamResponse:
+        """A Responses retrieve or cancel: the engine that created the response, a lease, the call."""
+        request = self.request
+        response_id = request.match_info["response_id"]
+        self.engine = _usable(self.router, request.app[RESPONSE_IDS_KEY].pin(response_id), grant_of(request))
+        if self.engine is None:
+            raise APIError(404, f"Response with id '{response_id}' not found (the router pins the responses it saw "
+                                "created, for a bounded time).", "response_not_found", param="response_id")
+        request[ROUTED_MODEL] = self.engine.name
+        cancel = request.path.endswith("/cancel")
+        path = f"/v1/responses/{quote(response_id, safe='')}" + ("/cancel" if cancel else "")
+        params = {k: v for k, v in request.query.items() if k in ("starting_after", "stream")}
+        if params:
+            path += "?" + "&".join(f"{k}={quote(v, safe='')}" for k, v in params.items())
+        await self.take_lease(0)
+        try:
+            return await forward(request, self.router.upstreams, self.engine, path, method="POST" if cancel else "GET",
+                                 content_type=None, stall_s=self.router.roster.queue.stall_timeout_s)
         finally:
-            scheduler.release(engine)
-        status = response.status
-        return response
-    except keepalive.AnsweredInStream as exc:
-        status = exc.status
-        return exc.response
-    except APIError as exc:
-        status = exc.status
-        raise
-    finally:
-        done = time.monotonic()
-        first_byte_s = request.get("first_byte_at", done) - started
-        router.metrics.request_done(label, group, route.endpoint, stream, status, queued_s, first_byte_s,
-                                    done - started, key=grant_of(request).name)
-        _record(request, router, asked, label, route.endpoint, status, lease, queued_s,
-                first_byte_s if stream == "true" else None, done - started)
+            self.router.placement.release(self.engine)
 
+    # -- how it ended --------------------------------------------------------------------------
 
-def _record(request: web.Request, router, asked: Any, label: str, endpoint: str, status: int, lease: Optional[Lease],
-            queued_s: Optional[float], ttfb_s: Optional[float], duration_s: float) -> None:
-    """The request's line in the activity log (router.admin.activity)."""
-    router.activity.request_done(
-        key_name=grant_of(request).name, model=asked, engine=None if label == UNKNOWN_MODEL else label, endpoint=endpoint,
-        status=status, found_awake=None if lease is None else lease.found_awake, swap_id=None if lease is None else lease.swap_id,
-        queue_wait_s=queued_s, ttfb_s=ttfb_s, duration_s=duration_s, answer=request.get(ANSWER_END))
+    def record(self) -> None:
+        """The request's metrics and its line in the activity log (router.admin.activity)."""
+        done, request, engine = time.monotonic(), self.request, self.engine
+        first_byte_s = request.get("first_byte_at", done) - self.started
+        key = grant_of(request).name
+        label, group = (engine.name, engine.spec.group or "") if engine is not None else (UNKNOWN_MODEL, "")
+        self.router.metrics.request_done(label, group, self.endpoint, "true" if self.stream else "false", self.status,
+                                         self.queued_s, first_byte_s, done - self.started, key=key)
+        lease, numbers = self.lease, request.get(ANSWER_NUMBERS, NONE)
+        self.router.activity.request_done(
+            key_name=key, model=self.asked, engine=None if engine is None else engine.name, peer=self.peer, endpoint=self.endpoint,
+            status=self.status, found_awake=None if lease is None else lease.found_awake,
+            swap_id=None if lease is None else lease.swap_id, queue_wait_s=self.queued_s,
+            ttfb_s=first_byte_s if self.stream else None, duration_s=done - self.started, prompt_tokens=numbers.prompt_tokens,
+            completion_tokens=numbers.completion_tokens, mean_acceptance_length=numbers.mean_acceptance_length)
 
 
 def _engine_for(request: web.Request, router, body: dict[str, Any], route: routes.Route) -> tuple[Engine, str]:
@@ -187,39 +306,3 @@ def _pinning(request: web.Request, engine: Engine, name: str, body: dict[str, An
     if body.get("stream") is True:
         return {"sniffer": StreamSniffer(remember)}
     return {"on_answer": lambda payload: (rid := id_in_answer(payload)) and remember(rid)}
-
-
-async def response_pinned(request: web.Request) -> web.StreamResponse:
-    """GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, on the engine that created it."""
-    router = request.app[ROUTER_KEY]
-    response_id = request.match_info["response_id"]
-    started, status, label, group = time.monotonic(), 500, UNKNOWN_MODEL, ""
-    lease: Optional[Lease] = None
-    cancel = request.path.endswith("/cancel")
-    try:
-        engine = _usable(router, request.app[RESPONSE_IDS_KEY].pin(response_id), grant_of(request))
-        if engine is None:
-            raise APIError(404, f"Response with id '{response_id}' not found (the router pins the responses it saw "
-                                "created, for a bounded time).", "response_not_found", param="response_id")
-        label, group = engine.name, engine.spec.group or ""
-        request[ROUTED_MODEL] = engine.name
-        path = f"/v1/responses/{quote(response_id, safe='')}" + ("/cancel" if cancel else "")
-        params = {k: v for k, v in request.query.items() if k in ("starting_after", "stream")}
-        scheduler = router.scheduler(engine)
-        lease = await scheduler.acquire(engine, max_wait_s=max_wait(request))
-        try:
-            response = await forward(request, router.upstreams, engine, path + ("?" + "&".join(
-                f"{k}={quote(v, safe='')}" for k, v in params.items()) if params else ""),
-                method="POST" if cancel else "GET", content_type=None, stall_s=router.roster.queue.stall_timeout_s)
-        finally:
-            scheduler.release(engine)
-        status = response.status
-        return response
-    except APIError as exc:
-        status = exc.status
-        raise
-    finally:
-        done = time.monotonic()
-        router.metrics.request_done(label, group, "responses", "false", status, None, request.get("first_byte_at", done) - started,
-                                    done - started, key=grant_of(request).name)
-        _record(request, router, None, label, "responses", status, lease, None, None, done - started)

@@ -7,6 +7,11 @@ makes vLLM abort the generation. When the router has
 already sent a stream's headers (keep-alive comments while the request waited for a swap),
 the engine's answer must travel inside that stream, errors included.
 
+An answer's numbers (its `usage` token counts and its own `metrics.speculative_decoding`) are read
+here, once, from the end of the answer the router holds anyway (a buffered body, or a stream's last
+chunks): the acceptance watch (`engines.watch.answered`) and the walk's record both get them, and
+no text of the answer is kept.
+
 A request holds its engine's lease while it runs, so it can be cut: by its engine's drain when
 `swap.drain_timeout_s` runs out (`Engine.cuttable`: the request's task is cancelled, and the
 cancellation becomes a 503 or the stream's error event), and, for a stream, by a client that
@@ -19,12 +24,13 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from aiohttp import web
 
 from engines import watch
 from engines.engine import Engine
+from engines.gate import answer_spec_counts, mean_acceptance_length
 from router.errors import APIError, sse_error
 from router.proxy.relay import ClientStalled, Relay
 from router.proxy.responses import StreamSniffer
@@ -33,10 +39,18 @@ from router.proxy.upstream import Pool, Upstreams
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 STALL_S = 60.0  # queue.stall_timeout_s's default
-# The request's key for its answer's end: a buffered body, or a stream's last bytes when kept (the
-# usage event); where the activity log reads token counts and acceptance, without a second parse.
-ANSWER_END = "answer_end"
+# The request's key for its answer's Numbers, read once from its end: the
+# acceptance watch gets them here, and the walk records them.
+ANSWER_NUMBERS = "answer_numbers"
 log = logging.getLogger("hotswap")
+
+
+class ClientClosed(Exception):
+    """The client left mid-stream (or was cut for taking nothing of it): `response` is all it got."""
+
+    def __init__(self, response: web.StreamResponse):
+        super().__init__("the client went away before the end of its stream")
+        self.response = response
 
 
 class Hold:
@@ -82,9 +96,9 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
                   method: str = "POST", content_type: Optional[str] = "application/json",
                   on_answer: Optional[Callable[[bytes], None]] = None, sniffer: Optional[StreamSniffer] = None,
                   prepared: Optional[web.StreamResponse] = None, anthropic: bool = False,
-                  stall_s: float = STALL_S, keep_tail: bool = False) -> web.StreamResponse:
-    """`keep_tail`: a stream keeps its last bytes (the final usage event) for `request[ANSWER_END]`, as
-    a buffered answer's body always is."""
+                  stall_s: float = STALL_S, numbers: bool = False) -> web.StreamResponse:
+    """`numbers`: read the answer's numbers into `request[ANSWER_NUMBERS]` (for the activity log; an
+    engine with a draft has them read anyway, for its acceptance watch); a stream keeps its last bytes for it."""
     client = engine.client
     if client is None:  # a lease implies a started engine; say so rather than crash if that ever breaks
         raise APIError(502, f"engine '{engine.name}' has no address yet", "engine_unreachable")
@@ -96,8 +110,9 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
             try:
                 if exchange.stream:
                     return await _stream(request, exchange, engine, sniffer, prepared, anthropic, hold, stall_s,
-                                         keep_tail or engine.has_draft)
-                return await _buffered(request, exchange, engine, on_answer, prepared, anthropic)
+                                         numbers or engine.has_draft)
+                return await _buffered(request, exchange, engine, on_answer, prepared, anthropic,
+                                       numbers or engine.has_draft)
             finally:
                 if exchange.trailing:
                     log.warning("engine %s sent %d bytes after a complete answer to %s %s (a second response on the same "
@@ -115,21 +130,28 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
 
 
 async def _buffered(request: web.Request, exchange: Exchange, engine: Engine, on_answer: Optional[Callable[[bytes], None]],
-                    prepared: Optional[web.StreamResponse], anthropic: bool) -> web.StreamResponse:
+                    prepared: Optional[web.StreamResponse], anthropic: bool, numbers: bool) -> web.StreamResponse:
     try:
         payload = await exchange.body()
     except UpstreamError as exc:
         watch.suspect(engine, f"while answering: {exc}")
         raise APIError(502, f"engine '{engine.name}' failed while answering: {exc}", "engine_error") from None
     request["first_byte_at"] = time.monotonic()
-    request[ANSWER_END] = payload
+    if numbers and exchange.status < 300:
+        _answered(request, engine, payload)
     if prepared is not None:
         return await _inside_stream(prepared, exchange.status, payload, anthropic)
     if exchange.status < 300:
-        watch.answered(engine, payload)
         if on_answer is not None:
             on_answer(payload)
     return web.Response(status=exchange.status, body=payload, headers={"Content-Type": exchange.content_type})
+
+
+def _answered(request: web.Request, engine: Engine, end: bytes) -> None:
+    """The answer's numbers, read once from its end: for the acceptance watch, and for the walk's record."""
+    request[ANSWER_NUMBERS] = numbers = read_numbers(end)
+    if numbers.spec is not None:
+        watch.answered(engine, *numbers.spec)
 
 
 async def _send(pool: Pool, engine: Engine, data: bytes) -> Exchange:
@@ -145,7 +167,7 @@ async def _send(pool: Pool, engine: Engine, data: bytes) -> Exchange:
 
 async def _stream(request: web.Request, exchange: Exchange, engine: Engine, sniffer: Optional[StreamSniffer],
                   prepared: Optional[web.StreamResponse], anthropic: bool, hold: Hold, stall_s: float,
-                  keep_tail: bool) -> web.StreamResponse:
+                  numbers: bool) -> web.StreamResponse:
     response = prepared
     if response is None:
         response = hold.response = web.StreamResponse(status=exchange.status,
@@ -156,15 +178,15 @@ async def _stream(request: web.Request, exchange: Exchange, engine: Engine, snif
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away")
     writer.send_headers()  # type: ignore[attr-defined]
-    relay = Relay(transport, writer.chunked, exchange.chunked, sniffer, keep_tail=keep_tail)  # type: ignore[attr-defined]
+    relay = Relay(transport, writer.chunked, exchange.chunked, sniffer, keep_tail=numbers)  # type: ignore[attr-defined]
     writer.chunked = False  # type: ignore[attr-defined]  # the relay frames the body; write_eof adds nothing
     try:
         await exchange.relay(relay, lambda: relay.drained(writer.drain, stall_s))
-    except ClientStalled as exc:
-        log.warning("cut a stream of %s to %s: %s; its lease is freed", engine.name, request.remote, exc)
-        return response
-    except ClientGone:  # aiohttp cancels this handler for it too (handler_cancellation); nothing left to send
-        return response
+    except ClientGone as exc:  # aiohttp cancels this handler for it too (handler_cancellation); nothing left to send
+        if isinstance(exc, ClientStalled):
+            log.warning("cut a stream of %s to %s: %s; its lease is freed", engine.name, request.remote, exc)
+        request["first_byte_at"] = exchange.first_body_at or time.monotonic()
+        raise ClientClosed(response) from None
     except asyncio.CancelledError:
         if not hold.was_cut():
             raise
@@ -179,8 +201,7 @@ async def _stream(request: web.Request, exchange: Exchange, engine: Engine, snif
     else:
         relay.end()
         if relay.tail and exchange.status < 300:
-            request[ANSWER_END] = tail = b"".join(relay.tail)
-            watch.answered(engine, tail)
+            _answered(request, engine, b"".join(relay.tail))
     request["first_byte_at"] = exchange.first_body_at or time.monotonic()
     await response.write_eof()
     return response
@@ -204,3 +225,50 @@ def _engine_message(payload: bytes) -> Optional[str]:
         return None
     message = error.get("message") if isinstance(error, dict) else error
     return message if isinstance(message, str) else None
+
+
+# -- an answer's numbers -----------------------------------------------------------------------
+
+_USAGE_KEY = b'"usage":'  # JSON escapes a quote inside a string, so generated text cannot match
+_DECODER = json.JSONDecoder()
+# `usage` and `metrics` close an answer's JSON (and a stream's kept tail is small already): only
+# this many bytes at its end are searched, so a large body (many embeddings) costs no more.
+END_BYTES = 16_384
+
+
+class Numbers(NamedTuple):
+    """An answer's numbers: the acceptance watch and the activity log get these, never its bytes."""
+
+    prompt_tokens: Optional[int] = None
+    completion_tokens: Optional[int] = None
+    spec: Optional[tuple[int, int]] = None  # (steps, accepted draft tokens): the answer's own, as the gate counts them
+
+    @property
+    def mean_acceptance_length(self) -> Optional[float]:
+        mal = mean_acceptance_length(*self.spec) if self.spec is not None else None
+        return None if mal is None else round(mal, 4)
+
+
+NONE = Numbers()
+
+
+def read_numbers(end: Optional[bytes]) -> Numbers:
+    """An answer's numbers from its end (a buffered body, or a stream's last chunks). OpenAI's `usage` names, or Anthropic's and Responses' (`input_tokens`, `output_tokens`)."""
+    if not end:
+        return NONE
+    end = end[-END_BYTES:]
+    prompt = completion = None
+    at = end.rfind(_USAGE_KEY)
+    if at >= 0:
+        try:
+            usage, _ = _DECODER.raw_decode(end[at + len(_USAGE_KEY):].decode("utf-8").lstrip())
+        except (ValueError, UnicodeDecodeError):  # a tail cut inside the event: no numbers
+            usage = None
+        if isinstance(usage, dict):
+            prompt = _count(usage.get("prompt_tokens", usage.get("input_tokens")))
+            completion = _count(usage.get("completion_tokens", usage.get("output_tokens")))
+    return Numbers(prompt, completion, answer_spec_counts(end))
+
+
+def _count(value: Any) -> Optional[int]:
+    return value if type(value) is int and value >= 0 else None

@@ -205,6 +205,15 @@ RULE_TESTS: list[dict[str, Any]] = [
         {"series": 'hotswap_requests_total{model="a",endpoint="chat",status="429"}', "values": "0+9x20"}],
      "alert_rule_test": [{"eval_time": "16m", "alertname": "HotswapHighErrorRate",
                           "exp_alerts": [{"exp_labels": {"severity": "warning", "model": "b"}}]}]},
+    # Clients that go away (499) are no server error, and do not hide the real ones of c (1 in 11 answered).
+    {"interval": "1m", "input_series": [
+        {"series": 'hotswap_requests_total{model="a",endpoint="chat",status="499"}', "values": "0+9x20"},
+        {"series": 'hotswap_requests_total{model="a",endpoint="chat",status="200"}', "values": "0+1x20"},
+        {"series": 'hotswap_requests_total{model="c",endpoint="chat",status="502"}', "values": "0+1x20"},
+        {"series": 'hotswap_requests_total{model="c",endpoint="chat",status="200"}', "values": "0+10x20"},
+        {"series": 'hotswap_requests_total{model="c",endpoint="chat",status="499"}', "values": "0+30x20"}],
+     "alert_rule_test": [{"eval_time": "16m", "alertname": "HotswapHighErrorRate",
+                          "exp_alerts": [{"exp_labels": {"severity": "warning", "model": "c"}}]}]},
     {"interval": "1m", "input_series": [
         {"series": f'hotswap_queued_requests{{group="g1",model="{m}"}}', "values": v} for m, v in [("a", "0x10"), ("b", "3x10")]] + [
         {"series": f'hotswap_engine_state{{group="g1",model="{m}",state="{s}"}}', "values": "0x10"}

@@ -60,6 +60,13 @@ async def test_a_stream_whose_client_reads_nothing_is_cut_after_stall_timeout_s_
         assert its_stream_ended(s)
     finally:
         s.close()
+
+    async def recorded() -> list:
+        _, _, body = await http(router, "GET", "/admin/activity")
+        return body["records"]
+
+    [record] = await eventually(recorded, what="the cut stream's activity record")
+    assert record["status"] == 499, "a client cut for not reading is the client's doing, not a server error (nor a 200)"
     assert await ask(client(router), "a")  # the engine itself is untouched
     assert (await router.engine("a"))["in_flight"] == 0
 

@@ -1,9 +1,8 @@
-"""The activity log's store: the ring, the SQLite file's rotation and refill, and the numbers read
-from an answer's end."""
+"""The activity log's store: the ring, the SQLite file's rotation and refill (the answer's numbers
+it records are read by the proxy: tests/unit/test_answers.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import sqlite3
 
@@ -11,13 +10,14 @@ import pytest
 
 from config.schema import Activity
 from router.admin import ActivityFileError
-from router.admin.activity import ActivityLog, answer_numbers
+from router.admin.activity import ActivityLog, Record
 from tests.support import until
 
 
-def done(log: ActivityLog, engine: str = "a", status: int = 200, answer: bytes | None = None) -> None:
-    log.request_done(key_name="team", model=engine, engine=engine, endpoint="completions", status=status, found_awake=True,
-                     swap_id=None, queue_wait_s=0.0, ttfb_s=None, duration_s=0.01, answer=answer)
+def done(log: ActivityLog, engine: str = "a", status: int = 200) -> None:
+    log.request_done(key_name="team", model=engine, engine=engine, peer=None, endpoint="completions", status=status, found_awake=True,
+                     swap_id=None, queue_wait_s=0.0, ttfb_s=None, duration_s=0.01, prompt_tokens=3, completion_tokens=5,
+                     mean_acceptance_length=None)
 
 
 def test_the_ring_keeps_the_newest_records_and_answers_newest_first():
@@ -66,20 +66,6 @@ def test_a_file_that_cannot_be_written_is_logged_once_and_never_fails_a_request(
     assert len(failures) == 1 and failures[0].exc_info is not None
 
 
-def test_the_numbers_come_from_the_answers_usage_and_its_own_acceptance_never_its_text():
-    body = json.dumps({"choices": [{"text": 'a "usage": {"prompt_tokens": 999} trap'}],
-                       "usage": {"prompt_tokens": 7, "completion_tokens": 16, "total_tokens": 23},
-                       "metrics": {"speculative_decoding": {"num_spec_steps": 10, "num_accepted_draft_tokens": 8}}}).encode()
-    assert answer_numbers(body) == (7, 16, 1.8)
-    stream_tail = (b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}\n\n'
-                   b"data: [DONE]\n\n")
-    assert answer_numbers(stream_tail) == (3, 5, None)
-    anthropic = b'event: message_delta\ndata: {"type":"message_delta","usage":{"input_tokens":4,"output_tokens":2}}\n\n'
-    assert answer_numbers(anthropic) == (4, 2, None)
-    assert answer_numbers(b'data: {"usage":{"prompt_to') == (None, None, None)  # a tail cut inside the event
-    assert answer_numbers(None) == (None, None, None)
-
-
 def test_a_file_that_cannot_be_the_activity_log_fails_the_start_naming_it(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("an operator's notes, not SQLite " * 100)
@@ -109,3 +95,19 @@ def test_without_a_file_swap_ids_start_at_one():
     assert ActivityLog(Activity(ring=10)).last_swap_id == 0
 
 
+def test_a_file_written_before_the_peer_column_gains_it_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "activity.db"
+    older = [f for f in Record._fields if f != "peer"]
+    with sqlite3.connect(path) as db:
+        db.execute(f"CREATE TABLE activity (id INTEGER PRIMARY KEY, {', '.join(older)})")
+        db.execute(f"INSERT INTO activity ({', '.join(older)}) VALUES ({', '.join('?' * len(older))})",
+                   (1.0, "team", "a", "a", "completions", 200, 1, 0.0, None, None, 0.01, 3, 5, None))
+    log = ActivityLog(Activity(ring=10, path=str(path)))
+    assert log.file is not None, "the file of an earlier version is still the log's file"
+    [old] = log.query()
+    assert old.engine == "a" and old.peer is None and old.found_awake is True
+    log.request_done(key_name="team", model="b", engine=None, peer="node-b", endpoint="completions", status=200,
+                     found_awake=None, swap_id=None, queue_wait_s=None, ttfb_s=None, duration_s=0.01, prompt_tokens=None,
+                     completion_tokens=None, mean_acceptance_length=None)
+    log.close()
+    assert [r.peer for r in ActivityLog(Activity(ring=10, path=str(path))).query()] == ["node-b", None]

@@ -77,9 +77,6 @@ class FakeNode:
                                          queued=lambda e: queued.get(e.name, 0))
         self._adapters = [(name, self.engines[base], base) for name, base in adapters]
 
-    def scheduler(self, engine):
-        return self.placement
-
     def adapters(self):
         return self._adapters
 

@@ -494,6 +494,15 @@ def test_sleep_level_2_is_refused_for_a_load_format_whose_loader_cannot_reload_w
             command: [vllm, serve, /m/s, --port, "{port}", --load-format=sharded_state]
         """)
     assert "--load-format sharded_state" in error, error
+    assert error.startswith("roster.yaml:6:14: models[0].command: "), "where the flag was written, not args (which it has none of)"
+    [error] = errors("""
+        models:
+          - name: dummy
+            sleep_level: 2
+            command: "vllm serve /m/d --port {port} --load-format dummy"
+            args: [--max-model-len, "4096"]
+        """)
+    assert error.startswith("roster.yaml:5:14: models[0].command: ") and "--load-format dummy" in error, error
     for fine in ("sleep_level: 1", "sleep_level: auto"):
         roster = load(f"""
             models:
