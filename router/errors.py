@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 from typing import Any, Mapping, Optional
 
 from aiohttp import web
@@ -59,6 +60,17 @@ ANTHROPIC_PREFIX = "/v1/messages"
 
 def anthropic_path(path: str) -> bool:
     return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+# Where an engine listens, as its failure messages name it: a URL, a socket address tuple, host:port.
+_ADDRESS = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"()]+|\('[^']*', \d+\)|\[[0-9a-f:]+\]:\d+|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"
+                      r"|\blocalhost:\d+\b", re.I)
+
+
+def for_clients(text: str) -> str:
+    """An engine's failure as a client may read it: the step and the cause, not where the engine listens
+    (an internal address; operators read it whole in /admin/status and the log)."""
+    return _ADDRESS.sub("<engine address>", text)
 
 
 class APIError(Exception):

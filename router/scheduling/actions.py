@@ -14,7 +14,7 @@ from typing import Awaitable, Callable, Optional, Union
 
 from engines.engine import Engine, EngineFailed, State
 from engines.memory import process_gpu_memory_gb
-from router.errors import APIError
+from router.errors import APIError, for_clients
 from router.scheduling import placement
 from router.scheduling.costs import NO_LEVEL2, Costs
 from router.scheduling.events import SwapRecord
@@ -318,7 +318,7 @@ class Actions(Costs, RosterChanges):
         self.handled.add(engine.name)
         self.making_room.pop(engine.name, None)
         delay = self.backoff.failed(engine.name)
-        self._fail_waiters(engine, APIError(503, f"model '{engine.name}' is unavailable: {reason}", "engine_failed",
+        self._fail_waiters(engine, APIError(503, f"model '{engine.name}' is unavailable: {for_clients(reason)}", "engine_failed",
                                             retry_after=max(1.0, delay)))
 
     async def _defect(self, what: str, exc: Exception, engine: Engine) -> None:

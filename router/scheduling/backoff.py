@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from engines.engine import Engine, State
-from router.errors import APIError
+from router.errors import APIError, for_clients
 
 MAX_BACKOFF_S = 60.0
 
@@ -38,4 +38,4 @@ class Backoff:
     def unavailable(self, engine: Engine) -> APIError:
         wait = self.retry_at[engine.name] - self.clock()
         return APIError(503, f"model '{engine.name}' is unavailable, restarting in {wait:.0f} s after "
-                        f"{self.failures[engine.name]} failures; last: {engine.failure}", "engine_failed", retry_after=wait)
+                        f"{self.failures[engine.name]} failures; last: {for_clients(engine.failure or '')}", "engine_failed", retry_after=wait)

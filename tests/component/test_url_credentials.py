@@ -80,3 +80,18 @@ async def test_the_urls_credentials_are_sent_as_basic_auth_on_control_calls_and_
         await runner.cleanup()
     assert {path for path, _, _ in seen} >= {"/health", "/v1/models", "/v1/completions"}
     assert all(auth == expected and host == f"127.0.0.1:{port}" for _, auth, host in seen), seen
+
+
+async def test_a_client_told_an_engine_failed_hears_why_but_not_where_it_listens(start_router):
+    """A dead attached engine: the waiter's 503 says what failed; its address is for the operator alone."""
+    port = free_port()  # nothing listens there
+    router = await start_router(roster_dict({"name": "ext", "url": f"http://127.0.0.1:{port}", "default": True},
+                                            swap={"boot_timeout_s": 1}), booted=False)
+    await eventually(lambda: _failed(router), what="ext failed its boot")
+    status, _, body = await http(router, "POST", "/v1/completions", json={"model": "ext", "prompt": "x"})
+    assert status == 503 and body["error"]["code"] == "engine_failed", body
+    message = body["error"]["message"]
+    assert "ext" in message and "not healthy" in message and "<engine address>" in message, message
+    assert str(port) not in message and "127.0.0.1" not in message, message
+    failure = (await router.engine("ext"))["failure"]
+    assert str(port) in failure, "the operator's view keeps the address"
