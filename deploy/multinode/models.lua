@@ -70,6 +70,7 @@ local function ask(applet, node)
             id = id,
             created = integer(c, body, card .. ".created"),
             parent = c:json_query(body, card .. ".parent"),
+            alias_of = c:json_query(body, card .. ".alias_of"),
             name = c:json_query(body, card .. ".node.name") or node.name,
             state = c:json_query(body, card .. ".state") or "unknown",
             wake = tonumber(c:json_query(body, card .. ".wake_estimate_s")) or 0,
@@ -91,7 +92,7 @@ local function union(applet)
             for _, card in ipairs(cards) do
                 local model = models[card.id]
                 if model == nil then
-                    model = { id = card.id, created = card.created, parent = card.parent, nodes = {} }
+                    model = { id = card.id, created = card.created, parent = card.parent, alias_of = card.alias_of, nodes = {} }
                     models[card.id] = model
                     order[#order + 1] = card.id
                 end
@@ -111,6 +112,7 @@ local function model_json(c, model)
     end
     return '{"id": ' .. quoted(c, model.id) .. ', "object": "model", "created": ' .. string.format("%d", model.created)
         .. ', "owned_by": "hotswap", "parent": ' .. (model.parent and quoted(c, model.parent) or "null")
+        .. ', "alias_of": ' .. (model.alias_of and quoted(c, model.alias_of) or "null")
         .. ', "nodes": [' .. table.concat(nodes, ", ") .. ']}'
 end
 

@@ -33,12 +33,13 @@ CREATED = {"node-a": 1796155152, "node-b": 1764612345}
 
 
 def node_stub(name: str, models: list[tuple[str, str, float]], created: int,
-              odd_created: Optional[dict[str, object]] = None) -> http.server.ThreadingHTTPServer:
+              odd_created: Optional[dict[str, object]] = None,
+              aliases: Optional[dict[str, str]] = None) -> http.server.ThreadingHTTPServer:
     """A node's /v1/models: each (id, state, wake_estimate_s) as a card with this node's name and `created`
     (its start, in Unix seconds; `odd_created`: what a broken node says instead, per model); 401 without KEY.
     (/ready answers 200, as a node's does while it can serve.)"""
     cards = [{"id": m, "object": "model", "created": (odd_created or {}).get(m, created), "owned_by": "hotswap",
-              "parent": None, "state": state, "wake_estimate_s": wake, "node": {"name": name, "labels": {}}}
+              "parent": None, "alias_of": (aliases or {}).get(m), "state": state, "wake_estimate_s": wake, "node": {"name": name, "labels": {}}}
              for m, state, wake in models]
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -72,11 +73,11 @@ def get(url: str, key: str = KEY) -> tuple[int, dict]:
 
 @pytest.fixture
 def front(tmp_path):
-    """node-a (shared awake, alpha parked) and node-b (shared parked, org/beta, and org/odd, whose card says
-    `"created": "soon"`) up; node-c never listens."""
+    """node-a (shared awake, alpha parked) and node-b (shared parked, org/beta, and org/odd, an alias of
+    org/beta whose card says `"created": "soon"`) up; node-c never listens."""
     stubs = [node_stub("node-a", [("shared", "awake", 0), ("alpha", "sleeping", 1.5)], created=CREATED["node-a"]),
              node_stub("node-b", [("shared", "sleeping", 2.25), ("org/beta", "awake", 0), ("org/odd", "awake", 0)],
-                       created=CREATED["node-b"], odd_created={"org/odd": "soon"})]
+                       created=CREATED["node-b"], odd_created={"org/odd": "soon"}, aliases={"org/odd": "org/beta"})]
     addr = {"node-a": f"127.0.0.1:{stubs[0].server_port}", "node-b": f"127.0.0.1:{stubs[1].server_port}",
             "node-c": f"127.0.0.1:{free_port()}"}
     placement = {"shared": [("node-a", addr["node-a"]), ("node-b", addr["node-b"])], "alpha": [("node-a", addr["node-a"])],
@@ -148,3 +149,10 @@ def test_no_node_answering_is_a_503_in_openais_shape(front):
         stub.server_close()
     status, body = until(lambda: (answer := get(url + "/v1/models"))[0] == 503 and answer, 20, "a 503 once no node answers")
     assert body["error"]["code"] == "no_node_available" and body["error"]["type"] == "service_unavailable"
+
+
+def test_an_alias_says_which_model_it_names_through_the_front(front):
+    url, _ = front
+    status, body = get(url + "/v1/models")
+    assert status == 200
+    assert {m["id"]: m["alias_of"] for m in body["data"]} == {"alpha": None, "org/beta": None, "org/odd": "org/beta", "shared": None}
