@@ -101,17 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--sim-prompt-acceptance", type=_prompt_acceptance, action="append", default=[], metavar="TEXT=MAL",
         help="a request whose prompt contains TEXT decodes at mean acceptance length MAL (repeatable; first match wins)",
     )  # fmt: skip
-    s.add_argument("--sim-step-delay", type=_step_pair(False), action="append", default=[], metavar="STEP=SECONDS")
+    s.add_argument("--sim-step-delay", type=_step_pair(False), action="append", default=[], metavar="STEP=SECONDS",
+                   help="every call of STEP takes SECONDS longer (repeatable; the STEPs of --sim-fault)")
     s.add_argument(
         "--sim-fault", type=_step_pair(True), action="append", default=[], metavar="STEP=KIND",
         help=f"fail every call of STEP (repeatable; at runtime: POST /sim/faults). STEP: {', '.join(STEPS)}. "
         f"KIND: {', '.join(FAULT_KINDS)} (see engines/sim/control.py)",
     )  # fmt: skip
-    s.add_argument("--sim-crash-mid-stream", type=int, default=None, metavar="N")
-    s.add_argument("--sim-metrics-lag-s", type=float, default=0.0)
+    s.add_argument("--sim-crash-mid-stream", type=int, default=None, metavar="N",
+                   help="the process dies after the Nth chunk of a stream (N >= 1), as a crashed vLLM does")
+    s.add_argument("--sim-metrics-lag-s", type=float, default=0.0,
+                   help="a finished request's counters reach /metrics this many seconds later (vLLM's stats loop)")
     s.add_argument("--sim-lora-lost-on-level2", action="store_true",
                    help="after a Level-2 sleep, adapters answer like the base model (silently wrong)")
-    s.add_argument("--sim-reset-prefix-false", type=int, default=0, metavar="N")
+    s.add_argument("--sim-reset-prefix-false", type=int, default=0, metavar="N",
+                   help="after each wake, the first N POST /reset_prefix_cache answer success: false (blocks still held)")
     s.add_argument("--sim-host-bytes-per-gb", type=float, default=None, metavar="N",
                    help="model vLLM's Level-1 backup in pinned host RAM: a Level-1 sleep really allocates and touches "
                    "N bytes per GB of weights, each tensor rounded up to a power of two, kept after the wake until "

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.sim import lm
-from engines.sim.__main__ import parse_args
+from engines.sim.__main__ import build_parser, parse_args
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -159,6 +159,13 @@ async def test_port_is_bound_only_after_boot_and_unknown_vllm_flags_are_ignored(
     assert "--dtype float32 --enforce-eager --gpu-memory-utilization 0.5 --enable-prefix-caching" in out
     status, models = await call(http, sim, "GET", "/v1/models")
     assert [m["id"] for m in models["data"]] == ["alpha", "beta"]
+
+
+def test_every_simulator_knob_says_in_help_what_it_models():
+    """The simulator's flags are its documentation: a --sim-* flag without a help text is a knob nobody can find."""
+    silent = [a.option_strings[0] for a in build_parser()._actions
+              if any(o.startswith("--sim-") for o in a.option_strings) and not (a.help or "").strip()]
+    assert not silent, f"--sim-* flags without a help text: {silent}"
 
 
 def test_argv_parsing_matches_vllm_serve():
