@@ -281,7 +281,7 @@ async def test_models_lists_every_name_and_alias_with_its_state(start_router):
     models = await client(router).models.list()
     by_id = {m.id: m for m in models.data}
     assert set(by_id) == {"a", "b", "bee"}
-    assert by_id["a"].state == "awake" and by_id["b"].state == "sleeping" and by_id["bee"].parent == "b"
+    assert by_id["a"].state == "awake" and by_id["b"].state == "sleeping" and by_id["bee"].alias_of == "b" and by_id["bee"].parent is None
     status, _, body = await http(router, "GET", "/ready")
     assert status == 200 and body["promoted"] == ["a"]
 
