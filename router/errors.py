@@ -63,8 +63,9 @@ def anthropic_path(path: str) -> bool:
 
 
 # Where an engine listens, as its failure messages name it: a URL, a socket address tuple, host:port.
-_ADDRESS = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"()]+|\('[^']*', \d+\)|\[[0-9a-f:]+\]:\d+|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"
-                      r"|\blocalhost:\d+\b", re.I)
+# (An IPv6 socket tuple has four fields; a host name with a port is what aiohttp's "Cannot connect to host" names.)
+_ADDRESS = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"()]+|\('[^']*'(?:, \d+)+\)|\[[0-9a-f:]+\]:\d+"
+                      r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b|\b[\w][\w.-]*:\d{2,5}\b", re.I)
 
 
 def for_clients(text: str) -> str:

@@ -31,7 +31,7 @@ from aiohttp import web
 from engines import watch
 from engines.engine import Engine
 from engines.gate import answer_spec_counts, mean_acceptance_length
-from router.errors import APIError, sse_error
+from router.errors import APIError, for_clients, sse_error
 from router.proxy.relay import ClientStalled, Relay
 from router.proxy.responses import StreamSniffer
 from router.proxy.exchange import ClientGone, Exchange, Unreachable, UpstreamError
@@ -135,7 +135,7 @@ async def _buffered(request: web.Request, exchange: Exchange, engine: Engine, on
         payload = await exchange.body()
     except UpstreamError as exc:
         watch.suspect(engine, f"while answering: {exc}")
-        raise APIError(502, f"engine '{engine.name}' failed while answering: {exc}", "engine_error") from None
+        raise APIError(502, f"engine '{engine.name}' failed while answering: {for_clients(str(exc))}", "engine_error") from None
     request["first_byte_at"] = time.monotonic()
     if numbers and exchange.status < 300:
         _answered(request, engine, payload)
@@ -159,10 +159,10 @@ async def _send(pool: Pool, engine: Engine, data: bytes) -> Exchange:
         return await pool.request(data)
     except Unreachable as exc:
         watch.suspect(engine, f"connect: {exc}")
-        raise APIError(502, f"engine '{engine.name}' is unreachable: {exc}", "engine_unreachable") from None
+        raise APIError(502, f"engine '{engine.name}' is unreachable: {for_clients(str(exc))}", "engine_unreachable") from None
     except UpstreamError as exc:
         watch.suspect(engine, f"before answering: {exc}")
-        raise APIError(502, f"engine '{engine.name}' failed before answering: {exc}", "engine_error") from None
+        raise APIError(502, f"engine '{engine.name}' failed before answering: {for_clients(str(exc))}", "engine_error") from None
 
 
 async def _stream(request: web.Request, exchange: Exchange, engine: Engine, sniffer: Optional[StreamSniffer],
@@ -197,7 +197,7 @@ async def _stream(request: web.Request, exchange: Exchange, engine: Engine, snif
     except UpstreamError as exc:
         # Headers are gone already: the error travels in the stream, where the SDK raises it.
         watch.suspect(engine, f"mid-stream: {exc}")
-        relay.end_with_error(sse_error(f"engine '{engine.name}' failed mid-stream: {exc}", "engine_error", anthropic=anthropic))
+        relay.end_with_error(sse_error(f"engine '{engine.name}' failed mid-stream: {for_clients(str(exc))}", "engine_error", anthropic=anthropic))
     else:
         relay.end()
         if relay.tail and exchange.status < 300:

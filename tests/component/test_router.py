@@ -235,6 +235,8 @@ async def test_an_attached_engine_that_went_away_answers_502(start_router, tmp_p
     status, _, body = await http(router, "POST", "/v1/completions", json={"model": "ext", "prompt": "x"})
     assert status == 502 and body["error"]["code"] == "engine_unreachable", body
     assert "engine 'ext' is unreachable" in body["error"]["message"]
+    assert str(port) not in body["error"]["message"] and "127.0.0.1" not in body["error"]["message"], \
+        "the client is told what failed, not where the engine listens"
 
 
 async def _state(router, name, state) -> bool:
