@@ -115,7 +115,10 @@ class Peers:
                 async for chunk in answer.content.iter_any():
                     first = first or time.monotonic()
                     tail.append(chunk)
-                    await response.write(chunk)
+                    if not await _written(request, response, chunk, queue.stall_timeout_s):
+                        log.warning("a stream passed on to peer %s (node %s, serving '%s') was cut: its client took "
+                                    "nothing for queue.stall_timeout_s=%g s", peer, node, model, queue.stall_timeout_s)
+                        return Passed(response, named, CLIENT_CLOSED, first, b"")
                 await response.write_eof()
                 return Passed(response, named, status, first, b"".join(tail))
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as exc:
@@ -169,6 +172,20 @@ class Peers:
                         "asked_again_in_s": round(health.skip_until - now, 1) if skipped else None,
                         "passed_on": self.passed_on[url], "peer_connections": roster.node.peer_connections})
         return out
+
+
+async def _written(request: web.Request, response: web.StreamResponse, chunk: bytes, stall_s: float) -> bool:
+    """Write one chunk to the client; False (the connection cut) when the write waited `stall_s` for a client
+    that takes nothing. Without it, a client that stops reading would hold its hand-off, and so one of the
+    peer's node.peer_connections, for as long as it keeps the connection open."""
+    try:
+        async with asyncio.timeout(stall_s):
+            await response.write(chunk)
+        return True
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        return False
 
 
 def _passed_on(request: web.Request) -> dict[str, str]:

@@ -203,3 +203,41 @@ async def test_a_key_that_is_not_utf8_is_refused_on_the_hand_off_not_a_crash(sta
     assert raw_post(k, "/v1/messages", b"x-api-key: " + KEY.encode(), message)[0] == 200
     for router in (a, k):
         assert "internal error" not in router.log() and "Traceback" not in router.log()
+
+
+class EndlessPeer(FakePeer):
+    """A peer that streams its answer for ever, as fast as it is taken: the client's pace is all that holds it back."""
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        self.passed_on += 1
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Hotswap-Node": "endless"})
+        await response.prepare(request)
+        event = b"data: " + json.dumps({"choices": [{"index": 0, "text": "x" * 8000}]}).encode() + b"\n\n"
+        while True:
+            await response.write(event)
+
+
+async def test_a_client_that_stops_reading_a_passed_on_stream_is_cut_and_frees_its_place_with_the_peer(start_router, servers):
+    endless = await servers(EndlessPeer({"object": "list", "data": [{"id": "beta", "node": {"name": "endless"}}]}))
+    a = await start_router(roster_dict(sim_model("alpha"), node={"name": "node-a", "peers": [endless.url]},
+                                       queue={"stall_timeout_s": 1}))
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window it offers
+    s.connect(("127.0.0.1", a.port))
+    body = json.dumps({"model": "beta", "prompt": "hi", "stream": True}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: node-a\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # and never reads a byte of the answer
+    try:
+        async def cut() -> dict | None:
+            async with aiohttp.ClientSession() as c, c.get(a.url + "/admin/activity") as r:
+                records = (await r.json())["records"]
+            return records[0] if records else None
+
+        record = await eventually(cut, 30, what="the stalled stream cut and recorded")
+        assert record["peer"] == "endless" and record["status"] == 499, record
+        assert "its client took nothing for queue.stall_timeout_s=1 s" in a.log()
+        async with aiohttp.ClientSession() as c, c.get(a.url + "/admin/status") as r:
+            [peer] = (await r.json())["peers"]
+        assert peer["passed_on"] == 0, peer
+    finally:
+        s.close()
