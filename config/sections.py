@@ -9,6 +9,8 @@ from typing import Annotated, Optional
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from config.secrets import mask_url
+
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
@@ -147,8 +149,9 @@ class Node(Section):
     def _base_urls(cls, peers: list[AnyHttpUrl]) -> list[AnyHttpUrl]:
         seen: set[str] = set()
         for i, url in enumerate(peers):
-            if url.query or url.fragment or url.username:
-                raise ValueError(f"peers[{i}] '{url}' must be a base URL (scheme, host, port, optional path), without query or credentials")
+            if url.query or url.fragment or url.username or url.password:  # a password alone is `http://:pw@host`
+                raise ValueError(f"peers[{i}] '{mask_url(str(url))}' must be a base URL (scheme, host, port, optional path), "
+                                 "without query or credentials")
             base = str(url).rstrip("/")
             if base in seen:
                 raise ValueError(f"peers[{i}] '{base}' is listed twice")

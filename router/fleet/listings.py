@@ -81,7 +81,7 @@ class PeerHealth:
 
     def failed(self, problem: str, now: float) -> None:
         self.failures += 1
-        backoff = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (self.failures - 1))
+        backoff = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** min(self.failures - 1, 16))  # 2 ** 1024 is an OverflowError
         self.skip_until = now + backoff
         if problem != self.problem:  # once per problem, however often it is asked while it lasts
             log.warning("peer %s: %s; it is skipped (asked again after %g s, backing off to %g s while it fails)",

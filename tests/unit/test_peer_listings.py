@@ -56,3 +56,12 @@ def test_a_well_formed_listing_says_which_models_are_awake_and_the_node():
         {"id": "a", "state": "awake", "wake_estimate_s": 0, "node": {"name": "node-b", "labels": {}}, "extra": 1},
         {"id": "b", "state": "sleeping", "wake_estimate_s": 4.5}, {"id": "c"}]}).encode())
     assert listing.models == {"a": (True, 0.0), "b": (False, 4.5), "c": (False, 0.0)} and listing.node == "node-b"
+
+
+def test_a_peer_that_keeps_failing_stays_backed_off_at_the_most_and_never_overflows():
+    from router.fleet.listings import BACKOFF_MAX_S, PeerHealth
+
+    health = PeerHealth("http://10.0.0.9:8080")
+    for _ in range(2000):  # a decommissioned peer left in node.peers, asked for weeks
+        health.failed("did not answer (ServerTimeoutError)", now=100.0)
+    assert health.skipped(100.0 + BACKOFF_MAX_S - 1) and not health.skipped(100.0 + BACKOFF_MAX_S + 1)

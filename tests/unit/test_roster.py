@@ -524,6 +524,9 @@ def test_node_peers_are_base_urls_of_other_nodes():
         "roster.yaml:4:7: node.peers[1]: URL scheme should be 'http' or 'https' (found 'b:8080')"]
     assert errors("node:\n  peers: [http://b:8080, 'http://b:8080/']\nmodels: [{name: a, model: m}]\n") == [
         "roster.yaml:2:10: node.peers: peers[1] 'http://b:8080' is listed twice"]
+    for creds in ("ops:hunter2@", ":hunter2@"):  # a password alone is credentials too, and never shown
+        [error] = errors(f"node:\n  peers: ['http://{creds}b:8080']\nmodels: [{{name: a, model: m}}]\n")
+        assert "without query or credentials" in error and "hunter2" not in error, error
 
 
 def test_an_agent_beyond_loopback_needs_an_agent_key_written_as_an_env_reference(tmp_path: Path):
