@@ -128,9 +128,10 @@ class Walk:
             raise
         except asyncio.CancelledError:
             # aiohttp cancels the handler of a client that disconnects; otherwise it is the router's own
-            # doing (a shutdown that cut what the drain left), and a server error.
+            # doing (a shutdown that cut what the drain left), and a server error. A shutdown closes the
+            # transport before the handler sees its cancellation, so the draining flag decides first.
             transport = self.request.transport
-            if transport is None or transport.is_closing():
+            if not self.router.draining and (transport is None or transport.is_closing()):
                 self.status = CLIENT_CLOSED
             raise
         else:
