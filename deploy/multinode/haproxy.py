@@ -66,9 +66,10 @@ frontend openai
     bind @BIND@
 @ADMIN@    http-request set-var(txn.model) req.body,json_query('$.model')
     # The node names itself (a request it passed on to a peer: the peer); for an older node the server's
-    # name does, without the ":wake" of a backup line (agent_servers), but never on a refusal: a caller
-    # without a key learns no node name (the node gives none there either).
-    http-response set-header X-Hotswap-Node %[srv_name,field(1,:)] unless { res.hdr(X-Hotswap-Node) -m found } || { status 401 403 }
+    # name does, without the ":wake" of a backup line (agent_servers), but never where the node gives
+    # none on purpose: a refusal, and the keyless probes /health and /ready.
+    http-request set-var(txn.probe) bool(1) if { path /health /ready }
+    http-response set-header X-Hotswap-Node %[srv_name,field(1,:)] unless { res.hdr(X-Hotswap-Node) -m found } || { status 401 403 } || { var(txn.probe) -m bool }
 @MODELS@@RULES@    default_backend any_node
 @STATS@"""
 

@@ -103,6 +103,9 @@ async def test_a_refusal_through_the_front_names_no_node_and_an_answer_to_a_key_
             assert r.status == 401 and "X-Hotswap-Node" not in r.headers, dict(r.headers)
         async with s.get(url + "/v1/models", headers={"Authorization": "Bearer client-key"}) as r:
             assert r.status == 200 and r.headers["X-Hotswap-Node"] == "node-a"
+        for probe in ("/health", "/ready"):  # keyless probes: the node names itself to no one there
+            async with s.get(url + probe) as r:
+                assert r.status == 200 and "X-Hotswap-Node" not in r.headers, (probe, dict(r.headers))
 
 
 async def _states(stats: str) -> dict:
