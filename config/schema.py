@@ -39,7 +39,7 @@ from config.argv import (
     no_router_owned_flags,
     split_argv,
 )
-from config.secrets import mask_argv, mask_env, mask_url
+from config.secrets import split_userinfo, mask_argv, mask_env, mask_url
 from config.sections import Activity, ApiKey, Auth, Gpu, Host, Listen, Node, NonEmptyStr, Queue, Section, StepTimeouts, Swap
 
 __all__ = ["Activity", "ApiKey", "Auth", "Gate", "Gpu", "Host", "Listen", "ModelSpec", "Node", "Queue", "Roster", "RosterFile", "Section", "StepTimeouts", "Swap"]
@@ -168,6 +168,9 @@ class ModelSpec(Section):
     def _url_is_http(cls, url: Optional[str]) -> Optional[str]:
         if url is not None and not re.match(r"https?://[^/]+", url):
             raise ValueError("must be an http:// or https:// URL, e.g. http://127.0.0.1:8001")
+        credentials = split_userinfo(url)[1] if url is not None else None
+        if credentials is not None and ":" in credentials[0]:  # Basic auth cannot carry it (RFC 7617)
+            raise ValueError(f"{mask_url(url)}: the user name before '@' may not contain ':' (written %3A)")
         return url
 
     @field_validator("tls_ca_file")

@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import yaml
 
 from config import load_roster
@@ -85,3 +86,18 @@ def test_masking_leaves_short_substituted_values_and_other_flags_alone():
         "--tensor-parallel-size", "2", "--host", "127.0.0.1"]
     assert mask_argv(["--api_key", "k", "--x", "k"]) == ["--api_key", "***", "--x", "k"]  # vLLM's other spelling
     assert mask_argv(["--api-key"]) == ["--api-key"]  # a flag without its value: nothing to hide
+
+
+async def test_any_password_an_engine_url_can_carry_becomes_its_basic_auth_and_a_user_it_cannot_is_refused():
+    import aiohttp
+
+    from config import RosterError, parse_roster
+    from engines.vllm import attached_client
+
+    spec = parse_roster("models: [{name: a, url: 'http://ops:p%E2%82%AC@127.0.0.1:1'}]\n", "r.yaml", {}).models[0]
+    async with aiohttp.ClientSession() as session:  # a non-latin-1 password: the client used to raise here, at start
+        assert attached_client(spec, session).headers == {"Authorization": aiohttp.BasicAuth("ops", "p€", "utf-8").encode()}
+    with pytest.raises(RosterError) as refused:  # Basic auth cannot carry a ':' in the user name: said at check time
+        parse_roster("models: [{name: a, url: 'http://o%3Ap:hunter2@127.0.0.1:1'}]\n", "r.yaml", {})
+    [issue] = [str(i) for i in refused.value.issues]
+    assert "models[0].url" in issue and "may not contain ':'" in issue and "hunter2" not in issue, issue
