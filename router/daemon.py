@@ -102,9 +102,13 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
         app = build_app(router)
         # aiohttp's keep-alive timer is armed when a connection opens and after each answer, and closes the
         # connection if no complete request head has arrived when it fires: that is the header timeout.
+        # shutdown_timeout: what a handler still running after the drain (a request passed on to a peer, which
+        # holds no engine's lease; a straggler the drain did not see) gets before it is cut, instead of aiohttp's
+        # 60 s: the drain already gave every request swap.drain_timeout_s.
         runner = web.AppRunner(app, handler_cancellation=True, access_log=ACCESS_LOG if roster.listen.access_log else None,
                                access_log_class=AccessLog,
-                               keepalive_timeout=roster.listen.client_header_timeout_s)
+                               keepalive_timeout=roster.listen.client_header_timeout_s,
+                               shutdown_timeout=roster.swap.drain_timeout_s)
         await runner.setup()
         site = web.TCPSite(runner, host, port, backlog=BACKLOG)
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 from typing import Any
 
@@ -241,3 +242,19 @@ async def test_a_client_that_stops_reading_a_passed_on_stream_is_cut_and_frees_i
         assert peer["passed_on"] == 0, peer
     finally:
         s.close()
+
+
+async def test_a_sigterm_ends_a_stream_passed_on_to_a_peer_within_the_drain(start_router, servers):
+    """A hand-off holds no engine's lease, so the drain does not wait for it; the shutdown still ends it, within
+    swap.drain_timeout_s, rather than after aiohttp's own 60 s."""
+    endless = await servers(EndlessPeer({"object": "list", "data": [{"id": "beta", "node": {"name": "endless"}}]}))
+    a = await start_router(roster_dict(sim_model("alpha"), node={"name": "node-a", "peers": [endless.url]},
+                                       swap={"drain_timeout_s": 1}))
+    async with aiohttp.ClientSession() as c:
+        async with c.post(a.url + "/v1/completions", json={"model": "beta", "prompt": "hi", "stream": True}) as r:
+            assert r.status == 200 and await r.content.read(1024)  # the peer's stream is flowing
+            a.proc.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(a.proc.wait, 20) == 0, a.log()
+            with pytest.raises(aiohttp.ClientError):
+                while await r.content.read(65536):  # the router is gone: so is the stream
+                    pass
