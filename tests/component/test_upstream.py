@@ -464,3 +464,36 @@ async def test_an_engine_that_leaves_the_roster_or_restarts_from_a_changed_entry
             await router.placement._respec(engine)
         await asyncio.wait_for(script.closed_by_peer.wait(), 5)
     script.close()
+
+
+async def test_an_answered_request_leaves_no_reference_cycle_for_the_garbage_collector():
+    # One cycle per request (the parser holds the exchange's callbacks) cost a busy router more CPU in
+    # collections than its activity log and metrics together (bench/peers.py): freed by refcount instead.
+    import gc
+
+    from router.proxy.exchange import Exchange
+
+    async def answer(n, reader, writer):
+        writer.write(ANSWER)
+        await writer.drain()
+        return True
+
+    script, pool = await scripted(answer)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(20):
+            exchange = await pool.request(REQUEST)
+            assert await exchange.body() == b'{"a":1}'
+            exchange.end()
+        del exchange
+        gc.collect()
+        left = [o for o in gc.garbage if isinstance(o, Exchange)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+        pool.close()
+        script.close()
+    assert left == []
