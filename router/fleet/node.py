@@ -27,8 +27,13 @@ def names_its_answers(roster_of: Callable[[], Roster]):
     gave it, unless a peer's answer relayed through this node already does (a front passes the header on, so a
     client can tell where it was served). A caller without a key (a 401, a probe) learns no node name."""
 
+    named: list = [None, ""]  # the roster the name was read from, and the name: read once per roster, not per answer
+
     async def stamp(request, response) -> None:
         if known_caller(request):
-            response.headers.setdefault(NODE_HEADER, card(roster_of())["name"])
+            roster = roster_of()
+            if roster is not named[0]:
+                named[:] = [roster, card(roster)["name"]]
+            response.headers.setdefault(NODE_HEADER, named[1])
 
     return stamp
