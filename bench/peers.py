@@ -444,9 +444,11 @@ def main(argv: list[str]) -> int:
             targets.append(t)
         print(f"bench: ready after {time.monotonic() - t0:.1f} s: {', '.join(t.name for t in targets)}", flush=True)
         idle = h.idle_cpu(targets, args.idle_seconds)
+        # A mode's phases run back to back, the targets' order reversed every other rep: the machine's
+        # speed drifts over seconds (other tenants, clocks), and pairs measured apart would carry it.
         for rep in range(1, args.reps + 1):
-            for t in targets:
-                for mode in modes:
+            for mode in modes:
+                for t in (targets if rep % 2 else targets[::-1]):
                     phases.append(h.run_phase(procs, t, mode, rep, args, tmp))
         text = report(phases, targets, unavailable, idle, versions, args, h.command_line(), started, time.monotonic() - t0, load_start)
         run.publish(text, SECTION)
