@@ -9,6 +9,7 @@ is answered exactly as a model that does not exist, so a key learns nothing of t
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
@@ -29,7 +30,7 @@ class Grant:
     metrics: bool = False  # may read /metrics (an admin key may too)
 
     def may_use(self, names: Iterable[str]) -> bool:
-        return any(fnmatch.fnmatchcase(name, glob) for name in names for glob in self.models)
+        return _matches(self.models, tuple(names))
 
     def allows(self, engine: Engine, name: str) -> bool:
         """Whether this key may use `engine` for a request that names it `name`: the one scope check
@@ -37,6 +38,11 @@ class Grant:
         names or aliases opens everything it serves; a key scoped to a LoRA adapter (or another name
         the engine serves besides its roster names) opens that name only."""
         return self.may_use(engine.spec.names) or (name in engine.other_names and self.may_use([name]))
+
+
+@functools.lru_cache(maxsize=4096)  # asked on every proxied request, of a few roster names and globs
+def _matches(globs: tuple[str, ...], names: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, glob) for name in names for glob in globs)
 
 
 EVERYTHING = Grant("", ("*",))  # no client auth configured: every model, for anyone
