@@ -92,6 +92,9 @@ class Walk:
     """One proxied request on its way: each step below is one stage of it, and `ends` records how
     it ended (router.metrics, and the activity log the Router was handed)."""
 
+    __slots__ = ("request", "router", "endpoint", "started", "asked", "stream", "body", "raw", "form", "engine", "peer", "name",
+                 "not_here", "lease", "queued_s", "status")
+
     def __init__(self, request: web.Request, endpoint: str):
         self.request = request
         self.router: Router = request.app[ROUTER_KEY]
