@@ -1,0 +1,83 @@
+"""The shipped ServeGen trace (bench/traces/servegen-d1-7.jsonl, issue 32 part 4) has the shape the
+wake-latency bench reads, and was drawn from days 1-7 only: days 8-14 are kept for an independent check."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+TRACES = Path(__file__).parents[2] / "bench" / "traces"
+TRACE = TRACES / "servegen-d1-7.jsonl"
+MODELS = {"llama-70b": "chat", "qwen-32b": "chat", "mixtral-8x7b": "chat", "gemma-27b": "chat", "llama-13b": "chat",
+          "mistral-7b": "chat", "llama-8b": "chat", "qwen-7b": "chat", "phi-3-mini": "chat", "bge-large": "embeddings"}
+FIELDS = {"t", "client", "model", "kind", "prompt_tokens", "output_tokens"}
+DAY_S = 86400
+
+
+@pytest.fixture(scope="module")
+def trace():
+    lines = TRACE.read_text().splitlines()
+    return json.loads(lines[0])["header"], [json.loads(line) for line in lines[1:]]
+
+
+def test_the_trace_is_small_and_of_the_size_asked(trace):
+    header, requests = trace
+    assert TRACE.stat().st_size < 1_000_000
+    assert header["requests"] == len(requests) and 1000 <= len(requests) <= 3000
+    assert 600 <= header["stretch"]["seconds"] <= 1200
+    assert len({r["client"] for r in requests}) == len(header["clients"]) >= 12
+
+
+def test_every_request_has_every_field_and_sane_values(trace):
+    header, requests = trace
+    clients = {c["id"]: c for c in header["clients"]}
+    for r in requests:
+        assert set(r) == FIELDS, r
+        assert isinstance(r["t"], float) and 0 <= r["t"] < header["stretch"]["seconds"] and round(r["t"], 3) == r["t"], r
+        assert r["model"] in MODELS and r["kind"] == MODELS[r["model"]], r
+        assert r["client"] in clients and clients[r["client"]]["model"] == r["model"], "a client sends to one model"
+        assert isinstance(r["prompt_tokens"], int) and isinstance(r["output_tokens"], int), r
+        assert r["prompt_tokens"] >= 1, r
+        if r["kind"] == "embeddings":
+            assert r["output_tokens"] == 0 and r["prompt_tokens"] <= 512, r
+        else:
+            assert r["output_tokens"] >= 1, r
+
+
+def test_arrivals_are_sorted(trace):
+    _, requests = trace
+    ts = [r["t"] for r in requests]
+    assert ts == sorted(ts)
+
+
+def test_only_the_ten_models_each_one_used_and_popularity_is_skewed_with_the_70b_popular(trace):
+    header, requests = trace
+    assert {m["name"]: m["kind"] for m in header["models"]} == MODELS
+    counts = {m: sum(r["model"] == m for r in requests) for m in MODELS}
+    assert all(counts.values()), counts
+    ranked = sorted(counts, key=counts.get, reverse=True)
+    assert counts[ranked[0]] >= 5 * counts[ranked[-1]], counts
+    assert "llama-70b" in ranked[:3], ranked
+
+
+def test_it_used_days_1_to_7_only(trace):
+    header, _ = trace
+    lo, hi = header["days"]
+    assert 1 <= lo <= hi <= 7 and not header["allow_outside_days"]
+    stretch = header["stretch"]
+    assert (lo - 1) * DAY_S <= stretch["start_s"] < stretch["end_s"] <= hi * DAY_S
+    assert stretch["end_s"] - stretch["start_s"] == stretch["seconds"]
+    for c in header["clients"]:
+        assert (lo - 1) * DAY_S <= c["length_slot_s"] <= stretch["start_s"], c["id"]
+        for w in c["windows"]:
+            assert stretch["start_s"] <= w["start_s"] < stretch["end_s"] and w["pattern"] in ("Gamma", "Weibull"), c["id"]
+
+
+def test_the_readme_records_the_stretch_the_commit_and_the_command(trace):
+    header, _ = trace
+    readme = (TRACES / "README.md").read_text()
+    stretch = header["stretch"]
+    assert f"{stretch['start_s']}–{stretch['end_s']} s" in readme
+    assert header["commit"] in readme and "Apache-2.0" in readme and "days 8–14" in readme
+    assert header["command"] in readme
+    assert f"{header['requests']} requests" in readme
