@@ -26,8 +26,9 @@ The load generator is bench/harness.py's (a separate aiohttp process, C keep-ali
 a fixed count bounded by a deadline). For each target and mode (non-stream `/v1/completions`
 max_tokens 16; a 64-chunk stream) CPU is utime+stime from /proc of the proxy's whole process tree
 (nginx master + worker, LiteLLM's uvicorn and anything it forks; the upstream sim is never part of
-it), summed around the measured window; RSS is the tree's VmRSS sum after each phase. Targets run
-interleaved, `--reps` times, so the spread between repetitions shows the noise. Everything is on
+it), summed around the measured window; RSS is the tree's VmRSS sum after each phase. A mode's phases
+run back to back, the targets in reverse order every other rep, `--reps` times, so the spread between
+repetitions shows the noise. Everything is on
 loopback, every phase is capped in time, and every process started here is stopped on exit,
 Ctrl-C or SIGTERM.
 
