@@ -87,6 +87,10 @@ class ActivityLog:
         if not self.enabled:
             return
         asked = model[:MAX_MODEL_CHARS] if isinstance(model, str) else None
+        if asked is not None and not asked.isascii():
+            # A JSON body may carry a lone surrogate ("\ud800"), which is no UTF-8 text: as a '?', it cannot
+            # fail the file's batch (every row of it is dropped) on its way to SQLite.
+            asked = asked.encode("utf-8", "replace").decode("utf-8")
         record = Record(time.time(), key_name or None, asked, engine, endpoint, status, found_awake, queue_wait_s, swap_id,
                         ttfb_s, duration_s, prompt_tokens, completion_tokens, mean_acceptance_length, peer)
         self.ring.append(record)

@@ -111,3 +111,31 @@ def test_a_file_written_before_the_peer_column_gains_it_and_keeps_its_rows(tmp_p
                      completion_tokens=None, mean_acceptance_length=None)
     log.close()
     assert [r.peer for r in ActivityLog(Activity(ring=10, path=str(path))).query()] == ["node-b", None]
+
+
+def test_a_record_reads_back_from_the_file_exactly_as_it_was_written(tmp_path):
+    from router.admin.activity import FIELDS, Record, _from_row
+    from router.admin.activity_file import ActivityFile
+
+    path = tmp_path / "activity.db"
+    written = [Record(1796179092.2620955, 'k"ey ☃', "m'odel\n", None, "chat", 200, True, 0.1234567890123, 7, None, 1e-9, 5, 16,
+                      2.3456, "peer-a"),
+               Record(1796179093.5, None, None, "e", "completions", 499, False, None, None, 0.5, 3.0, None, None, None, None)]
+    file = ActivityFile(str(path), 100, FIELDS)
+    for record in written:
+        file.put(record)
+    file.close()
+    assert [_from_row(row) for row in ActivityFile(str(path), 100, FIELDS).last(10)] == written
+
+
+def test_a_model_name_that_is_no_utf8_text_is_kept_with_a_replacement_and_loses_no_row(tmp_path):
+    path = tmp_path / "activity.db"
+    log = ActivityLog(Activity(path=str(path)))
+    for model in ("bad\ud800x", "fine"):
+        log.request_done(key_name="k", model=model, engine=None, peer=None, endpoint="chat", status=404, found_awake=None,
+                         swap_id=None, queue_wait_s=None, ttfb_s=None, duration_s=0.1, prompt_tokens=None, completion_tokens=None,
+                         mean_acceptance_length=None)
+    log.close()
+    again = ActivityLog(Activity(path=str(path)))
+    assert [r.model for r in again.query()] == ["fine", "bad?x"]
+    again.close()
