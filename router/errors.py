@@ -56,6 +56,9 @@ _ANTHROPIC_TYPES = {
 }
 
 ANTHROPIC_PREFIX = "/v1/messages"
+# nginx's "client closed request": how the metrics and the activity log record a request whose client left
+# before its answer was complete, so that a disconnect is never counted as a server error.
+CLIENT_CLOSED = 499
 
 
 def anthropic_path(path: str) -> bool:

@@ -36,7 +36,7 @@ import aiohttp
 from aiohttp import web
 
 from config.schema import Roster
-from router.errors import APIError, anthropic_path, sse_error
+from router.errors import CLIENT_CLOSED, APIError, anthropic_path, sse_error
 from router.fleet.listings import Listings
 from router.fleet.node import NODE_HEADER, card
 
@@ -50,7 +50,6 @@ ANSWER_HEADERS = ("Content-Type", "Retry-After", NODE_HEADER, "Cache-Control", "
 CONNECT_S = 5.0
 BUSY_RETRY_AFTER_S = 1.0
 TAIL_CHUNKS = 16  # a stream's last chunks kept for its record: where the usage event is
-CLIENT_CLOSED = 499  # nginx's "client closed request", as the proxy records it
 log = logging.getLogger("hotswap")
 
 

@@ -26,7 +26,7 @@ from engines.engine import Engine
 from router.proxy import keepalive, multipart, routes
 from router.auth import grant_of
 from router.fleet import PEERS_KEY
-from router.errors import APIError, sse_error
+from router.errors import CLIENT_CLOSED, APIError, sse_error
 from router.keys import Grant
 from router.live import ROUTED_MODEL, ROUTER_KEY, Router
 from router.metrics import UNKNOWN_MODEL
@@ -37,7 +37,6 @@ from router.scheduling import Lease
 
 RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
-CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before its answer was complete
 
 
 def max_wait(request: web.Request) -> Optional[float]:
