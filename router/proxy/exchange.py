@@ -175,21 +175,8 @@ class Exchange:
     # -- from the connection ---------------------------------------------------------------------
 
     def received(self, data: bytes) -> None:
-        self._rx = self.loop.time()
-        relay = self._relay
-        if relay is not None and not self.complete and self._body_left is None and data[0] > 13 and data.find(END_OF_HEAD) == -1:
-            # Most of a stream's blocks: the head is long done, and the cheapest checks say the answer cannot end here.
-            try:
-                self.parser.feed_data(data)
-            except httptools.HttpParserError as exc:
-                self._fail(UpstreamError(f"malformed HTTP answer: {exc}"))
-                return
-            self._tail = data if len(data) >= 3 else self._tail[-3:] + data
-            if self.first_body_at is None:
-                self.first_body_at = time.monotonic()
-            self._to_relay(relay, data, self._boundary and data.endswith(b"\r\n"))
-            return
         self.got_bytes = True
+        self._rx = self.loop.time()
         if self.complete:  # bytes after a complete answer: the engine broke the protocol
             self._after_answer(len(data))
             return
@@ -221,30 +208,28 @@ class Exchange:
             self._head_buf = b""
         if data and self.first_body_at is None:
             self.first_body_at = time.monotonic()
+        relay = self._relay
         if relay is None:
             if self.stream:  # held until the handler has sent the client its head (one loop turn)
                 self._raw.append(data)
                 if sum(map(len, self._raw)) > PENDING_MAX and self.conn.transport is not None:
                     self.conn.transport.pause_reading()
                     self._paused = True
-        elif not self._to_relay(relay, data, self._boundary and (self.complete or data.endswith(b"\r\n"))):
-            return
+        else:
+            at_boundary = self._boundary and (self.complete or data.endswith(b"\r\n"))
+            if not relay.forward(data, self._pieces, at_boundary):
+                self._fail(ClientGone("the client went away"))
+                return
+            self._pieces.clear()
+            transport = self.conn.transport
+            if relay.congested() and transport is not None:
+                transport.pause_reading()
+                self._paused = True
+                self._wake()
         if self.complete:
             if self.trailing:
                 self.conn.abort()  # nothing more is read from it, and it never goes back to the pool
             self._finish()
-
-    def _to_relay(self, relay: Relay, data: bytes, at_boundary: bool) -> bool:
-        """A received block to the client; False when the client is gone (the exchange failed)."""
-        if not relay.forward(data, self._pieces, at_boundary):
-            self._fail(ClientGone("the client went away"))
-            return False
-        self._pieces.clear()
-        if relay.congested() and self.conn.transport is not None:
-            self.conn.transport.pause_reading()
-            self._paused = True
-            self._wake()
-        return True
 
     def _parse_up_to_end(self, data: bytes) -> int:
         """Feed `data` to the parser in pieces cut wherever the answer may end, up to the piece
