@@ -110,7 +110,7 @@ async def read_json(request: web.Request, listen: Listen) -> tuple[dict[str, Any
     stream = BodyStream(request, listen)
     stream.check_declared(request)
     raw = stream.arrived()
-    if not request.content.at_eof():
+    if not stream.at_eof():
         chunks = [raw]
         while chunk := await stream.readany():
             chunks.append(chunk)
