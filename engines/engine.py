@@ -23,28 +23,16 @@ from engines import handshake, wake
 from engines.gate import GateRecord, Verdict
 from engines.leases import Leases
 from engines.memory import HostMemory
-from engines.process import EngineProcess, free_port, log_file
+from engines.observer import Observer
+from engines.process import EngineProcess, free_port, loads_extension, log_file
 from engines.progress import ROSTER, Progress
+from engines.stage import Stager
 from engines.states import TRANSITIONS, EngineFailed, State
 from engines.vllm import EngineError, EngineRefused, VLLMClient, attached_client
 
 __all__ = ["Engine", "EngineFailed", "Observer", "State", "TRANSITIONS"]
 
 log = logging.getLogger("hotswap")
-
-
-class Observer:
-    """Receives what an engine does (the router's metrics and logs implement this)."""
-
-    def state_changed(self, engine: Engine, old: State, new: State) -> None: ...
-
-    def step_done(self, engine: Engine, phase: str, seconds: float, ok: bool) -> None: ...
-
-    def verdict(self, engine: Engine, verdict: Verdict) -> None: ...
-
-    def restarted(self, engine: Engine, reason: str) -> None: ...
-
-    def midlife_collapse(self, engine: Engine, observed_mal: float, reason: str) -> None: ...
 
 
 class Engine:
@@ -79,6 +67,7 @@ class Engine:
         self._watch: Optional[asyncio.Task[None]] = None
         self.probe: Optional[asyncio.Task[None]] = None  # engines.watch's health probe, one at a time
         self.host = HostMemory(spec)  # what it holds in host RAM for sleep (engines.memory.host)
+        self.stager = Stager(spec.name, loads_extension(spec))  # its checkpoint into the page cache (engines.stage)
 
     # -- what the router reads -----------------------------------------------------------
 
@@ -104,8 +93,11 @@ class Engine:
     @property
     def phases(self) -> list[str]:
         """The steps this engine's sleep and wake go through (for metrics that must exist up front)."""
-        phases = [p for level in self.sleep_levels for p in wake.phases(level, self.spec.draft_restore)]
+        phases = [p for level in self.sleep_levels for p in self.wake_phases(level)]
         return ["sleep", *dict.fromkeys(phases), "gate"]
+
+    def wake_phases(self, level: int) -> list[str]:
+        return wake.phases(level, self.spec.draft_restore, self.stager.enabled)
 
     @property
     def sleep_levels(self) -> tuple[int, ...]:
@@ -323,8 +315,24 @@ class Engine:
             raise self.fail(f"gate refused promotion: {verdict.reason}")
 
     async def _wake_steps(self, level: int) -> None:
-        for step in wake.steps(level, self.spec.draft_restore):
-            await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
+        for step in wake.steps(level, self.spec.draft_restore, self.stager.enabled):
+            if step.fatal:
+                await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
+            else:
+                await self._stage()
+        if level == 2:
+            self.stager.reloaded()
+
+    async def _stage(self) -> None:
+        """The stage step: timed and reported like a step, but whatever happens the wake goes on (engines.stage)."""
+        started, self.progress.step = time.monotonic(), "stage"
+        self._no_step.clear()  # a death meanwhile is reported by the next step, naming it
+        try:
+            ok = await self.stager.step(self.client, self.swap.timeouts.stage)
+        finally:
+            self._no_step.set()
+            self.progress.step = None
+        self._step_done("stage", started, ok)
 
     async def demote(self) -> None:
         """Level 1 -> Level 2 without serving, to give host RAM back: vLLM can only drop the host copy
@@ -359,6 +367,7 @@ class Engine:
 
     async def stop(self) -> None:
         self._stopping = True
+        self.stager.forget()
         if self.state is not State.COLD:
             self._enter(State.COLD)  # first: no lease may be handed out to a process that is going away
         if self.process is not None:

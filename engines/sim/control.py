@@ -42,6 +42,7 @@ STEPS = (
     "boot",
     "sleep",
     "wake",
+    "stage",
     "wake_weights",
     "wake_kv_cache",
     "reload_weights",
