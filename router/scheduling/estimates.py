@@ -5,6 +5,11 @@ Wake times are an EWMA of the recent wakes of that model at that sleep level; un
 has been measured, the model's cold boot stands in for it (an upper bound: a wake never
 reloads more than a boot does). Demand is an exponentially decayed request rate, so both
 frequency and recency count: a burst a minute ago weighs more than the same burst an hour ago.
+
+A Level-2 wake whose checkpoint was staged (in the page cache before the wake began: engines.stage)
+is kept apart from one that read the disk, and the reload's seconds per GB are kept host-wide, from
+the page cache and from the disk: a model never woken staged is priced from what its own unstaged
+wakes cost without their reload, plus its checkpoint at the page cache's measured rate.
 """
 
 from __future__ import annotations
@@ -18,23 +23,36 @@ UNKNOWN_S = 30.0  # a model never booted yet (only before its first boot is meas
 
 
 class WakeCosts:
-    def __init__(self) -> None:
+    def __init__(self, weights: Optional[dict[str, Optional[float]]] = None) -> None:
         self.boot: dict[str, float] = {}
-        self.wake: dict[tuple[str, int], float] = {}
+        self.wake: dict[tuple[str, int], float] = {}  # Level 2: the wakes that did not find their checkpoint staged
         self.sleep: dict[str, float] = {}
-        self.level1_prior: dict[str, float] = {}  # a Level-2 wake without its reloads from disk
+        self.level1_prior: dict[str, float] = {}  # a Level-2 wake without its reloads (and its stage)
+        self.staged_wake: dict[str, float] = {}  # Level-2 wakes that found their checkpoint staged
+        self.reload_s_per_gb: dict[bool, float] = {}  # host-wide, by whether the reload read the page cache
+        self.weights = weights if weights is not None else {}  # GB per model (the scheduler's, kept current)
 
     def observe_boot(self, name: str, seconds: float) -> None:
         self.boot[name] = _ewma(self.boot.get(name), seconds)
 
-    def observe_wake(self, name: str, level: int, seconds: float, reload_s: float = 0.0) -> None:
+    def observe_wake(self, name: str, level: int, seconds: float, reload_s: float = 0.0, *, stage_s: float = 0.0,
+                     staged: bool = False, cached: Optional[bool] = None) -> None:
         """`reload_s`: the part of a Level-2 wake spent reloading weights from disk. Without it the
         wake is what a Level-1 wake would be, the estimate until one is measured: falling back to
         the boot instead would price Level 1 above Level 2 wherever a boot is the slower of the two
-        (always, on a GPU), so no engine would ever be parked at Level 1 to be measured there."""
-        self.wake[(name, level)] = _ewma(self.wake.get((name, level)), seconds)
+        (always, on a GPU), so no engine would ever be parked at Level 1 to be measured there.
+        `stage_s`: its stage step; `staged`: the stage found the checkpoint already resident;
+        `cached`: the reload read the page cache (a stage completed before it), False the disk,
+        None unknown (no stage ran: not counted in either rate)."""
+        if level == 2 and staged:
+            self.staged_wake[name] = _ewma(self.staged_wake.get(name), seconds)
+        else:
+            self.wake[(name, level)] = _ewma(self.wake.get((name, level)), seconds)
         if level == 2 and reload_s > 0:
-            self.level1_prior[name] = _ewma(self.level1_prior.get(name), max(seconds - reload_s, 0.0))
+            self.level1_prior[name] = _ewma(self.level1_prior.get(name), max(seconds - reload_s - stage_s, 0.0))
+            gb = self.weights.get(name)
+            if gb and cached is not None:
+                self.reload_s_per_gb[cached] = _ewma(self.reload_s_per_gb.get(cached), reload_s / gb)
 
     def observe_sleep(self, name: str, seconds: float) -> None:
         self.sleep[name] = _ewma(self.sleep.get(name), seconds)
@@ -43,18 +61,31 @@ class WakeCosts:
         self.boot.pop(name, None)
         self.sleep.pop(name, None)
         self.level1_prior.pop(name, None)
+        self.staged_wake.pop(name, None)
         self.wake = {key: s for key, s in self.wake.items() if key[0] != name}
 
     def boot_s(self, name: str) -> float:
         return self.boot.get(name, UNKNOWN_S)
 
-    def wake_s(self, name: str, level: Optional[int]) -> float:
-        """Predicted seconds to wake `name` from `level` (None: from cold, a boot)."""
+    def wake_s(self, name: str, level: Optional[int], staged: bool = False) -> float:
+        """Predicted seconds to wake `name` from `level` (None: from cold, a boot); `staged`: at Level 2,
+        with its checkpoint in the page cache."""
         if level is None:
             return self.boot_s(name)
         if level == 1 and (name, 1) not in self.wake and name in self.level1_prior:
             return self.level1_prior[name]
-        return self.wake.get((name, level), self.boot_s(name))
+        unstaged = self.wake.get((name, level), self.boot_s(name))
+        if level == 2 and staged:
+            return min(self.staged_s(name) or unstaged, unstaged)
+        return unstaged
+
+    def staged_s(self, name: str) -> Optional[float]:
+        """A staged Level-2 wake: as measured, else its wake without the reload plus the checkpoint at the
+        page cache's measured rate; None while neither is known."""
+        if name in self.staged_wake:
+            return self.staged_wake[name]
+        rate, gb, rest = self.reload_s_per_gb.get(True), self.weights.get(name), self.level1_prior.get(name)
+        return None if rate is None or not gb or rest is None else rest + gb * rate
 
     def sleep_s(self, name: str) -> float:
         return self.sleep.get(name, 1.0)
