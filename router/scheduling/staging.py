@@ -49,10 +49,16 @@ class Staging(SchedulerState):
             task.add_done_callback(lambda _: self.poke())
 
     def _stage_targets(self) -> None:
-        for name in self.making_room:
+        """Once per room made (a failed stage is not retried in a loop: the wake's own stage tries again)."""
+        for name, (_, since) in self.making_room.items():
             engine = next((e for e in self.engines if e.name == name), None)
-            if engine is not None and self._stageable(engine) and not engine.stager.staged:
+            if engine is None or self.staged_for.get(name) == since or not self._stageable(engine):
+                continue
+            self.staged_for[name] = since
+            if not engine.stager.staged:
                 self._begin(engine, "room")
+        for name in [n for n in self.staged_for if n not in self.making_room]:
+            del self.staged_for[name]
 
     def _stage_likeliest(self, now: float) -> None:
         budget = self.capacity.page_cache_gb

@@ -88,6 +88,7 @@ class SchedulerState:
         self.parking_level: dict[str, int] = {}  # engine being parked -> the level it goes to
         self.making_room: dict[str, tuple[list[str], float]] = {}  # target -> (victims being moved, since)
         self.handled: set[str] = set()  # FAILED engines whose failure has been counted and stopped
+        self.staged_for: dict[str, float] = {}  # target -> the making_room it was staged for (staging.py: once each)
         self.pending_restart: dict[str, str] = {}  # engine -> reason, for its next wake
         self.residuals: dict[str, dict[int, float]] = {}  # measured per engine and device, GB
         self.host_why: dict[str, Optional[str]] = {}  # engine -> why its last park was not at Level 1 (numbers)

@@ -162,3 +162,23 @@ async def test_the_scheduler_predicts_a_staged_targets_wake_from_the_staged_esti
     s.stage_ahead(clock.now)
     await settle(b)
     assert s.costs.wake_s("b", 2, staged=s.is_staged(b)) == pytest.approx(3.0)
+
+
+async def test_a_failed_stage_for_a_target_is_not_retried_while_its_room_is_made_but_is_for_the_next_room(clock):
+    a = awake("a", clock)
+    b = stages(FakeEngine("b"), {"files": 0, "bytes": 0, "read_bytes": 0, "seconds": 0.0, "resident_before": 1.0,
+                                 "reason": "no weight files"})
+    s = scheduler(a, b, clock=clock)
+    s.making_room["b"] = (["a"], clock.now)
+    s.stage_ahead(clock.now)
+    await settle(b)
+    for _ in range(3):  # the loop goes round while a drains and sleeps: the stage's end pokes it
+        s.stage_ahead(clock.now)
+    assert b.client.calls == 1, "the wake's own stage step is the retry"
+    del s.making_room["b"]
+    s.stage_ahead(clock.now)
+    clock.now += 60
+    s.making_room["b"] = (["a"], clock.now)
+    s.stage_ahead(clock.now)
+    await settle(b)
+    assert b.client.calls == 2
