@@ -71,7 +71,9 @@ async def test_a_staged_wake_reloads_from_the_page_cache_and_a_failed_stage_neve
     metrics = {(s.name, s.labels.get("model"), s.labels.get("phase")): s.value
                for f in text_string_to_metric_families(get(router.url + "/metrics")) for s in f.samples}
     assert metrics[("hotswap_swap_phase_duration_seconds_count", "b", "stage")] == 2
-    assert metrics[("hotswap_swap_phase_failures_total", "b", "stage")] == 1, "the failed stage is counted, the wake is not"
+    assert metrics[("hotswap_stage_failures_total", "b", None)] == 1, "the failed stage is counted"
+    assert ("hotswap_swap_phase_failures_total", "b", "stage") not in metrics, "apart from the failed steps, which page"
+    assert not any(v for (name, model, _), v in metrics.items() if name == "hotswap_swap_phase_failures_total" and model == "b")
 
 
 def drop_page_cache(tmp_path: Path) -> None:
