@@ -74,6 +74,10 @@ class WakeCosts:
             return self.boot_s(name)
         if level == 1 and (name, 1) not in self.wake and name in self.level1_prior:
             return self.level1_prior[name]
+        if level == 2 and (name, 2) not in self.wake and name in self.staged_wake:
+            # Only staged wakes measured (every room made so far staged it in time): the best known number
+            # of this model's Level-2 wake, nearer than its boot (the disk's extra is not known).
+            return self.staged_wake[name]
         unstaged = self.wake.get((name, level), self.boot_s(name))
         if level == 2 and staged:
             return min(self.staged_s(name) or unstaged, unstaged)

@@ -182,3 +182,10 @@ async def test_a_failed_stage_for_a_target_is_not_retried_while_its_room_is_made
     s.stage_ahead(clock.now)
     await settle(b)
     assert b.client.calls == 2
+
+
+def test_a_model_only_ever_woken_staged_is_predicted_from_that_not_from_its_boot():
+    costs = WakeCosts({"m": 4.0})
+    costs.observe_boot("m", 40.0)
+    costs.observe_wake("m", 2, 3.0, reload_s=1.0, staged=True, cached=True)
+    assert costs.wake_s("m", 2) == pytest.approx(3.0), "every room made for it staged it in time"
