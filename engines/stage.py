@@ -47,7 +47,7 @@ class Stager:
     @property
     def staged(self) -> bool:
         """Its checkpoint was read into the page cache since its last reload (as far as the router
-        knows: the kernel may have evicted pages since; the scheduler's budget models that)."""
+        knows: the kernel may have evicted pages since, which the wake's own stage then sees)."""
         return self.done_at is not None
 
     def begin(self, client: Optional[VLLMClient], timeout: float, why: str) -> Optional[asyncio.Task[Optional[dict[str, Any]]]]:

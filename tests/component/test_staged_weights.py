@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import ask, client, roster_dict, sim_model
+from tests.support import ask, client, eventually, roster_dict, sim_model
 
 DISK = ("--sim-disk-gb-per-s", "2", "--sim-weights-gb", "2")  # a cold reload: 1 s; from the page cache: 0.33 s
 COLD_S = 1.0
@@ -78,3 +78,26 @@ async def test_a_staged_wake_reloads_from_the_page_cache_and_a_failed_stage_neve
 
 def drop_page_cache(tmp_path: Path) -> None:
     (tmp_path / "page-cache.json").write_text(json.dumps({"resident": {}}))
+
+
+async def test_within_the_page_cache_budget_a_parked_model_is_staged_ahead_of_its_next_request(start_router, tmp_path):
+    # One 2 GB checkpoint fits the host's page cache: waking a pushes b's pages out. b was asked for,
+    # so once a is awake the router stages b again in the background, within host.page_cache_budget_gb.
+    cache = {"HOTSWAP_SIM_PAGE_CACHE": str(tmp_path / "page-cache.json"), "HOTSWAP_SIM_PAGE_CACHE_GB": "2.5"}
+    models = [sim_model(n, default=n == "a", sleep_level=2, weights_gb=2, env=cache,
+                        args=("--gpu-memory-utilization", "0.6", *DISK)) for n in ("a", "b")]
+    router = await start_router(roster_dict(*models, host={"page_cache_budget_gb": 4}))
+    c = client(router)
+    assert await ask(c, "b") and await ask(c, "a")
+    b = await router.engine("b")
+    sim = f"http://127.0.0.1:{b['port']}"
+
+    def staged_ahead() -> bool:
+        return "engine b: staged 1 files, 2.00 GB (2.00 GB read, 0% resident before)" in router.log() \
+            and json.loads(get(sim + "/sim/state"))["disk"]["resident"] and "(ahead)" in router.log()
+
+    await eventually(staged_ahead, timeout=10, what="b staged in the background")
+    assert await ask(c, "b")
+    swap = (await router.status())["last_swap"]
+    assert swap["to"] == "b" and swap["phases"]["reload_weights"] < COLD_S / 2, swap["phases"]
+    assert swap["phases"]["stage"] < COLD_S / 2, "the wake's stage only looked: the pages were there"
