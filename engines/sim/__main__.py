@@ -23,7 +23,7 @@ from .control import FAULT_KINDS, STEPS, Control, Fault, InjectedFault
 from .boot_failure import memory_check_failure, print_boot_failure
 from .host_memory import HostModel
 from .memory import DEFAULT_RESIDUAL_GB, DEFAULT_SHARE, EngineMemory, Ledger, OutOfMemory, parse_devices
-from .page_cache import DEFAULT_PAGE_CACHE_GB_S, DiskModel, PageCache
+from .page_cache import DEFAULT_PAGE_CACHE_GB_S, DiskModel
 
 log = logging.getLogger("vllm.sim")
 uvicorn_log = logging.getLogger("uvicorn")
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "N bytes per GB of weights, each tensor rounded up to a power of two, kept after the wake until "
                    "hotswap_empty_host_cache (engines/sim/host_memory.py); 1e9 is real size. Unset: not modelled")
     s.add_argument("--sim-weights-gb", type=float, default=None, metavar="GB",
-                   help="the weights' size for --sim-host-bytes-per-gb; unset: the weight files in MODEL, a local directory")
+                   help="the weights' size for --sim-host-bytes-per-gb and --sim-disk-gb-per-s; unset: the weight files in MODEL, a local directory")
     s.add_argument("--sim-disk-gb-per-s", type=float, default=None, metavar="GB_S",
                    help="model the disk and the page cache a Level-2 reload reads: a cold read of the weights "
                    "(--sim-weights-gb) at GB_S, a resident one at --sim-page-cache-gb-per-s; hotswap_stage_weights "
@@ -228,17 +228,10 @@ def disk_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Dis
     """The disk and page cache of a Level-2 reload (page_cache.py), when --sim-disk-gb-per-s asks for it."""
     if args.sim_disk_gb_per_s is None:
         return None
-    if not args.sim_disk_gb_per_s > 0 or not args.sim_page_cache_gb_per_s > 0:
-        parser.error("--sim-disk-gb-per-s and --sim-page-cache-gb-per-s must be positive GB per second")
-    weights = _weights_gb(args)
-    if weights is None or weights < 0:
-        parser.error("--sim-disk-gb-per-s needs the weights' size: --sim-weights-gb GB (>= 0), or MODEL a local "
-                     "directory with weight files")
     try:
-        cache = PageCache.from_env()
-    except ValueError:
-        parser.error("HOTSWAP_SIM_PAGE_CACHE_GB must be a number of GB")
-    return DiskModel(args.model, weights, args.sim_disk_gb_per_s, args.sim_page_cache_gb_per_s, cache)
+        return DiskModel.from_flags(args.model, _weights_gb(args), args.sim_disk_gb_per_s, args.sim_page_cache_gb_per_s)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def gpu_memory(args: argparse.Namespace, share_text: str) -> EngineMemory | None:

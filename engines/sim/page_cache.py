@@ -106,6 +106,20 @@ class DiskModel:
         self.cache = cache
         self.worker = asyncio.Lock()  # vLLM's engine core runs utility calls one at a time
 
+    @classmethod
+    def from_flags(cls, model: str, weights_gb: float | None, disk_gb_s: float, page_cache_gb_s: float) -> DiskModel:
+        """From --sim-disk-gb-per-s and its companions; ValueError (the message for argparse) when they do not fit."""
+        if not disk_gb_s > 0 or not page_cache_gb_s > 0:
+            raise ValueError("--sim-disk-gb-per-s and --sim-page-cache-gb-per-s must be positive GB per second")
+        if weights_gb is None or weights_gb < 0:
+            raise ValueError("--sim-disk-gb-per-s needs the weights' size: --sim-weights-gb GB (>= 0), or MODEL a local "
+                             "directory with weight files")
+        try:
+            cache = PageCache.from_env()
+        except ValueError:
+            raise ValueError(f"{CAPACITY_ENV} must be a number of GB") from None
+        return cls(model, weights_gb, disk_gb_s, page_cache_gb_s, cache)
+
     async def stage(self) -> dict:
         async with self.worker:
             started = time.monotonic()
