@@ -189,3 +189,18 @@ def test_a_model_only_ever_woken_staged_is_predicted_from_that_not_from_its_boot
     costs.observe_boot("m", 40.0)
     costs.observe_wake("m", 2, 3.0, reload_s=1.0, staged=True, cached=True)
     assert costs.wake_s("m", 2) == pytest.approx(3.0), "every room made for it staged it in time"
+
+
+async def test_parking_at_level2_costs_less_where_the_page_cache_budget_will_keep_the_checkpoint_staged(clock):
+    victim = stages(awake("victim", clock, sleep_level=2))
+    s = scheduler(victim, clock=clock)
+    s.weights.update(victim=2.0, other=2.0)
+    s.costs.observe_wake("victim", 2, 10.0, reload_s=8.0, cached=False)
+    s.costs.observe_wake("other", 2, 3.0, reload_s=1.0, cached=True)  # the page cache's rate, host-wide: 0.5 s/GB
+    demand(s, "victim", 5, clock)
+    without = s.expected_cost(victim, "park", clock.now)
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=4.0)
+    with_budget = s.expected_cost(victim, "park", clock.now)
+    assert with_budget < without / 2, (with_budget, without)
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=1.0)
+    assert s.expected_cost(victim, "park", clock.now) == pytest.approx(without), "2 GB does not fit a 1 GB budget"
