@@ -7,6 +7,10 @@ decides, router/scheduling/staging.py). At most one stage per engine runs at a t
 the one running rather than reading the files twice. A stage never fails anything: whatever goes
 wrong is logged once, with the reason, and the next reload reads the disk.
 
+A sleeping engine answers it: vLLM 0.32's engine core dispatches a utility call (collective_rpc) in
+whatever state it is (`_handle_client_request`, vllm/v1/engine/core.py:1687), one at a time in its busy
+loop, so a reload sent while a stage reads waits for it.
+
 Only engines the router started with the worker extension stage (engines.process `loads_extension`):
 any other engine would answer an AttributeError 500 and close its connection.
 """
