@@ -146,6 +146,10 @@ class VLLMClient:
     async def wake_up(self, tags: Sequence[str] = (), timeout: float = 120) -> Any:
         return await self.request("POST", "/wake_up", params=[("tags", t) for t in tags], timeout=timeout)
 
+    async def release_kv_cache_memory(self, timeout: float = 60) -> Any:
+        """vLLM 0.32: frees the KV cache of an engine paused at `/sleep?level=0` (engines/ladder.py)."""
+        return await self.request("POST", "/release_kv_cache_memory", timeout=timeout)
+
     async def is_sleeping(self, timeout: float = 10) -> bool:
         answer = await self.request("GET", "/is_sleeping", timeout=timeout)
         return bool(answer["is_sleeping"])

@@ -65,7 +65,7 @@ class Actions(Costs, RosterChanges):
             elif decision.action == "wake":
                 await self._wake(engine)
             elif decision.action == "park":
-                await self._park(engine, decision.why, decision.level or 2)
+                await self._park(engine, decision.why, 2 if decision.level is None else decision.level)
             elif decision.action == "stop":
                 await self._stop(engine, decision.why)
             elif decision.action == "demote":
