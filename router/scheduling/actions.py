@@ -1,5 +1,5 @@
-"""What the scheduler does, as opposed to what it decides: boot, wake, park, stop, demote,
-restart, and the bookkeeping of failures. Each action runs as its own task, owns its engine
+"""What the scheduler does, as opposed to what it decides: boot, wake, park, deepen (a KV-parked
+engine a rung further down), stop, demote, restart, and the bookkeeping of failures. Each action runs as its own task, owns its engine
 until it ends, and contains whatever goes wrong to that engine.
 
 `Actions` is the action part of `Scheduler` (see `router.scheduling.state`); the policy is in `scheduler.py`.
@@ -66,6 +66,8 @@ class Actions(Costs, RosterChanges):
                 await self._wake(engine)
             elif decision.action == "park":
                 await self._park(engine, decision.why, 2 if decision.level is None else decision.level)
+            elif decision.action == "deepen":
+                await self._deepen(engine, decision.why, 2 if decision.level is None else decision.level)
             elif decision.action == "stop":
                 await self._stop(engine, decision.why)
             elif decision.action == "demote":
@@ -127,9 +129,9 @@ class Actions(Costs, RosterChanges):
             self._record(swap_id, target, moved, "failed", started, {**phases, **target.last_phases}, predicted, str(exc))
             await self._handle_failure(target, str(exc))
             return
-        if level and restart is None:
+        if level is not None and restart is None:
             reload_s = sum(target.last_phases.get(p, 0.0) for p in ("reload_draft", "reload_weights"))
-            self.costs.observe_wake(target.name, level, time.monotonic() - woke, reload_s)
+            self.costs.observe_wake(target.name, level, time.monotonic() - woke, reload_s, target.last_phases.get("wake_weights", 0.0))
         else:
             self.costs.observe_boot(target.name, time.monotonic() - woke)
         self.backoff.succeeded(target.name)
@@ -141,6 +143,16 @@ class Actions(Costs, RosterChanges):
         self.events.evicted(engine, _reason(why))
         started = time.monotonic()
         await engine.sleep(level)
+        self.costs.observe_sleep(engine.name, time.monotonic() - started)
+        self._log_host_memory(engine, level)
+        if self.capacity.nvml:
+            await asyncio.to_thread(self._measure_residual, engine)
+
+    async def _deepen(self, engine: Engine, why: str, level: int) -> None:
+        log.info("parking %s further, from its KV park down to level %d (%s)", engine.name, level, why)
+        self.events.evicted(engine, _reason(why))
+        started = time.monotonic()
+        await engine.park_further(level)
         self.costs.observe_sleep(engine.name, time.monotonic() - started)
         self._log_host_memory(engine, level)
         if self.capacity.nvml:
