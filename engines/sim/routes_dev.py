@@ -71,6 +71,8 @@ def add_routes(app: web.Application, server: "SimServer", host: HostModel | None
         except ReleaseRefused as e:
             # The engine core's utility call raising, as vLLM's API server answers it (seen on the CPU tier).
             log.error("Invocation of release_kv_cache_memory method failed: %s", e)
+            if request.transport is not None:  # raised through vLLM's ASGI app: uvicorn drops the connection after
+                DOOMED.add(request.transport)
             return error_response(500, f"Call to release_kv_cache_memory method failed: {e}", "InternalServerError")
         if server.memory is not None:
             server.memory.release_kv()  # the weights (and the residual) stay mapped
