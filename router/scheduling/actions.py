@@ -40,7 +40,7 @@ class Actions(Costs, RosterChanges):
             raise engine.fail(f"boot failed: it cannot be placed: {why}")
         started = time.monotonic()
         await engine.boot()
-        self.costs.observe_boot(engine.name, time.monotonic() - started)
+        self.costs.observe_boot(engine.name, time.monotonic() - started, engine.last_phases.get("gate", 0.0))
         self.backoff.succeeded(engine.name)
         log.info("%s booted in %.1f s", engine.name, time.monotonic() - started)
         self._grant(engine)
@@ -133,7 +133,7 @@ class Actions(Costs, RosterChanges):
             reload_s = sum(target.last_phases.get(p, 0.0) for p in ("reload_draft", "reload_weights"))
             self.costs.observe_wake(target.name, level, time.monotonic() - woke, reload_s, target.last_phases.get("wake_weights", 0.0))
         else:
-            self.costs.observe_boot(target.name, time.monotonic() - woke)
+            self.costs.observe_boot(target.name, time.monotonic() - woke, target.last_phases.get("gate", 0.0))
         self.backoff.succeeded(target.name)
         self._grant(target, swap_id)
         self._record(swap_id, target, moved, "ok", started, {**phases, **target.last_phases}, predicted)
@@ -175,7 +175,7 @@ class Actions(Costs, RosterChanges):
         self.handled.discard(engine.name)
         started = time.monotonic()
         await engine.restart(reason)
-        self.costs.observe_boot(engine.name, time.monotonic() - started)
+        self.costs.observe_boot(engine.name, time.monotonic() - started, engine.last_phases.get("gate", 0.0))
         self._grant(engine)
 
     def _log_host_memory(self, engine: Engine, level: int) -> None:

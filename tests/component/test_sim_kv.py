@@ -85,3 +85,4 @@ async def test_after_a_refused_release_the_connection_it_came_on_is_dropped_as_u
         with pytest.raises(aiohttp.ServerDisconnectedError):
             async with pooled.post(a.url + "/sleep", params={"level": "0"}) as r:
                 await r.read()
+

@@ -125,3 +125,15 @@ async def test_a_fixed_level_0_engine_is_kv_parked_and_stopped_when_its_weights_
     s = scheduler(small, huge, clock=clock, gpus=GPU)
     wait_for(s, huge, clock.now)
     assert actions(s.decide(clock.now)) == [("stop", "small")], "sleep_level: 0 never goes down a rung: it is stopped"
+
+
+async def test_before_any_wake_is_measured_a_kv_park_is_priced_at_the_gate_its_boot_ran(clock):
+    small = awake("small", clock, share=0.5, weights_gb=8, sleep_residual_gb=1)
+    burst = FakeEngine("burst", share=0.6, sleep_residual_gb=1)
+    s = scheduler(small, burst, clock=clock, gpus=GPU)
+    s.costs.observe_boot("small", 30.0, gate_s=1.5)
+    s.demand.arrived("small", clock.now - 1)
+    assert s.costs.wake_s("small", 0) == 1.5 and s.costs.wake_s("small", 2) == 30.0
+    assert s.expected_cost(small, "kv_park", clock.now) < s.expected_cost(small, "park", clock.now)
+    small.state, small.sleep_level = State.SLEEPING, 0
+    assert s.expected_cost(small, "deepen", clock.now) > 0, "going down a rung is priced at what it adds to the next wake"
