@@ -5,11 +5,13 @@ wake (no weight step), gated like any wake."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.component.test_gate import metric, router_metrics
 from tests.component.test_placement import ledger, model, sim_steps
-from tests.support import ask, client, roster_dict
+from tests.support import ask, client, eventually, roster_dict
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,3 +55,31 @@ async def test_a_kv_wake_with_undefined_pages_is_refused_by_the_gate(start_route
     small = await router.engine("small")
     assert small["state"] == "failed" and "gate refused" in (small["failure"] or ""), \
         "a wake that moved no weights is still checked: the garbage-KV-page fault is a KV fault"
+
+
+async def test_a_kv_parked_model_goes_down_a_rung_when_the_room_its_weights_keep_is_needed(start_router):
+    slow = ("--sim-token-rate", "20")
+    router = await start_router(roster_dict(
+        SMALL, model("big", 0.6, *slow), model("mid", 0.25, "--sim-boot-s", "1.5"), model("tiny", 0.1)))
+    c = client(router)
+    assert await ask(c, "small")
+    for _ in range(3):
+        assert await ask(c, "mid")  # mid is asked for more than small, and its boot is slow: dear to park
+    assert await ask(c, "big")
+    small = await router.engine("small")
+    assert (small["state"], small["sleep_level"]) == ("sleeping", 0), "its KV cache was enough for big"
+    pid = small["pid"]
+    streaming = asyncio.create_task(ask(c, "big", max_tokens=60))  # ~3 s: big is busy meanwhile
+    await eventually(lambda: _in_flight(router, "big"), what="big serving")
+    assert await ask(c, "tiny")
+    small = await router.engine("small")
+    assert small["state"] == "sleeping" and small["sleep_level"] in (1, 2) and small["pid"] == pid, \
+        "the weights left the GPU, the process stayed: no cold boot next time"
+    assert (await sim_steps(router, "small"))[-3:] == ["sleep", "release_kv_cache_memory", "sleep"], "no wake between"
+    assert (await router.engine("mid"))["state"] == "awake"
+    assert await streaming, "big's stream was not cut"
+    assert f"parking small further, from its KV park down to level {small['sleep_level']}" in router.log()
+
+
+async def _in_flight(router, name: str) -> bool:
+    return (await router.engine(name))["in_flight"] > 0
