@@ -13,6 +13,7 @@ import time
 from typing import Awaitable, Callable, Optional, Union
 
 from engines.engine import Engine, EngineFailed, State
+from engines.ladder import KV_PARKED
 from engines.memory import process_gpu_memory_gb
 from router.errors import APIError, for_clients
 from router.scheduling import placement
@@ -145,7 +146,8 @@ class Actions(Costs, RosterChanges):
         await engine.sleep(level)
         self.costs.observe_sleep(engine.name, time.monotonic() - started)
         self._log_host_memory(engine, level)
-        if self.capacity.nvml:
+        # KV-parked, what its processes hold is its weights besides its residual: not a residual to keep.
+        if self.capacity.nvml and level != KV_PARKED:
             await asyncio.to_thread(self._measure_residual, engine)
 
     async def _deepen(self, engine: Engine, why: str, level: int) -> None:
