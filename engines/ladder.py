@@ -8,11 +8,13 @@ Level 0 is vLLM 0.32's own name (read in vllm/v1/engine/core.py of the CPU tier'
     only pauses the scheduler: core.py:959-976 `sleep` returns after `pause_scheduler` for a
     level below 1, with "No GPU memory changes" and the prefix cache kept.
   - `POST /release_kv_cache_memory` (api_router.py:37-41) then frees the KV cache: core.py:1021-1039
-    resets the caches and has the executor discard the allocations tagged `kv_cache`
-    (v1/executor/abstract.py:419 `discard` -> v1/worker/gpu_worker.py:358 -> the cumem allocator's
-    `discard`, device_allocator/cumem.py:300: unmapped, no host copy). It refuses (a 500 from the
-    engine core's utility call) unless a pause has completed with no request left, and while any
-    executor memory already sleeps: so it runs once, right after the level-0 sleep.
+    resets the caches and has the executor discard the allocations tagged `kv_cache`, the pool the
+    GPU worker allocates the KV cache in (v1/worker/gpu_worker.py:885): v1/executor/abstract.py:419
+    `discard` -> v1/worker/gpu_worker.py:358 -> the cumem allocator's `discard`,
+    device_allocator/cumem.py:300: unmapped, no host copy. It refuses (a 500 from the engine core's
+    utility call, after which uvicorn drops the connection: engines.vllm sends it unpooled) unless a
+    pause has completed with no request left, and while any executor memory already sleeps: so it
+    runs once, right after the level-0 sleep.
   - Its wake is `POST /wake_up?tags=kv_cache` (engines.wake.LEVEL0): a KV re-allocation, no weight
     copy. vLLM resumes scheduling only when no tag sleeps any more (core.py:1012-1018).
   - From level 0 an engine can go further down without waking: `POST /sleep?level=N` skips the
