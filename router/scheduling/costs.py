@@ -201,9 +201,9 @@ class Costs(SchedulerState):
         its predicted wake (or, stopped, the boot beyond its wake) times the chance it is needed
         again soon. "kv_park": a KV park's wake; "deepen": a KV-parked engine's wake from the rung
         below beyond its KV wake. Ties go to the least recently used."""
-        if action == "stop":
+        if action == "stop":  # an awake engine's (a `sleep_level: 0` one that cannot be KV-parked): the whole boot
             level = engine.sleep_level
-            extra = self.costs.boot_s(engine.name) - self.costs.wake_s(engine.name, level)
+            extra = self.costs.boot_s(engine.name) - (0.0 if level is None else self.costs.wake_s(engine.name, level))
         elif action == "kv_park":
             extra = self.costs.wake_s(engine.name, KV_PARKED)
         elif action == "deepen":

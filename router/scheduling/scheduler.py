@@ -245,8 +245,12 @@ class Scheduler(Actions):
                      rival: bool) -> list[Victim]:
         """The ways an awake engine can make room: a full park (at the level `_move` chooses) and, where
         the KV tier is known to fit (placement's `kv_offered`), a KV park, first (the cheaper wake, when both
-        are enough). A rival in the waiter's group must leave its share, so it is offered the full park only."""
+        are enough). A rival in the waiter's group must leave its share, so it is offered the full park only.
+        A `sleep_level: 0` engine whose KV park cannot be sized (weights or GPU sizes unknown) frees nothing
+        placement can count: it is offered a stop instead, as when its weights' room is needed."""
         fixed_kv = engine.spec.sleep_level == KV_PARKED
+        if fixed_kv and not ledger.kv_offered(engine):
+            return [Victim(engine, "stop", ledger.stopped_frees(engine), self.cost(engine, "stop", now), busy, ready_in)]
         full = Victim(engine, "park", ledger.parked_frees(engine, KV_PARKED if fixed_kv else None),
                       self.cost(engine, "park", now), busy, ready_in)
         if rival or engine.spec.sleep_level != "auto" or not ledger.kv_offered(engine):

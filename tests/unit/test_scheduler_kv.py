@@ -137,3 +137,14 @@ async def test_before_any_wake_is_measured_a_kv_park_is_priced_at_the_gate_its_b
     assert s.expected_cost(small, "kv_park", clock.now) < s.expected_cost(small, "park", clock.now)
     small.state, small.sleep_level = State.SLEEPING, 0
     assert s.expected_cost(small, "deepen", clock.now) > 0, "going down a rung is priced at what it adds to the next wake"
+
+
+async def test_a_fixed_level_0_engine_whose_kv_park_cannot_be_sized_is_stopped_to_make_room(clock):
+    small = awake("small", clock, share=0.5, sleep_residual_gb=1, sleep_level=0)  # weights unknown
+    big = FakeEngine("big", share=0.6, sleep_residual_gb=1)
+    s = scheduler(small, big, clock=clock, gpus=GPU)
+    s.costs.observe_boot("small", 20.0)
+    s.demand.arrived("small", clock.now - 1)
+    wait_for(s, big, clock.now)
+    assert actions(s.decide(clock.now)) == [("stop", "small")], "what a KV park would free is unknown: not a wait for ever"
+    assert s.expected_cost(small, "stop", clock.now) > 0.01, "an awake engine's stop costs its whole boot"
