@@ -197,10 +197,12 @@ class StepTimeouts(Section):
     """Seconds each step of a swap may take before the engine is marked FAILED."""
 
     sleep: float = Field(120, gt=0, description="POST /sleep (after the drain).")
+    release_kv_cache: float = Field(
+        60, gt=0, description="POST /release_kv_cache_memory (a KV park, after POST /sleep?level=0).")
     wake_weights: float = Field(120, gt=0, description="POST /wake_up?tags=weights.")
     reload_draft: float = Field(300, gt=0, description="collective_rpc hotswap_reload_draft (draft from disk).")
     reload_weights: float = Field(600, gt=0, description="collective_rpc reload_weights (target from disk).")
-    wake_kv_cache: float = Field(120, gt=0, description="POST /wake_up?tags=kv_cache (or the whole Level-1 wake).")
+    wake_kv_cache: float = Field(120, gt=0, description="POST /wake_up?tags=kv_cache (or the whole Level-1 wake, or a KV park's wake).")
     reset_prefix_cache: float = Field(60, gt=0, description="POST /reset_prefix_cache, retried while it answers false.")
     gate: float = Field(120, gt=0, description="Each canary generation and its counter reads (a gate step runs one to "
                         "three: the first cold boot's replay, gate.lora_canary's; the step gets this much for each).")

@@ -172,7 +172,8 @@ class _LiveState(Collector):
     def collect(self) -> Iterable[GaugeMetricFamily]:
         m = ["model", "group"]
         state = GaugeMetricFamily("hotswap_engine_state", "1 for the state each engine is in, 0 for the others.", labels=[*m, "state"])
-        level = GaugeMetricFamily("hotswap_engine_sleep_level", "vLLM sleep level of a parked engine; 0 when not asleep.", labels=m)
+        level = GaugeMetricFamily("hotswap_engine_sleep_level", "vLLM sleep level of a parked engine "
+                                  "(0: KV-parked, its weights on the GPU); 0 also when not asleep: tell them apart by hotswap_engine_state.", labels=m)
         in_flight = GaugeMetricFamily("hotswap_in_flight_requests", "Requests being served, per model.", labels=m)
         queued = GaugeMetricFamily("hotswap_queued_requests", "Requests waiting for their model to be awake, per model.", labels=m)
         baseline = GaugeMetricFamily("hotswap_acceptance_baseline", "Mean acceptance length of the cold-boot canary.", labels=m)

@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "N bytes per GB of weights, each tensor rounded up to a power of two, kept after the wake until "
                    "hotswap_empty_host_cache (engines/sim/host_memory.py); 1e9 is real size. Unset: not modelled")
     s.add_argument("--sim-weights-gb", type=float, default=None, metavar="GB",
-                   help="the weights' size for --sim-host-bytes-per-gb; unset: the weight files in MODEL, a local directory")
+                   help="the weights' size for --sim-host-bytes-per-gb, and what a KV release keeps mapped in the memory "
+                   "oracle; unset: the weight files in MODEL, a local directory")
     s.add_argument("--sim-sleep-residual-gb", type=float, default=DEFAULT_RESIDUAL_GB,
                    help="GB a sleeping engine still holds per device; with --gpu-memory-utilization, modelled "
                    "only when HOTSWAP_SIM_GPU_LEDGER names a ledger (engines/sim/memory.py)")
@@ -222,7 +223,10 @@ def gpu_memory(args: argparse.Namespace, share_text: str) -> EngineMemory | None
     if not 0 < share <= 1:  # vLLM's own bounds
         raise ValueError(f"--gpu-memory-utilization must be a number in (0, 1], got {share_text!r}")
     devices = parse_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    return EngineMemory(ledger, devices, share, args.sim_sleep_residual_gb, args.model)
+    weights = args.sim_weights_gb
+    if weights is None and os.path.isdir(args.model or ""):
+        weights = folder_weights_gb(Path(args.model))
+    return EngineMemory(ledger, devices, share, args.sim_sleep_residual_gb, args.model, weights_gb=weights)
 
 
 def setup_logging() -> None:

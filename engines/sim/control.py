@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 STEPS = (
     "boot",
     "sleep",
+    "release_kv_cache_memory",
     "wake",
     "wake_weights",
     "wake_kv_cache",

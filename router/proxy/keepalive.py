@@ -34,7 +34,7 @@ def doing(engine: Engine) -> str:
     """What the engine is doing, in a few words, for the comment line (never the client's input)."""
     state = engine.state
     if state is State.WAKING:
-        steps = wake.phases(engine.sleep_level or 1, engine.spec.draft_restore)
+        steps = wake.phases(1 if engine.sleep_level is None else engine.sleep_level, engine.spec.draft_restore)
         step = next((p for p in steps if p not in engine.last_phases), "gate")
         return f"waking {engine.name} ({step})"
     if state is State.VERIFYING:

@@ -5,6 +5,11 @@ absence is likely to cause (predicted wake seconds × likelihood of reuse, from
 `router.scheduling.estimates`); `sleep_level: auto` picks Level 1 while the host-RAM budget holds what
 the engines hold for sleep (measured after every sleep and wake, `engines.memory.host`; estimated until
 then), and makes RAM for a more valuable engine by demoting a Level-1 sleeper.
+
+The KV tier (level 0, engines/ladder.py) is not a level `_choose_level` picks: it frees less, so
+whether it is enough depends on the waiter. The scheduler offers it beside the full park as a
+victim of its own ("kv_park"), and a KV-parked sleeper a move further down ("deepen"); placement's
+`cheapest` takes whichever makes the room at the least expected cost.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import math
 from typing import Collection, Optional
 
 from engines.engine import Engine, State
+from engines.ladder import KV_PARKED
 from engines.memory import PRIOR_FACTOR
 from router.scheduling.placement import Ledger
 from router.scheduling.state import SchedulerState
@@ -139,7 +145,7 @@ class Costs(SchedulerState):
         if action == "demote":  # chosen only where the wake empties the cache (passes_through)
             return 0.0
         now = self._host_now_gb(engine)
-        if action == "park" and self.parking_level.get(engine.name) == 1:
+        if action in ("park", "deepen") and self.parking_level.get(engine.name) == 1:
             return max(now, self.level1_need_gb(engine) or 0.0)
         return now
 
@@ -183,13 +189,26 @@ class Costs(SchedulerState):
         """How likely `engine` is to be asked for within reuse_horizon_s."""
         return 1.0 - math.exp(-self.demand.rate(engine.name, now) * self.reuse_horizon_s)
 
+    def deeper_level(self, engine: Engine, now: float) -> Optional[int]:
+        """The rung a KV-parked `engine` goes down to when its weights' room is needed: what a full park
+        would choose now (Level 1 while host RAM holds it as it is, else 2); None: neither (a stop)."""
+        if engine.spec.sleep_level != "auto":
+            return None  # a fixed level 0 is never taken further: it is stopped
+        return self._choose_level(engine, now)[0]
+
     def expected_cost(self, engine: Engine, action: str, now: float) -> float:
         """Seconds of waiting that moving `engine` out of the way is expected to cost later:
         its predicted wake (or, stopped, the boot beyond its wake) times the chance it is needed
-        again soon. Ties go to the least recently used."""
-        if action == "stop":
+        again soon. "kv_park": a KV park's wake; "deepen": a KV-parked engine's wake from the rung
+        below beyond its KV wake. Ties go to the least recently used."""
+        if action == "stop":  # an awake engine's (a `sleep_level: 0` one that cannot be KV-parked): the whole boot
             level = engine.sleep_level
-            extra = self.costs.boot_s(engine.name) - self.costs.wake_s(engine.name, level)
+            extra = self.costs.boot_s(engine.name) - (0.0 if level is None else self.costs.wake_s(engine.name, level))
+        elif action == "kv_park":
+            extra = self.costs.wake_s(engine.name, KV_PARKED)
+        elif action == "deepen":
+            level = self.deeper_level(engine, now)
+            extra = self.costs.wake_s(engine.name, level) - self.costs.wake_s(engine.name, KV_PARKED)
         else:
             level, _ = self._choose_level(engine, now)
             extra = self.costs.boot_s(engine.name) if level is None else self.costs.wake_s(engine.name, level)

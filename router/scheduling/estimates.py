@@ -3,7 +3,9 @@ boot, or sleep), and how soon it is likely to be asked for again.
 
 Wake times are an EWMA of the recent wakes of that model at that sleep level; until a level
 has been measured, the model's cold boot stands in for it (an upper bound: a wake never
-reloads more than a boot does). Demand is an exponentially decayed request rate, so both
+reloads more than a boot does), except Level 1 and the KV tier (level 0), whose first guesses
+come from the parts of a Level-2 wake they share (`observe_wake`); before any wake, a KV wake is
+guessed at the gate its boot ran (a KV wake moves no weights, but runs the same canary). Demand is an exponentially decayed request rate, so both
 frequency and recency count: a burst a minute ago weighs more than the same burst an hour ago.
 """
 
@@ -23,18 +25,28 @@ class WakeCosts:
         self.wake: dict[tuple[str, int], float] = {}
         self.sleep: dict[str, float] = {}
         self.level1_prior: dict[str, float] = {}  # a Level-2 wake without its reloads from disk
+        self.kv_prior: dict[str, float] = {}  # a Level-2 wake without its weights' steps: the KV re-allocation, reset and gate
+        self.gate: dict[str, float] = {}  # the gate step of its boots
 
-    def observe_boot(self, name: str, seconds: float) -> None:
+    def observe_boot(self, name: str, seconds: float, gate_s: float = 0.0) -> None:
+        """`gate_s`: the boot's gate step, the KV tier's first guess (see `wake_s`)."""
         self.boot[name] = _ewma(self.boot.get(name), seconds)
+        if gate_s > 0:
+            self.gate[name] = _ewma(self.gate.get(name), gate_s)
 
-    def observe_wake(self, name: str, level: int, seconds: float, reload_s: float = 0.0) -> None:
+    def observe_wake(self, name: str, level: int, seconds: float, reload_s: float = 0.0, weights_s: float = 0.0) -> None:
         """`reload_s`: the part of a Level-2 wake spent reloading weights from disk. Without it the
         wake is what a Level-1 wake would be, the estimate until one is measured: falling back to
         the boot instead would price Level 1 above Level 2 wherever a boot is the slower of the two
-        (always, on a GPU), so no engine would ever be parked at Level 1 to be measured there."""
+        (always, on a GPU), so no engine would ever be parked at Level 1 to be measured there.
+        `weights_s`: the rest of its weights' part (`wake_weights`). Without both, what remains is
+        its `wake_kv_cache`, `reset_prefix_cache` and gate: the KV tier's wake, its estimate until one
+        is measured, for the same reason."""
         self.wake[(name, level)] = _ewma(self.wake.get((name, level)), seconds)
         if level == 2 and reload_s > 0:
             self.level1_prior[name] = _ewma(self.level1_prior.get(name), max(seconds - reload_s, 0.0))
+        if level == 2 and reload_s + weights_s > 0:
+            self.kv_prior[name] = _ewma(self.kv_prior.get(name), max(seconds - reload_s - weights_s, 0.0))
 
     def observe_sleep(self, name: str, seconds: float) -> None:
         self.sleep[name] = _ewma(self.sleep.get(name), seconds)
@@ -43,6 +55,8 @@ class WakeCosts:
         self.boot.pop(name, None)
         self.sleep.pop(name, None)
         self.level1_prior.pop(name, None)
+        self.kv_prior.pop(name, None)
+        self.gate.pop(name, None)
         self.wake = {key: s for key, s in self.wake.items() if key[0] != name}
 
     def boot_s(self, name: str) -> float:
@@ -54,6 +68,8 @@ class WakeCosts:
             return self.boot_s(name)
         if level == 1 and (name, 1) not in self.wake and name in self.level1_prior:
             return self.level1_prior[name]
+        if level == 0 and (name, 0) not in self.wake:  # never dearer than a wake that also copies weights
+            return self.kv_prior.get(name, self.gate.get(name, self.wake_s(name, 1)))
         return self.wake.get((name, level), self.boot_s(name))
 
     def sleep_s(self, name: str) -> float:

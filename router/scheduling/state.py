@@ -55,12 +55,13 @@ AT_ONCE = Lease(found_awake=True)
 
 @dataclass(frozen=True)
 class Decision:
-    """One action to start now: boot, wake, park, stop, demote, restart, retire, respec, failed."""
+    """One action to start now: boot, wake, park, deepen (a KV-parked engine down a rung), stop, demote,
+    restart, retire, respec, failed."""
 
     action: str
     engine: Engine
     why: str = ""
-    level: Optional[int] = None  # park: the sleep level chosen
+    level: Optional[int] = None  # park, deepen: the sleep level chosen (0: KV-parked)
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ class SchedulerState:
 
     def ledger(self) -> Ledger:
         reserved = [e for e in self.engines if self.doing.get(e.name, ("",))[0] in RESERVING]
-        return Ledger(self.engines, self.capacity, reserved, self.residuals)
+        return Ledger(self.engines, self.capacity, reserved, self.residuals, self.weights)
 
     def _grant(self, engine: Engine, swap_id: Optional[int] = None) -> None:
         queue = self.waiting[engine.name]
