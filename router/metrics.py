@@ -74,6 +74,8 @@ class Metrics(Observer, Events):
                                 "roster: its entry changed in a reload).",
                                 [*m, "reason"], registry=r)
         self.collapses = Counter("hotswap_midlife_collapses", "Acceptance collapses detected while serving.", m, registry=r)
+        self.wake_ahead = Counter("hotswap_wake_ahead", "Wakes ahead of demand (swap.wake_ahead) by outcome: woken (decided), "
+                                  "used (it served a request), unused (parked before it did), failed.", [*m, "outcome"], registry=r)
         self.evictions = Counter("hotswap_evictions", "Engines moved out of the way, by reason (room, idle, admin, boot, "
                                  "demote: level 1 -> 2 for host RAM, stop: asleep -> cold).", [*m, "reason"], registry=r)
         self.wake_ratio = Histogram("hotswap_wake_actual_over_predicted", "A wake's actual seconds over the seconds "
@@ -161,6 +163,9 @@ class Metrics(Observer, Events):
 
     def evicted(self, engine: Engine, reason: str) -> None:
         self.evictions.labels(engine.name, group_of(engine), reason).inc()
+
+    def woke_ahead(self, engine: Engine, outcome: str) -> None:
+        self.wake_ahead.labels(engine.name, group_of(engine), outcome).inc()
 
 
 class _LiveState(Collector):

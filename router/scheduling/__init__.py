@@ -1,4 +1,4 @@
-"""Who is awake: the decision function and its loop (`scheduler`), the actions that carry it out,
+"""Who is awake: the decision function and its loop (`scheduler`, waking ahead of demand in `ahead`), the actions that carry it out,
 the shared state and leases (`state`), the placement ledger, wake-cost estimates, sizing,
 roster-change decisions, backoff, and the last hour's history (`history`, for /admin/timeline and /ui). The rest of the router uses the names exported here.
 
@@ -6,8 +6,7 @@ Imports nothing of `router.proxy`, `router.admin` or `router.cli` (tests/unit/te
 """
 
 from router.scheduling.estimates import DEMAND_TAU_S, Demand
-from router.scheduling.events import Events, SwapRecord
-from router.scheduling.history import KEEP_S as HISTORY_KEEP_S, History
+from router.scheduling.history import KEEP_S as HISTORY_KEEP_S, Events, History, SwapRecord
 from router.scheduling.placement import Capacity, devices_view, most_awake
 from router.scheduling.scheduler import Scheduler
 from router.scheduling.sizing import capacity, level1_weights

@@ -21,7 +21,7 @@ from engines.engine import Engine, State
 from router.errors import APIError
 from router.scheduling.backoff import Backoff
 from router.scheduling.estimates import Demand, WakeCosts
-from router.scheduling.events import Events, SwapRecord
+from router.scheduling.history import Events, SwapRecord
 from router.scheduling.placement import Capacity, Ledger
 
 # States an engine is only in while an action drives it.
@@ -91,6 +91,8 @@ class SchedulerState:
         self.handled: set[str] = set()  # FAILED engines whose failure has been counted and stopped
         self.pending_restart: dict[str, str] = {}  # engine -> reason, for its next wake
         self.residuals: dict[str, dict[int, float]] = {}  # measured per engine and device, GB
+        self.ahead: dict[str, Any] = {}  # engine -> its pre-wake (router.scheduling.ahead.WokenAhead), until its outcome
+        self.ahead_done: list[Any] = []  # the last pre-wakes with their outcomes, newest last
         self.host_why: dict[str, Optional[str]] = {}  # engine -> why its last park was not at Level 1 (numbers)
         self.to_boot: set[str] = set()  # new in a reload (or restarted from a changed entry): boot in the background
         self.startup: set[str] = set()  # not booted yet since the router started (first boots are not swaps)

@@ -715,7 +715,7 @@ async def test_a_level1_sleep_that_held_more_than_its_guess_over_the_budget_send
     popular = measured(FakeEngine("popular", share=0.3, level=1), 12, level1=12)
     unused = measured(FakeEngine("unused", share=0.3, level=1), 10, level1=10)  # estimated 8: it fit, measured it does not
     s = scheduler(popular, unused, awake("a", clock, share=0.3), clock=clock, gpus=gpus, ram_gb=20,
-                  estimates={"popular": 12, "unused": 8})
+                  estimates={"popular": 12, "unused": 8}, wake_ahead=False)  # the room is free: popular would wake ahead
     for name in ("popular", "unused"):
         s.costs.observe_wake(name, 1, 0.5)
         s.costs.observe_wake(name, 2, 5.0)
