@@ -27,10 +27,9 @@ same trace is replayed against a fresh router and fresh engines for each policy:
 
 The router runs in this process (`router.app.build_router` + `build_app` on a loopback port, as
 `router/daemon.py` does), so its scheduler's cost function can be swapped; the engines are real
-processes it launches. The scheduler's own time constants (the demand decay `DEMAND_TAU_S`,
-the reuse horizon `reuse_horizon_s`) and the roster's (`min_active_s`, `max_hold_s`,
-`queue.max_wait_s`) are scaled by `--time-scale` as well, so the policy sees the trace as it
-would in real time.
+processes it launches. The roster's time constants (`min_active_s`, `max_hold_s`,
+`queue.max_wait_s`, the policy's `demand_tau_s` and `reuse_horizon_s`) are scaled by
+`--time-scale` as well, so the policy sees the trace as it would in real time.
 
 Client wait = request latency - the engine's own generation time (tokens / decode rate) - the
 floor (the median of the same for 20 requests to an already awake model before the trace: the
@@ -73,6 +72,7 @@ BOOT_FIXED_S = 15.0  # cold boot beyond loading the weights: 27 GB -> 19.5 s
 SLEEP_S = 0.3
 # The scheduler's and the roster's time constants (real seconds), scaled like the trace.
 MIN_ACTIVE_S, MAX_HOLD_S, MAX_WAIT_S, DRAIN_S = 5.0, 30.0, 300.0, 30.0
+DEMAND_TAU_S, REUSE_HORIZON_S = 300.0, 60.0  # the roster's defaults
 CALIBRATION_REQUESTS = 20
 
 
@@ -140,7 +140,8 @@ def roster(policy: str, port: int, scale: float, budget_gb: float, ledger: Path,
         f"# written by bench/placement.py ({policy})",
         f"listen: {{host: 127.0.0.1, port: {port}}}",
         f"swap: {{min_active_s: {MIN_ACTIVE_S * scale:g}, max_hold_s: {MAX_HOLD_S * scale:g}, "
-        f"drain_timeout_s: {DRAIN_S * scale:g}}}",
+        f"drain_timeout_s: {DRAIN_S * scale:g}, demand_tau_s: {DEMAND_TAU_S * scale:g}, "
+        f"reuse_horizon_s: {REUSE_HORIZON_S * scale:g}}}",
         f"queue: {{max_wait_s: {MAX_WAIT_S * scale:g}}}",
         f"gpus: [{{index: 0, memory_gb: {GPU_GB:g}}}]",
         f"host: {{ram_budget_gb: {budget_gb:g}}}",
@@ -182,7 +183,6 @@ async def run_policy(policy: str, trace: list[Req], args: argparse.Namespace, tm
     import aiohttp
 
     from engines.engine import State
-    from router.scheduling import DEMAND_TAU_S, Demand
 
     scale = args.time_scale
     port = h.free_port()
@@ -192,8 +192,6 @@ async def run_policy(policy: str, trace: list[Req], args: argparse.Namespace, tm
     deadline = time.monotonic() + args.max_seconds
 
     def setup(scheduler: Any) -> None:
-        scheduler.demand = Demand(DEMAND_TAU_S * scale)
-        scheduler.reuse_horizon_s *= scale  # the same for every policy
         if policy == "lru":
             scheduler.cost = lru_cost(scheduler)
 
@@ -227,7 +225,7 @@ async def run_policy(policy: str, trace: list[Req], args: argparse.Namespace, tm
             if status != 200:
                 raise Failed(f"{policy}: calibration request answered {status}: {err}")
             floors.append(lat - generation_s(cal))
-        scheduler.demand = Demand(DEMAND_TAU_S * scale)
+        scheduler.demand = type(scheduler.demand)(scheduler.demand.tau_s)  # the calibration is not demand
         res = Result(policy, h.percentile(floors, 0.5))
 
         async def one(r: Req) -> None:

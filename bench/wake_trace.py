@@ -31,15 +31,15 @@ non-streaming and decodes its trace's output tokens at its model's rate (the sim
 is known exactly), so its wait is latency − its own decode − the floor (the median of the same
 for requests to an awake model before the trace: the proxy's loopback cost). Prompts are short:
 the sim does not model prefill, which is the same in every arm. Reported in real seconds (wall ÷
-time scale). The scheduler's own time constants are scaled with the trace (the demand decay, the
-reuse horizon) as are the roster's (`min_active_s`, `max_hold_s`, `drain_timeout_s`,
-`queue.max_wait_s`).
+time scale). The roster's time constants are scaled with the trace (`min_active_s`, `max_hold_s`,
+`drain_timeout_s`, `queue.max_wait_s`, and the policy's `demand_tau_s`, `reuse_horizon_s`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import math
@@ -132,6 +132,22 @@ def load_trace(path: Path, minutes: Optional[float]) -> tuple[dict, list[Req]]:
     return header, reqs
 
 
+def policy_keys(scale: float) -> str:
+    """The scheduler's own time constants as roster keys, scaled, where the tree running has them (a tree
+    from before they were keys gets them set on its instance instead: `older_tree`)."""
+    from config.schema import Swap
+
+    fields = Swap.model_fields
+    return "".join(f", {key}: {fields[key].default * scale:g}" for key in ("demand_tau_s", "reuse_horizon_s") if key in fields)
+
+
+def older_tree(scheduler: Any, scale: float) -> None:
+    """A tree from before the policy's time constants were roster keys: scale them on the instance."""
+    old = importlib.import_module("router.scheduling")  # that tree's names, which this one no longer exports
+    scheduler.demand = old.Demand(old.DEMAND_TAU_S * scale)
+    scheduler.reuse_horizon_s *= scale
+
+
 def roster(port: int, args: argparse.Namespace, ledger: Path) -> str:
     scale = args.time_scale
     env = {"HOTSWAP_SIM_GPU_LEDGER": str(ledger), "HOTSWAP_SIM_GPU_MEMORY_GB": f"0={GPU_GB:g},1={GPU_GB:g}",
@@ -140,7 +156,7 @@ def roster(port: int, args: argparse.Namespace, ledger: Path) -> str:
         "# written by bench/wake_trace.py",
         f"listen: {{host: 127.0.0.1, port: {port}}}",
         f"swap: {{min_active_s: {MIN_ACTIVE_S * scale:g}, max_hold_s: {MAX_HOLD_S * scale:g}, "
-        f"drain_timeout_s: {DRAIN_S * scale:g}}}",
+        f"drain_timeout_s: {DRAIN_S * scale:g}{policy_keys(scale)}}}",
         f"queue: {{max_wait_s: {MAX_WAIT_S * scale:g}, max_waiting: 4096}}",
         f"gpus: [{{index: 0, memory_gb: {GPU_GB:g}}}, {{index: 1, memory_gb: {GPU_GB:g}}}]",
         f"host: {{ram_budget_gb: {args.ram_budget_gb:g}}}",
@@ -183,16 +199,14 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
     """One arm, in this process (the child's side of `run_child`)."""
     import aiohttp
 
-    from router.scheduling import DEMAND_TAU_S, Demand
-
     scale = args.time_scale
     text = roster(h.free_port(), args, tmp / f"ledger-{arm}.json")
     (tmp / f"roster-{arm}.yaml").write_text(text)
     deadline = time.monotonic() + args.max_seconds
 
     def setup(scheduler: Any) -> None:
-        scheduler.demand = Demand(DEMAND_TAU_S * scale)
-        scheduler.reuse_horizon_s *= scale
+        if not policy_keys(scale):
+            older_tree(scheduler, scale)
         if arm == "lru":
             scheduler.cost = lru_cost(scheduler)
 
@@ -226,7 +240,7 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
             if status != 200:
                 raise Failed(f"{arm}: calibration request answered {status}: {err}")
             floors.append(lat)
-        run.scheduler.demand = Demand(DEMAND_TAU_S * scale)  # the calibration is not demand
+        run.scheduler.demand = type(run.scheduler.demand)(run.scheduler.demand.tau_s)  # the calibration is not demand
         res.floor_s = h.percentile(floors, 0.5)
 
         async def one(r: Req) -> None:

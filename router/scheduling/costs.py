@@ -22,7 +22,9 @@ NO_LEVEL2 = "its --load-format cannot reload weights from disk, so it never slee
 
 
 class Costs(SchedulerState):
-    reuse_horizon_s = 60.0  # "needed again soon" means within this long (a benchmark running time faster scales it)
+    @property
+    def reuse_horizon_s(self) -> float:
+        return self.swap.reuse_horizon_s
 
     def cost(self, engine: Engine, action: str, now: float) -> float:
         """What placement ranks victims by. bench/placement.py replaces it on the instance (LRU)."""

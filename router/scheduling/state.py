@@ -83,7 +83,7 @@ class SchedulerState:
         self.waiting: dict[str, collections.deque[Waiter]] = {e.name: collections.deque() for e in engines}
         self.backoff = Backoff([e.name for e in engines], clock)
         self.costs = WakeCosts()
-        self.demand = Demand()
+        self.demand = Demand(swap.demand_tau_s)
         self.busy: dict[str, asyncio.Future[None]] = {}  # engine -> done when its action ends
         self.doing: dict[str, tuple[str, float, float]] = {}  # engine -> (action, started, predicted seconds)
         self.parking_level: dict[str, int] = {}  # engine being parked -> the level it goes to
