@@ -26,10 +26,10 @@ fresh simulated engines (always this tree's `engines.sim`, so every arm meets th
             Ollama and Ray Serve do
   before    `--ab-src`, a checkout of the code before the change measured (its default scheduler)
 
-Client wait = the time to the first token (embeddings: to the answer). A request is sent
-non-streaming and decodes its trace's output tokens at its model's rate (the sim's decode time
-is known exactly), so its wait is latency − its own decode − the floor (the median of the same
-for requests to an awake model before the trace: the proxy's loopback cost). Prompts are short:
+Client wait = the time to the first token (embeddings: to the answer). A request streams its
+trace's output tokens at its model's rate, read to the end (its engine is busy until then); its
+wait is the time to its first token's event − the floor (the median of the same for requests to
+an awake model before the trace: the proxy's loopback cost). Prompts are short:
 the sim does not model prefill, which is the same in every arm. Reported in real seconds (wall ÷
 time scale). The roster's time constants are scaled with the trace (`min_active_s`, `max_hold_s`,
 `drain_timeout_s`, `queue.max_wait_s`, and the policy's `demand_tau_s`, `reuse_horizon_s`).
@@ -216,22 +216,29 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
         res = Result(arm)
 
         async def send(r: Req) -> tuple[int, float, str]:
+            """(status, wall seconds to the first token or the answer, error). A stream is read to its end
+            (its engine is busy until then), in large blocks: the bench's own CPU is the engines' too."""
             if r.kind == "embeddings":
                 path, body = "/v1/embeddings", {"model": r.model, "input": "Wake"}
             else:
                 path, body = "/v1/completions", {"model": r.model, "prompt": "Wake", "max_tokens": r.tokens,
-                                                 "temperature": 0, "ignore_eos": True}
+                                                 "temperature": 0, "ignore_eos": True, "stream": True}
             t0 = time.perf_counter()
             try:
                 async with client.post(run.base_url + path, json=body) as resp:
-                    data = await resp.read()
-                    status = resp.status
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    if resp.status != 200 or r.kind == "embeddings":
+                        data = await resp.read()
+                        return resp.status, time.perf_counter() - t0, "" if resp.status == 200 else data[:200].decode(errors="replace")
+                    first = await resp.content.readuntil(b"\n\n")  # the first token's event
+                    ttft = time.perf_counter() - t0
+                    tail = first[-64:]
+                    while chunk := await resp.content.read(1 << 16):
+                        tail = (tail + chunk)[-64:]
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 return 0, time.perf_counter() - t0, repr(exc)
-            return status, time.perf_counter() - t0, "" if status == 200 else data[:200].decode(errors="replace")
-
-        def decode_s(r: Req) -> float:  # wall; the first token is the wait's, the rest the decode's
-            return 0.0 if r.kind == "embeddings" else (r.tokens - 1) / (MODELS[r.model].tok_s / scale)
+            if b"[DONE]" not in tail:
+                return 0, ttft, f"the stream ended without [DONE]: ...{tail.decode(errors='replace')!r}"
+            return 200, ttft, ""
 
         cal = Req(-1, 0.0, "llama-8b", "chat", 1)
         floors = []
@@ -248,7 +255,7 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
             if status != 200:
                 res.errors.append(f"#{r.i} {r.model}: {status} {err}")
                 return
-            res.waits[r.i] = max(0.0, lat - decode_s(r) - res.floor_s) / scale
+            res.waits[r.i] = max(0.0, lat - res.floor_s) / scale
 
         print(f"  {arm}: booted; replaying {len(trace)} requests", flush=True)
         res.lag_s, res.wall_s = await at_arrival_times([(r.t, lambda r=r: one(r)) for r in trace], scale, deadline, arm)

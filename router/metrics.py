@@ -34,6 +34,7 @@ RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2, 4)
 # Nats: from float32 noise to a wrong model, with the steps near the shipped threshold (0.05) fine.
 DRIFT_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 EVICTION_REASONS = ("room", "idle", "admin", "boot", "demote", "stop")
+AHEAD_OUTCOMES = ("woken", "used", "unused", "failed")
 RESTART_REASONS = ("failed", "gate", "midlife", "admin", "roster")
 
 
@@ -120,6 +121,8 @@ class Metrics(Observer, Events):
         self.collapses.labels(*labels)
         for reason in EVICTION_REASONS:
             self.evictions.labels(*labels, reason)
+        for outcome in AHEAD_OUTCOMES:
+            self.wake_ahead.labels(*labels, outcome)
         self.boot_failures.labels(*labels)
         for phase in engine.phases:
             self.phase_failures.labels(*labels, phase)
