@@ -185,15 +185,25 @@ class Costs(SchedulerState):
         """How likely `engine` is to be asked for within reuse_horizon_s."""
         return 1.0 - math.exp(-self.demand.rate(engine.name, now) * self.reuse_horizon_s)
 
+    def blocked_by_boot(self, engine: Engine, now: float) -> float:
+        """Expected seconds the others on its devices wait behind a cold boot of `engine`: a boot has its
+        devices to itself (`boot_devices`), so every wake or park there waits for it to end. Each other
+        engine is asked for during the boot with the chance its demand gives, and waits half of it."""
+        boot = self.costs.boot_s(engine.name)
+        mine = set(engine.spec.devices)
+        return sum((1.0 - math.exp(-self.demand.rate(other.name, now) * boot)) * boot / 2 for other in self.engines
+                   if other is not engine and not other.spec.pin and mine & set(other.spec.devices))
+
     def expected_cost(self, engine: Engine, action: str, now: float) -> float:
         """Seconds of waiting that moving `engine` out of the way is expected to cost later:
-        its predicted wake (or, stopped, the boot beyond its wake) times the chance it is needed
-        again soon. Ties go to the least recently used."""
+        its predicted wake (or, stopped, the boot beyond its wake, and what that boot makes the others on
+        its devices wait) times the chance it is needed again soon. Ties go to the least recently used."""
         if action == "stop":
             level = engine.sleep_level
-            extra = self.costs.boot_s(engine.name) - self.costs.wake_s(engine.name, level)
+            extra = self.costs.boot_s(engine.name) - self.costs.wake_s(engine.name, level) + self.blocked_by_boot(engine, now)
         else:
             level, _ = self._choose_level(engine, now)
-            extra = self.costs.boot_s(engine.name) if level is None else self.costs.wake_s(engine.name, level)
+            extra = self.costs.boot_s(engine.name) + self.blocked_by_boot(engine, now) if level is None \
+                else self.costs.wake_s(engine.name, level)
         recency = 1e-9 / (1.0 + max(0.0, now - self.demand.last(engine.name)))  # a tie-break only
         return self._reuse(engine, now) * max(extra, 0.0) + recency
