@@ -271,7 +271,9 @@ def run_child(arm: str, args: argparse.Namespace, tmp: Path) -> Result:
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", arm, "--child-out", str(out), "--child-tmp", str(tmp),
             *args.passthrough]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(h.REPO / "bench")])}
-    proc = subprocess.run(argv, env=env, cwd=str(tree))
+    # Run from this tree: an engine started as `python -m engines.sim` finds its package in the working
+    # directory first, and every arm must meet the same simulator.
+    proc = subprocess.run(argv, env=env, cwd=str(h.REPO))
     if proc.returncode != 0:
         raise Failed(f"{arm}: the arm's process exited {proc.returncode}; its router log is {tmp / f'router-{arm}.log'}")
     data = json.loads(out.read_text())
