@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import harness as h  # bench/harness.py: the run session, processes, report helpers
-from replay import Failed, at_arrival_times, lru_cost, running_router  # bench/replay.py: the in-process router
+from replay import Failed, at_arrival_times, first_errors, lru_cost, running_router  # bench/replay.py: the in-process router
 
 SECTION = "## Placement policies (issue 12)"
 POLICIES = ("group", "lru", "cost-aware")
@@ -342,10 +342,7 @@ def report(results: dict[str, Result], trace: list[Req], args: argparse.Namespac
         f"> 0.5 s shorter on {len(better)}. Send lag (the replay's own lateness, wall): p99 "
         + ", ".join(f"{p} {h.percentile(res.lag_s, 0.99) * 1e3:.1f} ms" for p, res in results.items()) + ".",
     ]
-    errs = [e for res in results.values() for e in res.errors[:2]]
-    if errs:
-        lines += ["", "First errors: " + "; ".join(f"`{e[:160]}`" for e in errs)]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + first_errors([res.errors for res in results.values()])) + "\n"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -146,3 +146,9 @@ async def at_arrival_times(arrivals: list[tuple[float, Any]], scale: float, dead
         for task in tasks:  # only after a failure or an interruption are any left
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def first_errors(per_run: list[list[str]], each: int = 2) -> list[str]:
+    """Report lines quoting the first errors of each run (none: no lines)."""
+    errs = [e for errors in per_run for e in errors[:each]]
+    return ["", "First errors: " + "; ".join(f"`{e[:160]}`" for e in errs)] if errs else []

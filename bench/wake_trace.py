@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import harness as h  # bench/harness.py: the run session, report helpers
-from replay import Failed, at_arrival_times, lru_cost, running_router  # bench/replay.py: the in-process router
+from replay import Failed, at_arrival_times, first_errors, lru_cost, running_router  # bench/replay.py: the in-process router
 
 SECTION = "## The wait for a parked model on a production trace (issue 32)"
 ARMS = ("hotswap", "lru", "before")
@@ -355,10 +355,7 @@ def report(results: dict[str, Result], header: dict, trace: list[Req], args: arg
         ids = [i for i in ok if trace[i].model == name]
         cells = [f"{sum(res.waits[i] for i in ids) / len(ids):.2f}" if ids else "-" for res in results.values()]
         lines.append(f"| {name} | {len(ids)} | " + " | ".join(cells) + " |")
-    errs = [e for res in results.values() for e in res.errors[:2]]
-    if errs:
-        lines += ["", "First errors: " + "; ".join(f"`{e[:160]}`" for e in errs)]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + first_errors([res.errors for res in results.values()])) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------
