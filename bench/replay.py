@@ -53,6 +53,15 @@ class Recorder:
     def __getattr__(self, name: str) -> Any:  # events a newer scheduler sends that this bench does not count
         return getattr(self.inner, name)
 
+    def phase_seconds(self, time_scale: float) -> dict[str, float]:
+        """Real-time seconds the successful wakes spent in each phase, summed (the parks made for them too)."""
+        out: dict[str, float] = {}
+        for rec in self.wakes:
+            if rec.result == "ok":
+                for phase, s in rec.phases.items():
+                    out[phase] = out.get(phase, 0.0) + s / time_scale
+        return out
+
     def wake_kinds(self, time_scale: float) -> tuple[dict[str, int], dict[str, float]]:
         """Successful wakes by kind (level1 / level2 / boot) and their real-time seconds."""
         count: dict[str, int] = {}

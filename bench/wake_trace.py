@@ -192,6 +192,7 @@ class Result:
     wakes: dict[str, int] = field(default_factory=dict)
     wake_s: dict[str, float] = field(default_factory=dict)
     evictions: dict[str, int] = field(default_factory=dict)
+    phase_s: dict[str, float] = field(default_factory=dict)  # real seconds in each phase, over every wake
     wall_s: float = 0.0
 
 
@@ -261,6 +262,7 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
         res.lag_s, res.wall_s = await at_arrival_times([(r.t, lambda r=r: one(r)) for r in trace], scale, deadline, arm)
     res.wakes, res.wake_s = run.recorder.wake_kinds(scale)
     res.evictions = dict(run.recorder.evictions)
+    res.phase_s = run.recorder.phase_seconds(scale)
     return res
 
 
@@ -349,6 +351,13 @@ def report(results: dict[str, Result], header: dict, trace: list[Req], args: arg
             verdicts.append("never worse than LRU at mean, p50, p90, p99" if not worse
                             else f"WORSE than LRU at {', '.join(worse)}")
         lines += ["", "**hotswap: " + "; ".join(verdicts) + ".**"]
+    phases = sorted({p for res in results.values() for p in res.phase_s}, key=lambda p: -max(r.phase_s.get(p, 0) for r in results.values()))
+    lines += ["", "Where the wakes' time went: real seconds per wake in each phase (the victims' drain and sleep included), "
+              "over every successful wake or boot of the replay:", "",
+              "| arm | wakes | " + " | ".join(phases) + " |", "|---|---:|" + "---:|" * len(phases)]
+    for a, res in results.items():
+        n = max(1, sum(res.wakes.values()))
+        lines.append(f"| {a} | {sum(res.wakes.values())} | " + " | ".join(f"{res.phase_s.get(p, 0) / n:.2f}" for p in phases) + " |")
     lines += ["", "Mean wait per model (s):", "", "| model | requests | " + " | ".join(results) + " |",
               "|---|---:|" + "---:|" * len(results)]
     for name in MODELS:
