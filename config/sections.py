@@ -212,6 +212,12 @@ class Swap(Section):
     min_active_s: float = Field(5, ge=0, description="An engine stays awake at least this long (no thrash).")
     max_hold_s: float = Field(30, gt=0, description="Oldest waiter of another model forces a swap after this long.")
     idle_sleep_s: Optional[float] = Field(None, gt=0, description="Park an engine idle this long even if nobody waits.")
+    demand_tau_s: float = Field(300, gt=0, description="How fast demand is forgotten: a request's weight in a model's "
+                                "request rate decays with this time constant (it halves in 0.69x this).")
+    reuse_horizon_s: float = Field(60, gt=0, description="\"Asked for again soon\" means within this long: what parking an "
+                                   "engine is expected to cost is its wake times the chance of a request within it.")
+    wake_ahead: bool = Field(True, description="Wake the parked engine likeliest to be asked for next into room nobody waits "
+                             "for (or room idle, less likely engines hold), when the numbers say it pays (docs/operators.md).")
     drain_timeout_s: float = Field(30, ge=0, description="In-flight requests get this long before sleep aborts them.")
     boot_timeout_s: float = Field(900, gt=0, description="A cold boot must be healthy within this.")
     kill_grace_s: float = Field(

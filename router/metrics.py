@@ -34,6 +34,7 @@ RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2, 4)
 # Nats: from float32 noise to a wrong model, with the steps near the shipped threshold (0.05) fine.
 DRIFT_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 EVICTION_REASONS = ("room", "idle", "admin", "boot", "demote", "stop")
+AHEAD_OUTCOMES = ("woken", "used", "unused", "failed")
 RESTART_REASONS = ("failed", "gate", "midlife", "admin", "roster")
 
 
@@ -74,6 +75,8 @@ class Metrics(Observer, Events):
                                 "roster: its entry changed in a reload).",
                                 [*m, "reason"], registry=r)
         self.collapses = Counter("hotswap_midlife_collapses", "Acceptance collapses detected while serving.", m, registry=r)
+        self.wake_ahead = Counter("hotswap_wake_ahead", "Wakes ahead of demand (swap.wake_ahead) by outcome: woken (decided), "
+                                  "used (it served a request), unused (parked before it did), failed.", [*m, "outcome"], registry=r)
         self.evictions = Counter("hotswap_evictions", "Engines moved out of the way, by reason (room, idle, admin, boot, "
                                  "demote: level 1 -> 2 for host RAM, stop: asleep -> cold).", [*m, "reason"], registry=r)
         self.wake_ratio = Histogram("hotswap_wake_actual_over_predicted", "A wake's actual seconds over the seconds "
@@ -118,6 +121,8 @@ class Metrics(Observer, Events):
         self.collapses.labels(*labels)
         for reason in EVICTION_REASONS:
             self.evictions.labels(*labels, reason)
+        for outcome in AHEAD_OUTCOMES:
+            self.wake_ahead.labels(*labels, outcome)
         self.boot_failures.labels(*labels)
         for phase in engine.phases:
             self.phase_failures.labels(*labels, phase)
@@ -161,6 +166,9 @@ class Metrics(Observer, Events):
 
     def evicted(self, engine: Engine, reason: str) -> None:
         self.evictions.labels(engine.name, group_of(engine), reason).inc()
+
+    def woke_ahead(self, engine: Engine, outcome: str) -> None:
+        self.wake_ahead.labels(engine.name, group_of(engine), outcome).inc()
 
 
 class _LiveState(Collector):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engines.memory.weights import folder_weights_gb
 
-from .control import FAULT_KINDS, STEPS, Control, Fault, InjectedFault
+from .control import DELAY_VARIANTS, FAULT_KINDS, STEPS, Control, Fault, InjectedFault
 from .boot_failure import memory_check_failure, print_boot_failure
 from .host_memory import HostModel
 from .memory import DEFAULT_RESIDUAL_GB, DEFAULT_SHARE, EngineMemory, Ledger, OutOfMemory, parse_devices
@@ -45,8 +45,9 @@ def _json_object(text: str) -> dict:
 def _step_pair(kind_check: bool):
     def parse(text: str) -> tuple[str, str]:
         step, sep, value = text.partition("=")
-        if not sep or step not in STEPS:
-            raise argparse.ArgumentTypeError(f"expected STEP=VALUE with STEP in {', '.join(STEPS)}: {text!r}")
+        steps = STEPS if kind_check else STEPS + DELAY_VARIANTS
+        if not sep or step not in steps:
+            raise argparse.ArgumentTypeError(f"expected STEP=VALUE with STEP in {', '.join(steps)}: {text!r}")
         if kind_check:
             try:
                 Fault(step, value)
@@ -102,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="a request whose prompt contains TEXT decodes at mean acceptance length MAL (repeatable; first match wins)",
     )  # fmt: skip
     s.add_argument("--sim-step-delay", type=_step_pair(False), action="append", default=[], metavar="STEP=SECONDS",
-                   help="every call of STEP takes SECONDS longer (repeatable; the STEPs of --sim-fault)")
+                   help="every call of STEP takes SECONDS longer (repeatable; the STEPs of --sim-fault, and "
+                   f"{', '.join(DELAY_VARIANTS)}: a sleep at that level, instead of sleep's delay)")
     s.add_argument(
         "--sim-fault", type=_step_pair(True), action="append", default=[], metavar="STEP=KIND",
         help=f"fail every call of STEP (repeatable; at runtime: POST /sim/faults). STEP: {', '.join(STEPS)}. "

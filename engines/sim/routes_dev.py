@@ -53,7 +53,7 @@ def add_routes(app: web.Application, server: "SimServer", host: HostModel | None
             raise bad_request(f"Invalid sleep level {level}; must be 0, 1 or 2", "level")
         if mode not in ("abort", "wait", "keep"):
             raise bad_request(f"Invalid mode {mode!r}; must be abort, wait or keep", "mode")
-        await server.control.enter("sleep", query=query_json(request))
+        await server.control.enter("sleep", query=query_json(request), variant=f"sleep_level{level}")
         await server.engine.sleep(level, mode)
         if level == 2 and server.lose_lora_on_level2:
             server.adapters.lost = True

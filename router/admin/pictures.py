@@ -98,6 +98,9 @@ def _marker(mark: dict[str, Any], cx: float, cy: float, name: str) -> str:
     if mark["kind"] == "restart":
         return (f"<circle class='restart-marker' cx='{cx:.1f}' cy='{cy:.1f}' r='5' fill='#fff' stroke='#cf222e' "
                 f"stroke-width='2.5'>{title}</circle>")
+    if mark["kind"] == "ahead":  # a wake ahead of demand (woken), then its outcome (used, unused, failed)
+        return (f"<polygon class='ahead-marker' points='{cx - 5:.1f},{cy - 6:.1f} {cx + 6:.1f},{cy:.1f} {cx - 5:.1f},{cy + 6:.1f}' "
+                f"fill='{'#1a7f37' if mark['detail'] == 'used' else '#8c959f'}'>{title}</polygon>")
     colour, css = ("#cf222e", "refusal-marker") if mark["kind"] == "refused" else ("#e16f24", "allowed-marker")
     return (f"<g class='{css}'>{title}<circle cx='{cx:.1f}' cy='{cy:.1f}' r='8' fill='#fff'/>"
             f"<path d='M{cx - 5:.1f},{cy - 5:.1f} l10,10 M{cx + 5:.1f},{cy - 5:.1f} l-10,10' stroke='{colour}' "

@@ -18,7 +18,7 @@ from engines.memory import process_gpu_memory_gb
 from router.errors import APIError, for_clients
 from router.scheduling import placement
 from router.scheduling.costs import NO_LEVEL2, Costs
-from router.scheduling.events import SwapRecord
+from router.scheduling.history import SwapRecord
 from router.scheduling.roster_changes import RosterChanges
 from router.scheduling.state import MID_TRANSITION, Decision
 from router.tasks import spawn

@@ -28,7 +28,9 @@ NO_LEVEL2 = "its --load-format cannot reload weights from disk, so it never slee
 
 
 class Costs(SchedulerState):
-    reuse_horizon_s = 60.0  # "needed again soon" means within this long (a benchmark running time faster scales it)
+    @property
+    def reuse_horizon_s(self) -> float:
+        return self.swap.reuse_horizon_s
 
     def cost(self, engine: Engine, action: str, now: float) -> float:
         """What placement ranks victims by. bench/placement.py replaces it on the instance (LRU)."""
@@ -189,6 +191,15 @@ class Costs(SchedulerState):
         """How likely `engine` is to be asked for within reuse_horizon_s."""
         return 1.0 - math.exp(-self.demand.rate(engine.name, now) * self.reuse_horizon_s)
 
+    def blocked_by_boot(self, engine: Engine, now: float) -> float:
+        """Expected seconds the others on its devices wait behind a cold boot of `engine`: a boot has its
+        devices to itself (`boot_devices`), so every wake or park there waits for it to end. Each other
+        engine is asked for during the boot with the chance its demand gives, and waits half of it."""
+        boot = self.costs.boot_s(engine.name)
+        mine = set(engine.spec.devices)
+        return sum((1.0 - math.exp(-self.demand.rate(other.name, now) * boot)) * boot / 2 for other in self.engines
+                   if other is not engine and not other.spec.pin and mine & set(other.spec.devices))
+
     def deeper_level(self, engine: Engine, now: float) -> Optional[int]:
         """The rung a KV-parked `engine` goes down to when its weights' room is needed: what a full park
         would choose now (Level 1 while host RAM holds it as it is, else 2); None: neither (a stop)."""
@@ -199,11 +210,13 @@ class Costs(SchedulerState):
     def expected_cost(self, engine: Engine, action: str, now: float) -> float:
         """Seconds of waiting that moving `engine` out of the way is expected to cost later:
         its predicted wake (or, stopped, the boot beyond its wake) times the chance it is needed
-        again soon. "kv_park": a KV park's wake; "deepen": a KV-parked engine's wake from the rung
-        below beyond its KV wake. Ties go to the least recently used."""
+        again soon; a cold boot also counts what it makes the others on its devices wait. "kv_park": a
+        KV park's wake; "deepen": a KV-parked engine's wake from the rung below beyond its KV wake. Ties
+        go to the least recently used."""
         if action == "stop":  # an awake engine's (a `sleep_level: 0` one that cannot be KV-parked): the whole boot
             level = engine.sleep_level
-            extra = self.costs.boot_s(engine.name) - (0.0 if level is None else self.costs.wake_s(engine.name, level))
+            extra = self.costs.boot_s(engine.name) - (0.0 if level is None else self.costs.wake_s(engine.name, level)) \
+                + self.blocked_by_boot(engine, now)
         elif action == "kv_park":
             extra = self.costs.wake_s(engine.name, KV_PARKED)
         elif action == "deepen":
@@ -211,6 +224,7 @@ class Costs(SchedulerState):
             extra = self.costs.wake_s(engine.name, level) - self.costs.wake_s(engine.name, KV_PARKED)
         else:
             level, _ = self._choose_level(engine, now)
-            extra = self.costs.boot_s(engine.name) if level is None else self.costs.wake_s(engine.name, level)
+            extra = self.costs.boot_s(engine.name) + self.blocked_by_boot(engine, now) if level is None \
+                else self.costs.wake_s(engine.name, level)
         recency = 1e-9 / (1.0 + max(0.0, now - self.demand.last(engine.name)))  # a tie-break only
         return self._reuse(engine, now) * max(extra, 0.0) + recency

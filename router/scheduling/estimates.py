@@ -15,7 +15,6 @@ import math
 from typing import Optional
 
 ALPHA = 0.3  # weight of the newest measurement
-DEMAND_TAU_S = 300.0  # a request's weight halves in about 3.5 minutes
 UNKNOWN_S = 30.0  # a model never booted yet (only before its first boot is measured)
 
 
@@ -77,7 +76,7 @@ class WakeCosts:
 
 
 class Demand:
-    def __init__(self, tau_s: float = DEMAND_TAU_S) -> None:
+    def __init__(self, tau_s: float) -> None:  # swap.demand_tau_s
         self.tau_s = tau_s
         self._weight: dict[str, float] = {}
         self._at: dict[str, float] = {}

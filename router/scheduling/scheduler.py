@@ -23,14 +23,14 @@ from engines.engine import Engine, State
 from engines.ladder import KV_PARKED
 from router.errors import APIError
 from router.scheduling import placement
-from router.scheduling.actions import Actions
+from router.scheduling.ahead import WakeAhead
 from router.scheduling.costs import NO_LEVEL2
 from router.scheduling.placement import Ledger, Victim
 from router.scheduling.state import BOOTING_ACTIONS, Decision, Plan
 from router.tasks import spawn
 
 
-class Scheduler(Actions):
+class Scheduler(WakeAhead):
     # -- the loop ----------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -171,6 +171,10 @@ class Scheduler(Actions):
                         started(move.engine)
             else:
                 waits.append(max(idle - idle_for, self.swap.min_active_s - awake_for, 0.01))
+        for decision in self.ahead_decisions(ledger, now, moving, clear):
+            decisions.append(decision)
+            moving.add(decision.engine.name)
+            started(decision.engine)
         return Plan(tuple(decisions), min(waits) if waits and not decisions else None)
 
     def _targets(self, now: float, moving: set[str]) -> list[tuple[Engine, float]]:
@@ -286,7 +290,8 @@ class Scheduler(Actions):
             return [Decision("deepen", engine, f"{why}; its weights' room, down to level {victim.level}", victim.level)]
         if victim.level == KV_PARKED:
             return [Decision("park", engine, f"{why}; its KV cache only (level 0)", KV_PARKED)]
-        level, demoted = self._choose_level(engine, now, waking=ledger.reserved, ledger=ledger)
+        back = self.ahead_level(engine)
+        level, demoted = (back, []) if back is not None else self._choose_level(engine, now, waking=ledger.reserved, ledger=ledger)
         reason = self.level_reason(engine, level, ledger.reserved)
         if level is None:
             numbers = f"; {reason}" if reason else ""

@@ -21,7 +21,7 @@ from engines.engine import Engine, State
 from router.errors import APIError
 from router.scheduling.backoff import Backoff
 from router.scheduling.estimates import Demand, WakeCosts
-from router.scheduling.events import Events, SwapRecord
+from router.scheduling.history import Events, SwapRecord
 from router.scheduling.placement import Capacity, Ledger
 
 # States an engine is only in while an action drives it.
@@ -84,7 +84,7 @@ class SchedulerState:
         self.waiting: dict[str, collections.deque[Waiter]] = {e.name: collections.deque() for e in engines}
         self.backoff = Backoff([e.name for e in engines], clock)
         self.costs = WakeCosts()
-        self.demand = Demand()
+        self.demand = Demand(swap.demand_tau_s)
         self.busy: dict[str, asyncio.Future[None]] = {}  # engine -> done when its action ends
         self.doing: dict[str, tuple[str, float, float]] = {}  # engine -> (action, started, predicted seconds)
         self.parking_level: dict[str, int] = {}  # engine being parked -> the level it goes to
@@ -92,6 +92,8 @@ class SchedulerState:
         self.handled: set[str] = set()  # FAILED engines whose failure has been counted and stopped
         self.pending_restart: dict[str, str] = {}  # engine -> reason, for its next wake
         self.residuals: dict[str, dict[int, float]] = {}  # measured per engine and device, GB
+        self.ahead: dict[str, Any] = {}  # engine -> its pre-wake (router.scheduling.ahead.WokenAhead), until its outcome
+        self.ahead_done: list[Any] = []  # the last pre-wakes with their outcomes, newest last
         self.host_why: dict[str, Optional[str]] = {}  # engine -> why its last park was not at Level 1 (numbers)
         self.to_boot: set[str] = set()  # new in a reload (or restarted from a changed entry): boot in the background
         self.startup: set[str] = set()  # not booted yet since the router started (first boots are not swaps)
