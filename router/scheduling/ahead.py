@@ -1,8 +1,8 @@
 """Waking a parked engine before anyone asks for it (`swap.wake_ahead`).
 
 A wake a request waits for costs it the wake and the canary. When a device has room nobody waits
-for, or room held only by idle engines less likely to be asked for, the parked engine most likely
-to be asked for next is woken then, so its next request finds it awake. What it may cost is bounded
+for, or room held only by idle engines nobody has asked for within `reuse_horizon_s` (no demand),
+the parked engine most likely to be asked for next is woken then, so its next request finds it awake. What it may cost is bounded
 by the numbers: the chance it is asked for within `reuse_horizon_s` times the wake it saves must
 beat what the idle engines parked for it are expected to cost (the same `expected_cost` victims are
 ranked by) plus, should it go unused, the sleep that gives its room back.
@@ -72,7 +72,7 @@ class WakeAhead(Actions):
             victims = [Victim(e, "park", ledger.parked_frees(e), self.cost(e, "park", now)) for e in self.engines
                        if e.state is State.AWAKE and e.name not in self.busy and e.name not in moving and not e.spec.pin
                        and not e.in_flight and set(e.spec.devices) & set(target.spec.devices) and clear(e)
-                       and self._evictable_in(e, now, now) == 0 and self._reuse(e, now) < chance]
+                       and self._evictable_in(e, now, now) == 0 and now - self.demand.last(e.name) > self.reuse_horizon_s]
             chosen = placement.cheapest(ledger, target, victims, [])
             if chosen and sum(v.cost for v in chosen) < saved - unused:
                 return [d for v in chosen for d in self._move(v, f"room to wake {target.name} ahead of demand "

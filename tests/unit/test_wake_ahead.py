@@ -67,7 +67,7 @@ async def test_a_model_nobody_asked_for_is_not_woken_ahead_nor_one_whose_unused_
     assert actions(s.decide(clock.now)) == [], "no demand: no guess; a 1 s wake saved is not worth a 4 s sleep wasted"
 
 
-async def test_an_idle_engine_less_likely_to_be_asked_for_is_parked_for_a_likelier_one_and_a_busy_one_never(clock):
+async def test_an_idle_engine_nobody_asked_for_lately_is_parked_for_a_likely_one_and_one_with_demand_never(clock):
     rare = awake("rare", clock, share=0.6)
     rare.last_used = clock.now - 100
     popular = FakeEngine("popular", share=0.6)
@@ -78,6 +78,11 @@ async def test_an_idle_engine_less_likely_to_be_asked_for_is_parked_for_a_likeli
     rare.in_flight = 1
     assert actions(s.decide(clock.now)) == [], "rare is serving: nothing is cut for a guess"
     rare.in_flight = 0
+    s.demand.arrived("rare", clock.now - 30)
+    assert actions(s.decide(clock.now)) == [], "rare was asked for 30 s ago, within the 60 s horizon: it has demand"
+    s.demand = type(s.demand)(s.demand.tau_s)
+    asked(s, "popular", 20, clock.now - 5)
+    asked(s, "rare", 1, clock.now - 280)
     plan = s.decide(clock.now)
     assert actions(plan) == [("park", "rare")] and "ahead of demand" in plan.decisions[0].why
     s.busy.clear(), s.doing.clear()
