@@ -21,6 +21,7 @@ The arms, each a fresh router (in its own child process, so `before` imports ano
 fresh simulated engines (always this tree's `engines.sim`, so every arm meets the same engines):
 
   hotswap   this tree
+  no-ahead  this tree with `swap.wake_ahead: false`, to tell what waking ahead does
   lru       this tree with the victims chosen least recently requested first (bench/replay.py
             `lru_cost`): a memory-aware router that swaps on demand and drains its victim, as
             Ollama and Ray Serve do
@@ -55,7 +56,7 @@ import harness as h  # bench/harness.py: the run session, report helpers
 from replay import Failed, at_arrival_times, first_errors, lru_cost, running_router  # bench/replay.py: the in-process router
 
 SECTION = "## The wait for a parked model on a production trace (issue 32)"
-ARMS = ("hotswap", "lru", "before")
+ARMS = ("hotswap", "no-ahead", "lru", "before")
 GPU_GB = 141.0
 TRACE = h.REPO / "bench" / "traces" / "servegen-d1-7.jsonl"
 
@@ -148,7 +149,7 @@ def older_tree(scheduler: Any, scale: float) -> None:
     scheduler.reuse_horizon_s *= scale
 
 
-def roster(port: int, args: argparse.Namespace, ledger: Path) -> str:
+def roster(port: int, args: argparse.Namespace, ledger: Path, arm: str = "hotswap") -> str:
     scale = args.time_scale
     env = {"HOTSWAP_SIM_GPU_LEDGER": str(ledger), "HOTSWAP_SIM_GPU_MEMORY_GB": f"0={GPU_GB:g},1={GPU_GB:g}",
            "PYTHONPATH": str(h.REPO)}  # every arm meets this tree's simulator
@@ -156,7 +157,7 @@ def roster(port: int, args: argparse.Namespace, ledger: Path) -> str:
         "# written by bench/wake_trace.py",
         f"listen: {{host: 127.0.0.1, port: {port}}}",
         f"swap: {{min_active_s: {MIN_ACTIVE_S * scale:g}, max_hold_s: {MAX_HOLD_S * scale:g}, "
-        f"drain_timeout_s: {DRAIN_S * scale:g}{policy_keys(scale)}}}",
+        f"drain_timeout_s: {DRAIN_S * scale:g}{policy_keys(scale)}{', wake_ahead: false' if arm == 'no-ahead' else ''}}}",
         f"queue: {{max_wait_s: {MAX_WAIT_S * scale:g}, max_waiting: 4096}}",
         f"gpus: [{{index: 0, memory_gb: {GPU_GB:g}}}, {{index: 1, memory_gb: {GPU_GB:g}}}]",
         f"host: {{ram_budget_gb: {args.ram_budget_gb:g}}}",
@@ -201,7 +202,7 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
     import aiohttp
 
     scale = args.time_scale
-    text = roster(h.free_port(), args, tmp / f"ledger-{arm}.json")
+    text = roster(h.free_port(), args, tmp / f"ledger-{arm}.json", arm)
     (tmp / f"roster-{arm}.yaml").write_text(text)
     deadline = time.monotonic() + args.max_seconds
 
