@@ -27,10 +27,9 @@ same trace is replayed against a fresh router and fresh engines for each policy:
 
 The router runs in this process (`router.app.build_router` + `build_app` on a loopback port, as
 `router/daemon.py` does), so its scheduler's cost function can be swapped; the engines are real
-processes it launches. The scheduler's own time constants (the demand decay `DEMAND_TAU_S`,
-the reuse horizon `reuse_horizon_s`) and the roster's (`min_active_s`, `max_hold_s`,
-`queue.max_wait_s`) are scaled by `--time-scale` as well, so the policy sees the trace as it
-would in real time.
+processes it launches. The roster's time constants (`min_active_s`, `max_hold_s`,
+`queue.max_wait_s`, the policy's `demand_tau_s` and `reuse_horizon_s`) are scaled by
+`--time-scale` as well, so the policy sees the trace as it would in real time.
 
 Client wait = request latency - the engine's own generation time (tokens / decode rate) - the
 floor (the median of the same for 20 requests to an already awake model before the trace: the
@@ -60,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import harness as h  # bench/harness.py: the run session, processes, report helpers
+from replay import Failed, at_arrival_times, first_errors, lru_cost, running_router  # bench/replay.py: the in-process router
 
 SECTION = "## Placement policies (issue 12)"
 POLICIES = ("group", "lru", "cost-aware")
@@ -72,6 +72,7 @@ BOOT_FIXED_S = 15.0  # cold boot beyond loading the weights: 27 GB -> 19.5 s
 SLEEP_S = 0.3
 # The scheduler's and the roster's time constants (real seconds), scaled like the trace.
 MIN_ACTIVE_S, MAX_HOLD_S, MAX_WAIT_S, DRAIN_S = 5.0, 30.0, 300.0, 30.0
+DEMAND_TAU_S, REUSE_HORIZON_S = 300.0, 60.0  # the roster's defaults
 CALIBRATION_REQUESTS = 20
 
 
@@ -139,7 +140,8 @@ def roster(policy: str, port: int, scale: float, budget_gb: float, ledger: Path,
         f"# written by bench/placement.py ({policy})",
         f"listen: {{host: 127.0.0.1, port: {port}}}",
         f"swap: {{min_active_s: {MIN_ACTIVE_S * scale:g}, max_hold_s: {MAX_HOLD_S * scale:g}, "
-        f"drain_timeout_s: {DRAIN_S * scale:g}}}",
+        f"drain_timeout_s: {DRAIN_S * scale:g}, demand_tau_s: {DEMAND_TAU_S * scale:g}, "
+        f"reuse_horizon_s: {REUSE_HORIZON_S * scale:g}}}",
         f"queue: {{max_wait_s: {MAX_WAIT_S * scale:g}}}",
         f"gpus: [{{index: 0, memory_gb: {GPU_GB:g}}}]",
         f"host: {{ram_budget_gb: {budget_gb:g}}}",
@@ -163,37 +165,6 @@ def roster(policy: str, port: int, scale: float, budget_gb: float, ledger: Path,
     return "\n".join(lines) + "\n"
 
 
-def lru_cost(scheduler: Any):
-    """Least recently requested first. The scheduler picks the set of victims with the least total
-    cost; 2**rank makes that the shortest prefix of the LRU order that makes room (skipping any
-    victim the room does not need)."""
-    def cost(engine: Any, action: str, now: float) -> float:
-        order = sorted(scheduler.engines, key=lambda e: scheduler.demand.last(e.name))
-        return float(2 ** next(i for i, e in enumerate(order) if e.name == engine.name))
-    return cost
-
-
-class Failed(Exception):
-    """A run that cannot go on: the message says why and where the logs are."""
-
-
-class Recorder:
-    """The scheduler's events (wakes with their phases, evictions), passed on to the router's metrics."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-        self.wakes: list[Any] = []
-        self.evictions: dict[str, int] = {}
-
-    def swap_done(self, record: Any) -> None:
-        self.wakes.append(record)
-        self.inner.swap_done(record)
-
-    def evicted(self, engine: Any, reason: str) -> None:
-        self.evictions[reason] = self.evictions.get(reason, 0) + 1
-        self.inner.evicted(engine, reason)
-
-
 @dataclass
 class Result:
     policy: str
@@ -210,118 +181,65 @@ class Result:
 
 async def run_policy(policy: str, trace: list[Req], args: argparse.Namespace, tmp: Path) -> Result:
     import aiohttp
-    from aiohttp import web
 
-    from config import parse_roster
     from engines.engine import State
-    from router.app import build_app, build_router
-    from router.scheduling import DEMAND_TAU_S, Demand
 
     scale = args.time_scale
     port = h.free_port()
     default = args.popularity[0]
     text = roster(policy, port, scale, args.ram_budget_gb, tmp / f"ledger-{policy}.json", default)
     (tmp / f"roster-{policy}.yaml").write_text(text)
-    spec = parse_roster(text, f"<placement {policy}>")
-    log_dir = tmp / f"engines-{policy}"
-    log_dir.mkdir()
     deadline = time.monotonic() + args.max_seconds
-    async with aiohttp.ClientSession() as session, \
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                  timeout=aiohttp.ClientTimeout(total=MAX_WAIT_S * scale + 60)) as client:
-        router = build_router(spec, log_dir, session)
-        scheduler = router.placement
-        scheduler.demand = Demand(DEMAND_TAU_S * scale)
-        scheduler.reuse_horizon_s *= scale  # the same for every policy
+
+    def setup(scheduler: Any) -> None:
         if policy == "lru":
             scheduler.cost = lru_cost(scheduler)
-        recorder = Recorder(scheduler.events)
-        scheduler.events = recorder
-        runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", port)
-        await site.start()
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        tasks: list[asyncio.Task[None]] = []
-        try:
-            router.start()
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=MAX_WAIT_S * scale + 60)) as client, \
+            running_router(text, f"placement {policy}", tmp / f"engines-{policy}", deadline, setup) as run:
+        router, scheduler, recorder = run.router, run.scheduler, run.recorder
+        url = f"{run.base_url}/v1/completions"
+        awake = [e.name for e in router.engines.values() if e.state is State.AWAKE]
+        print(f"  {policy}: booted; awake: {', '.join(awake)}", flush=True)
+
+        async def send(r: Req) -> tuple[int, float, str]:
+            body = {"model": r.model, "prompt": "Place", "max_tokens": r.tokens, "temperature": 0, "ignore_eos": True}
+            t0 = time.perf_counter()
             try:
-                async with asyncio.timeout(max(1.0, deadline - time.monotonic())):
-                    await scheduler.boot_done.wait()
-            except TimeoutError:
-                raise Failed(f"{policy}: engines not booted within --max-seconds; logs in {log_dir}") from None
-            failed = [f"{e.name}: {e.failure}" for e in router.engines.values() if e.state is State.FAILED]
-            if failed:
-                raise Failed(f"{policy}: engines failed to boot (logs in {log_dir}):\n" + "\n".join(failed))
-            awake = [e.name for e in router.engines.values() if e.state is State.AWAKE]
-            print(f"  {policy}: booted; awake: {', '.join(awake)}", flush=True)
+                async with client.post(url, json=body) as resp:
+                    data = await resp.read()
+                    status = resp.status
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                return 0, time.perf_counter() - t0, repr(exc)
+            return status, time.perf_counter() - t0, "" if status == 200 else data[:200].decode(errors="replace")
 
-            async def send(r: Req) -> tuple[int, float, str]:
-                body = {"model": r.model, "prompt": "Place", "max_tokens": r.tokens, "temperature": 0, "ignore_eos": True}
-                t0 = time.perf_counter()
-                try:
-                    async with client.post(url, json=body) as resp:
-                        data = await resp.read()
-                        status = resp.status
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    return 0, time.perf_counter() - t0, repr(exc)
-                return status, time.perf_counter() - t0, "" if status == 200 else data[:200].decode(errors="replace")
+        def generation_s(r: Req) -> float:  # wall
+            return r.tokens / (MODELS[r.model].tok_s / scale)
 
-            def generation_s(r: Req) -> float:  # wall
-                return r.tokens / (MODELS[r.model].tok_s / scale)
+        # The floor: an awake model's request through the router (then forget that demand).
+        cal = Req(-1, 0.0, default, 1)
+        floors = []
+        for _ in range(CALIBRATION_REQUESTS):
+            status, lat, err = await send(cal)
+            if status != 200:
+                raise Failed(f"{policy}: calibration request answered {status}: {err}")
+            floors.append(lat - generation_s(cal))
+        scheduler.demand = type(scheduler.demand)(scheduler.demand.tau_s)  # the calibration is not demand
+        res = Result(policy, h.percentile(floors, 0.5))
 
-            # The floor: an awake model's request through the router (then forget that demand).
-            cal = Req(-1, 0.0, default, 1)
-            floors = []
-            for _ in range(CALIBRATION_REQUESTS):
-                status, lat, err = await send(cal)
-                if status != 200:
-                    raise Failed(f"{policy}: calibration request answered {status}: {err}")
-                floors.append(lat - generation_s(cal))
-            scheduler.demand = Demand(DEMAND_TAU_S * scale)
-            res = Result(policy, h.percentile(floors, 0.5))
+        async def one(r: Req) -> None:
+            engine = router.engines[r.model]
+            res.hits[r.i] = engine.state is State.AWAKE and engine.name not in scheduler.busy
+            status, lat, err = await send(r)
+            if status != 200:
+                res.errors.append(f"#{r.i} {r.model}: {status} {err}")
+                return
+            res.waits[r.i] = (lat - generation_s(r) - res.floor_s) / scale
 
-            async def one(r: Req) -> None:
-                engine = router.engines[r.model]
-                res.hits[r.i] = engine.state is State.AWAKE and engine.name not in scheduler.busy
-                status, lat, err = await send(r)
-                if status != 200:
-                    res.errors.append(f"#{r.i} {r.model}: {status} {err}")
-                    return
-                res.waits[r.i] = (lat - generation_s(r) - res.floor_s) / scale
-
-            loop = asyncio.get_running_loop()
-            t0 = loop.time() + 0.05
-            for r in trace:
-                at = t0 + r.t * scale
-                if time.monotonic() > deadline:
-                    raise Failed(f"{policy}: --max-seconds reached while replaying (request {r.i})")
-                await asyncio.sleep(max(0.0, at - loop.time()))  # the trace's arrival time, not a readiness wait
-                res.lag_s.append(loop.time() - at)
-                tasks.append(asyncio.create_task(one(r)))
-                if r.i % 100 == 99:
-                    print(f"  {policy}: {r.i + 1}/{len(trace)} sent", flush=True)
-            try:
-                async with asyncio.timeout(max(1.0, deadline - time.monotonic())):
-                    await asyncio.gather(*tasks)
-            except TimeoutError:
-                raise Failed(f"{policy}: requests still open at --max-seconds; router log in {tmp}") from None
-            res.wall_s = loop.time() - t0
-        finally:
-            for task in tasks:  # only after a failure or an interruption are any left
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await router.stop()
-            await runner.cleanup()
-            for e in router.engines.values():  # the router stops its engines; this is the backstop
-                if e.process is not None and e.process.pid and e.process.returncode is None:
-                    h.killpg(e.process.pid, signal.SIGKILL)
-    for rec in recorder.wakes:
-        if rec.result != "ok":
-            continue
-        kind = "boot" if "boot" in rec.phases else "level2" if "wake_weights" in rec.phases else "level1"
-        res.wakes[kind] = res.wakes.get(kind, 0) + 1
-        res.wake_s[kind] = res.wake_s.get(kind, 0.0) + rec.seconds / args.time_scale
+        res.lag_s, res.wall_s = await at_arrival_times([(r.t, lambda r=r: one(r)) for r in trace], scale, deadline,
+                                                       policy, progress=100)
+    res.wakes, res.wake_s = recorder.wake_kinds(args.time_scale)
     res.evictions = dict(recorder.evictions)
     return res
 
@@ -424,10 +342,7 @@ def report(results: dict[str, Result], trace: list[Req], args: argparse.Namespac
         f"> 0.5 s shorter on {len(better)}. Send lag (the replay's own lateness, wall): p99 "
         + ", ".join(f"{p} {h.percentile(res.lag_s, 0.99) * 1e3:.1f} ms" for p, res in results.items()) + ".",
     ]
-    errs = [e for res in results.values() for e in res.errors[:2]]
-    if errs:
-        lines += ["", "First errors: " + "; ".join(f"`{e[:160]}`" for e in errs)]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + first_errors([res.errors for res in results.values()])) + "\n"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -131,9 +131,10 @@ class ModelSpec(Section):
     port: Optional[int] = Field(None, ge=1, le=65535, description="Engine port; picked free when unset.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine process.")
     speculative: Optional[dict[str, Any]] = Field(None, description="Becomes --speculative-config (JSON).")
-    sleep_level: Literal["auto", 1, 2] = Field(
-        "auto", description="vLLM sleep level when parked: 1 keeps weights in host RAM, 2 discards them; "
-        "auto: 1 while host.ram_budget_gb holds what it would hold there, else 2 (else a stop, for a --load-format vLLM cannot "
+    sleep_level: Literal["auto", 0, 1, 2] = Field(
+        "auto", description="vLLM sleep level when parked: 0 releases only the KV cache (weights stay on the GPU; "
+        "when its room is needed it is stopped), 1 keeps weights in host RAM, 2 discards them; auto: the whole ladder, "
+        "0 when releasing the KV cache makes the room needed and costs less (weights_gb and gpus known), else 1 while host.ram_budget_gb holds what it would hold there, else 2 (else a stop, for a --load-format vLLM cannot "
         "reload from: dummy, ipc_cache, modelexpress, sharded_state, runai_streamer_sharded, tensorizer; 2 is refused for those).")
     # After sleep_level, so that its validator sees it (pydantic validates fields in this order).
     command: Optional[Argv] = Field(None, description="Full argv; {port}, {model}, {name} are filled in.")

@@ -205,10 +205,12 @@ class StepTimeouts(Section):
     sleep: float = Field(120, gt=0, description="POST /sleep (after the drain).")
     stage: float = Field(300, gt=0, description="collective_rpc hotswap_stage_weights (the checkpoint read into the "
                          "page cache before a Level-2 wake). Past it the wake goes on: a stage never fails a wake.")
+    release_kv_cache: float = Field(
+        60, gt=0, description="POST /release_kv_cache_memory (a KV park, after POST /sleep?level=0).")
     wake_weights: float = Field(120, gt=0, description="POST /wake_up?tags=weights.")
     reload_draft: float = Field(300, gt=0, description="collective_rpc hotswap_reload_draft (draft from disk).")
     reload_weights: float = Field(600, gt=0, description="collective_rpc reload_weights (target from disk).")
-    wake_kv_cache: float = Field(120, gt=0, description="POST /wake_up?tags=kv_cache (or the whole Level-1 wake).")
+    wake_kv_cache: float = Field(120, gt=0, description="POST /wake_up?tags=kv_cache (or the whole Level-1 wake, or a KV park's wake).")
     reset_prefix_cache: float = Field(60, gt=0, description="POST /reset_prefix_cache, retried while it answers false.")
     gate: float = Field(120, gt=0, description="Each canary generation and its counter reads (a gate step runs one to "
                         "three: the first cold boot's replay, gate.lora_canary's; the step gets this much for each).")
@@ -218,6 +220,12 @@ class Swap(Section):
     min_active_s: float = Field(5, ge=0, description="An engine stays awake at least this long (no thrash).")
     max_hold_s: float = Field(30, gt=0, description="Oldest waiter of another model forces a swap after this long.")
     idle_sleep_s: Optional[float] = Field(None, gt=0, description="Park an engine idle this long even if nobody waits.")
+    demand_tau_s: float = Field(300, gt=0, description="How fast demand is forgotten: a request's weight in a model's "
+                                "request rate decays with this time constant (it halves in 0.69x this).")
+    reuse_horizon_s: float = Field(60, gt=0, description="\"Asked for again soon\" means within this long: what parking an "
+                                   "engine is expected to cost is its wake times the chance of a request within it.")
+    wake_ahead: bool = Field(True, description="Wake the parked engine likeliest to be asked for next into room nobody waits "
+                             "for (or room idle, less likely engines hold), when the numbers say it pays (docs/operators.md).")
     drain_timeout_s: float = Field(30, ge=0, description="In-flight requests get this long before sleep aborts them.")
     boot_timeout_s: float = Field(900, gt=0, description="A cold boot must be healthy within this.")
     kill_grace_s: float = Field(

@@ -19,15 +19,14 @@ from typing import Any, Awaitable, Callable, ContextManager, Optional
 import aiohttp
 
 from config.schema import ModelSpec, Swap
-from engines import handshake, wake
+from engines import handshake, ladder, wake
 from engines.gate import GateRecord, Verdict
 from engines.leases import Leases
 from engines.memory import HostMemory
-from engines.observer import Observer
 from engines.process import EngineProcess, free_port, loads_extension, log_file
 from engines.progress import ROSTER, Progress
 from engines.stage import Stager
-from engines.states import TRANSITIONS, EngineFailed, State
+from engines.states import TRANSITIONS, EngineFailed, Observer, State
 from engines.vllm import EngineError, EngineRefused, VLLMClient, attached_client
 
 __all__ = ["Engine", "EngineFailed", "Observer", "State", "TRANSITIONS"]
@@ -93,17 +92,17 @@ class Engine:
     @property
     def phases(self) -> list[str]:
         """The steps this engine's sleep and wake go through (for metrics that must exist up front)."""
-        phases = [p for level in self.sleep_levels for p in self.wake_phases(level)]
-        return ["sleep", *dict.fromkeys(phases), "gate"]
+        down = [s.phase for level in self.sleep_levels for s in ladder.down(level, "wait")]
+        up = [p for level in self.sleep_levels for p in self.wake_phases(level)]
+        return [*dict.fromkeys(down + up), "gate"]
 
     def wake_phases(self, level: int) -> list[str]:
         return wake.phases(level, self.spec.draft_restore, self.stager.enabled)
 
     @property
     def sleep_levels(self) -> tuple[int, ...]:
-        """The levels this engine may be parked at (`auto`: either, chosen per park by host RAM)."""
-        level = self.spec.sleep_level
-        return (1, 2) if level == "auto" else (level,)
+        """The rungs this engine may be parked on (engines.ladder; `auto`: all, chosen per park)."""
+        return ladder.rungs(self.spec.sleep_level)
 
     @property
     def holds_process(self) -> bool:
@@ -279,14 +278,26 @@ class Engine:
         return idle
 
     async def sleep(self, level: Optional[int] = None) -> None:
-        """Drain, then put vLLM to sleep (stragglers past the drain deadline are aborted)."""
-        level = level or self.sleep_levels[-1]
+        """Drain, then park vLLM on rung `level` (engines.ladder; stragglers past the drain deadline are aborted)."""
+        level = self.sleep_levels[-1] if level is None else level
         self.last_phases = {}
         mode = "wait" if await self.drain() else "abort"
         await self.host.before_sleep(self.client, self.process)
-        await self._step("sleep", lambda t: self.client.sleep(level, mode, timeout=t))
+        await self._run_steps(ladder.down(level, mode))
         self.sleep_level = level
         self._enter(State.SLEEPING)
+        await self.host.after_sleep(self.client, self.process, level)
+
+    async def park_further(self, level: int) -> None:
+        """A KV-parked engine down to Level 1 or 2 without waking it (engines.ladder.further): its
+        weights leave the GPU. It stays SLEEPING throughout; the observer hears SLEEPING -> SLEEPING
+        once it is on its new rung."""
+        if self.state is not State.SLEEPING or self.sleep_level != ladder.KV_PARKED or level <= ladder.KV_PARKED:
+            raise self._refuse_transition(self.state, State.SLEEPING)
+        self.last_phases = {}
+        await self._run_steps(ladder.further(level))
+        self.sleep_level = level
+        self.observer.state_changed(self, State.SLEEPING, State.SLEEPING)
         await self.host.after_sleep(self.client, self.process, level)
 
     # -- wake ----------------------------------------------------------------------------
@@ -298,8 +309,9 @@ class Engine:
         self.last_phases = {}
         self.progress.waking()
         self._enter(State.WAKING)
-        await self._wake_steps(self.sleep_level or 2)
-        await self.host.after_wake(self.client, self.process, self.sleep_level or 2)
+        level = 2 if self.sleep_level is None else self.sleep_level
+        await self._wake_steps(level)
+        await self.host.after_wake(self.client, self.process, level)
         self._enter(State.VERIFYING)
         verdict = await self._judged_canary()
         if verdict.passed:
@@ -315,13 +327,16 @@ class Engine:
             raise self.fail(f"gate refused promotion: {verdict.reason}")
 
     async def _wake_steps(self, level: int) -> None:
-        for step in wake.steps(level, self.spec.draft_restore, self.stager.enabled):
+        await self._run_steps(wake.steps(level, self.spec.draft_restore, self.stager.enabled))
+        if level == 2:
+            self.stager.reloaded()
+
+    async def _run_steps(self, steps: tuple[wake.Step, ...]) -> None:
+        for step in steps:
             if step.fatal:
                 await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
             else:
                 await self._stage()
-        if level == 2:
-            self.stager.reloaded()
 
     async def _stage(self) -> None:
         """The stage step: timed and reported like a step, but whatever happens the wake goes on (engines.stage)."""

@@ -1,4 +1,4 @@
-"""An engine's states and the one table of transitions between them.
+"""An engine's states, the one table of transitions between them, and who hears of them.
 
 See DESIGN.md, "Engine states"; `engines.engine.Engine._enter` refuses any transition the
 table does not list.
@@ -7,6 +7,7 @@ table does not list.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class State(str, enum.Enum):
@@ -36,3 +37,19 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 
 class EngineFailed(Exception):
     """A lifecycle step failed; the engine is FAILED. The message names engine, step and cause."""
+
+
+class Observer:
+    """Receives what an engine does (the router's metrics and logs implement this). `engine` is the
+    `engines.engine.Engine` reporting (typed Any: this module sits below it). A parked engine that
+    goes a rung further down without waking (`Engine.park_further`) reports SLEEPING -> SLEEPING."""
+
+    def state_changed(self, engine: Any, old: State, new: State) -> None: ...
+
+    def step_done(self, engine: Any, phase: str, seconds: float, ok: bool) -> None: ...
+
+    def verdict(self, engine: Any, verdict: Any) -> None: ...
+
+    def restarted(self, engine: Any, reason: str) -> None: ...
+
+    def midlife_collapse(self, engine: Any, observed_mal: float, reason: str) -> None: ...

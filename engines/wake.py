@@ -16,10 +16,18 @@ Level 2 (weights discarded at sleep), in this order:
   4. wake_kv_cache       POST /wake_up?tags=kv_cache
   5. reset_prefix_cache  POST /reset_prefix_cache, retried while it answers success=false
 Level 1 (weights kept in host RAM): POST /wake_up (timed as wake_kv_cache), reset_prefix_cache.
+Level 0, KV-parked (weights on the GPU, KV cache released; engines/ladder.py):
+  1. wake_kv_cache       POST /wake_up?tags=kv_cache, which must answer status "awake": vLLM 0.32
+                         re-maps the KV cache's memory (device_allocator/cumem.py:331 `wake_up`,
+                         contents undefined) and resumes its scheduler only once nothing sleeps any
+                         more (v1/engine/core.py:997-1019); "sleeping" would leave requests hanging
+  2. reset_prefix_cache  as above: the re-mapped pages hold garbage, a cached prefix must not
+                         point into them. The gate still runs after it: a KV fault (vLLM #44972,
+                         undefined KV pages after a wake) is what its logprob check catches.
 
 Each step is `run(client, timeout)`; `swap.timeouts.<phase>` bounds it. A step with `fatal=False`
-(only `stage`) is reported like the others (duration metric, phase, failure counter) but its failure
-is the wake's loss of a speed-up, not the wake's failure.
+(only `stage`) is timed like the others (its phase; its failures counted apart, hotswap_stage_failures_total):
+its failure is the wake's loss of a speed-up, not the wake's failure.
 """
 
 from __future__ import annotations
@@ -76,18 +84,31 @@ LEVEL2 = (
     Step("wake_kv_cache", lambda client, t: client.wake_up(["kv_cache"], timeout=t)),
     Step("reset_prefix_cache", reset_prefix_cache),
 )
+async def wake_kv_cache(client: VLLMClient, timeout: float) -> Any:
+    answer = await client.wake_up(["kv_cache"], timeout=timeout)
+    if isinstance(answer, dict) and answer.get("status") not in (None, "awake"):
+        raise EngineError("POST /wake_up?tags=kv_cache", f"the engine is still asleep after its KV cache's wake: {answer}")
+    return answer
+
+
+LEVEL0 = (
+    Step("wake_kv_cache", wake_kv_cache),
+    Step("reset_prefix_cache", reset_prefix_cache),
+)
 LEVEL1 = (
     Step("wake_kv_cache", lambda client, t: client.wake_up((), timeout=t)),
     Step("reset_prefix_cache", reset_prefix_cache),
 )
 
 # Every phase a swap can report, in the order a swap goes through them (metric labels, status).
-PHASES = ("drain", "sleep", STAGE.phase, *(s.phase for s in LEVEL2), "gate")
+PHASES = ("drain", "sleep", "release_kv_cache", STAGE.phase, *(s.phase for s in LEVEL2), "gate")
 
 
 def steps(level: int, draft_restore: str, stages: bool = True) -> tuple[Step, ...]:
     """The wake steps for an engine asleep at `level` whose draft is restored per `draft_restore`;
     `stages`: it loads the worker extension, so a Level-2 wake stages its checkpoint first."""
+    if level == 0:
+        return LEVEL0
     if level == 1:
         return LEVEL1
     return (STAGE,) * stages + tuple(s for s in LEVEL2 if s.phase != "reload_draft" or draft_restore == "reload")

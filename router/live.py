@@ -249,6 +249,10 @@ class Router(Observer, Events):
     def evicted(self, engine: Engine, reason: str) -> None:
         self.metrics.evicted(engine, reason)
 
+    def woke_ahead(self, engine: Engine, outcome: str) -> None:
+        self.metrics.woke_ahead(engine, outcome)
+        self.history.mark(engine.name, "ahead", outcome)
+
     def retired(self, engine: Engine) -> None:
         self.history.retired(engine.name)
         self.engines.pop(engine.name, None)

@@ -34,6 +34,7 @@ RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2, 4)
 # Nats: from float32 noise to a wrong model, with the steps near the shipped threshold (0.05) fine.
 DRIFT_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 EVICTION_REASONS = ("room", "idle", "admin", "boot", "demote", "stop")
+AHEAD_OUTCOMES = ("woken", "used", "unused", "failed")
 RESTART_REASONS = ("failed", "gate", "midlife", "admin", "roster")
 
 
@@ -77,6 +78,8 @@ class Metrics(Observer, Events):
                                 "roster: its entry changed in a reload).",
                                 [*m, "reason"], registry=r)
         self.collapses = Counter("hotswap_midlife_collapses", "Acceptance collapses detected while serving.", m, registry=r)
+        self.wake_ahead = Counter("hotswap_wake_ahead", "Wakes ahead of demand (swap.wake_ahead) by outcome: woken (decided), "
+                                  "used (it served a request), unused (parked before it did), failed.", [*m, "outcome"], registry=r)
         self.evictions = Counter("hotswap_evictions", "Engines moved out of the way, by reason (room, idle, admin, boot, "
                                  "demote: level 1 -> 2 for host RAM, stop: asleep -> cold).", [*m, "reason"], registry=r)
         self.wake_ratio = Histogram("hotswap_wake_actual_over_predicted", "A wake's actual seconds over the seconds "
@@ -121,6 +124,8 @@ class Metrics(Observer, Events):
         self.collapses.labels(*labels)
         for reason in EVICTION_REASONS:
             self.evictions.labels(*labels, reason)
+        for outcome in AHEAD_OUTCOMES:
+            self.wake_ahead.labels(*labels, outcome)
         self.boot_failures.labels(*labels)
         for phase in engine.phases:
             if phase != "stage":
@@ -171,6 +176,9 @@ class Metrics(Observer, Events):
     def evicted(self, engine: Engine, reason: str) -> None:
         self.evictions.labels(engine.name, group_of(engine), reason).inc()
 
+    def woke_ahead(self, engine: Engine, outcome: str) -> None:
+        self.wake_ahead.labels(engine.name, group_of(engine), outcome).inc()
+
 
 class _LiveState(Collector):
     """Gauges read at scrape time from the engines themselves."""
@@ -181,7 +189,8 @@ class _LiveState(Collector):
     def collect(self) -> Iterable[GaugeMetricFamily]:
         m = ["model", "group"]
         state = GaugeMetricFamily("hotswap_engine_state", "1 for the state each engine is in, 0 for the others.", labels=[*m, "state"])
-        level = GaugeMetricFamily("hotswap_engine_sleep_level", "vLLM sleep level of a parked engine; 0 when not asleep.", labels=m)
+        level = GaugeMetricFamily("hotswap_engine_sleep_level", "vLLM sleep level of a parked engine "
+                                  "(0: KV-parked, its weights on the GPU); 0 also when not asleep: tell them apart by hotswap_engine_state.", labels=m)
         in_flight = GaugeMetricFamily("hotswap_in_flight_requests", "Requests being served, per model.", labels=m)
         queued = GaugeMetricFamily("hotswap_queued_requests", "Requests waiting for their model to be awake, per model.", labels=m)
         baseline = GaugeMetricFamily("hotswap_acceptance_baseline", "Mean acceptance length of the cold-boot canary.", labels=m)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engines.memory.weights import folder_weights_gb
 
-from .control import FAULT_KINDS, STEPS, Control, Fault, InjectedFault
+from .control import DELAY_VARIANTS, FAULT_KINDS, STEPS, Control, Fault, InjectedFault
 from .boot_failure import memory_check_failure, print_boot_failure
 from .host_memory import HostModel
 from .memory import DEFAULT_RESIDUAL_GB, DEFAULT_SHARE, EngineMemory, Ledger, OutOfMemory, parse_devices
@@ -46,8 +46,9 @@ def _json_object(text: str) -> dict:
 def _step_pair(kind_check: bool):
     def parse(text: str) -> tuple[str, str]:
         step, sep, value = text.partition("=")
-        if not sep or step not in STEPS:
-            raise argparse.ArgumentTypeError(f"expected STEP=VALUE with STEP in {', '.join(STEPS)}: {text!r}")
+        steps = STEPS if kind_check else STEPS + DELAY_VARIANTS
+        if not sep or step not in steps:
+            raise argparse.ArgumentTypeError(f"expected STEP=VALUE with STEP in {', '.join(steps)}: {text!r}")
         if kind_check:
             try:
                 Fault(step, value)
@@ -103,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="a request whose prompt contains TEXT decodes at mean acceptance length MAL (repeatable; first match wins)",
     )  # fmt: skip
     s.add_argument("--sim-step-delay", type=_step_pair(False), action="append", default=[], metavar="STEP=SECONDS",
-                   help="every call of STEP takes SECONDS longer (repeatable; the STEPs of --sim-fault)")
+                   help="every call of STEP takes SECONDS longer (repeatable; the STEPs of --sim-fault, and "
+                   f"{', '.join(DELAY_VARIANTS)}: a sleep at that level, instead of sleep's delay)")
     s.add_argument(
         "--sim-fault", type=_step_pair(True), action="append", default=[], metavar="STEP=KIND",
         help=f"fail every call of STEP (repeatable; at runtime: POST /sim/faults). STEP: {', '.join(STEPS)}. "
@@ -122,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "N bytes per GB of weights, each tensor rounded up to a power of two, kept after the wake until "
                    "hotswap_empty_host_cache (engines/sim/host_memory.py); 1e9 is real size. Unset: not modelled")
     s.add_argument("--sim-weights-gb", type=float, default=None, metavar="GB",
-                   help="the weights' size for --sim-host-bytes-per-gb and --sim-disk-gb-per-s; unset: the weight files in MODEL, a local directory")
+                   help="the weights' size for --sim-host-bytes-per-gb and --sim-disk-gb-per-s, and what a KV release keeps mapped in the memory "
+                   "oracle; unset: the weight files in MODEL, a local directory")
     s.add_argument("--sim-disk-gb-per-s", type=float, default=None, metavar="GB_S",
                    help="model the disk and the page cache a Level-2 reload reads: a cold read of the weights "
                    "(--sim-weights-gb) at GB_S, a resident one at --sim-page-cache-gb-per-s; hotswap_stage_weights "
@@ -246,7 +249,10 @@ def gpu_memory(args: argparse.Namespace, share_text: str) -> EngineMemory | None
     if not 0 < share <= 1:  # vLLM's own bounds
         raise ValueError(f"--gpu-memory-utilization must be a number in (0, 1], got {share_text!r}")
     devices = parse_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    return EngineMemory(ledger, devices, share, args.sim_sleep_residual_gb, args.model)
+    weights = args.sim_weights_gb
+    if weights is None and os.path.isdir(args.model or ""):
+        weights = folder_weights_gb(Path(args.model))
+    return EngineMemory(ledger, devices, share, args.sim_sleep_residual_gb, args.model, weights_gb=weights)
 
 
 def setup_logging() -> None:

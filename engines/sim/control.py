@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 STEPS = (
     "boot",
     "sleep",
+    "release_kv_cache_memory",
     "wake",
     "stage",
     "wake_weights",
@@ -52,6 +53,9 @@ STEPS = (
     "metrics",
     "health",  # http500 here is vLLM's answer once its engine core has died under a live API server
 )
+# A step whose cost depends on its argument takes a delay of its own under these names (never a
+# fault): a Level-1 sleep copies the weights out to host RAM, a Level-2 sleep only drops them.
+DELAY_VARIANTS = ("sleep_level0", "sleep_level1", "sleep_level2")
 FAULT_KINDS = ("crash", "hang", "http500", "malformed", "cut")
 BOOT_KINDS = ("crash", "hang", "http500")
 
@@ -121,11 +125,11 @@ class Control:
                 return f
         return None
 
-    async def enter(self, step: str, query: dict | None = None, **extra: object) -> None:
-        """Log the call, then apply the step's delay and fault (in that order, so a
-        hung or failed step still shows in the log as called)."""
+    async def enter(self, step: str, query: dict | None = None, *, variant: str | None = None, **extra: object) -> None:
+        """Log the call, then apply the step's delay (`variant`'s, one of DELAY_VARIANTS, when set)
+        and fault (in that order, so a hung or failed step still shows in the log as called)."""
         entry = self.record(step, query, **extra)
-        delay = self.delays.get(step, 0.0)
+        delay = self.delays.get(variant or step, self.delays.get(step, 0.0))
         if delay > 0:
             await asyncio.sleep(delay)
         fault = self.take_fault(step)

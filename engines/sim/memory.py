@@ -8,7 +8,9 @@ engine is a holder, keyed by its pid, of some bytes on each of its devices
 
 An engine holds `--gpu-memory-utilization` x device memory on each of its devices while
 booting and awake, and `--sim-sleep-residual-gb` per device while asleep (its CUDA context
-and allocator pools). Booting or waking checks, as vLLM does, that the memory is free
+and allocator pools). After `/release_kv_cache_memory` (KV-parked) it holds its weights
+(`--sim-weights-gb`, else the weight files in MODEL, divided over its devices; unknown: none) and
+its residual: its share less those is the KV cache, freed. Booting or waking checks, as vLLM does, that the memory is free
 (total minus what every other live holder holds); see `OutOfMemory` for the texts.
 
 Every access purges holders whose process is gone (exited, crashed, SIGKILLed, or a
@@ -264,6 +266,7 @@ class EngineMemory:
     residual_gb: float
     model: str
     pid: int = 0
+    weights_gb: float | None = None  # all its devices together; what a KV release keeps mapped
 
     def __post_init__(self) -> None:
         self.pid = self.pid or os.getpid()
@@ -289,6 +292,12 @@ class EngineMemory:
     def sleep(self) -> None:
         self._set({d: gib(self.residual_gb) for d in self.devices}, "sleeping", check=False)
 
+    def release_kv(self) -> None:
+        """The KV cache unmapped: the weights and the residual stay (never more than the share)."""
+        weights = (self.weights_gb or 0.0) / len(self.devices)
+        full = self._full()
+        self._set({d: min(gib(weights + self.residual_gb), full[d]) for d in self.devices}, "kv_parked", check=False)
+
     def held_gb(self) -> dict[str, float]:
         return {str(d): _gb(b) for d, b in sorted(self.ledger.held(self.pid).items())}
 
@@ -297,6 +306,7 @@ class EngineMemory:
             "devices": self.devices,
             "share": self.share,
             "residual_gb": self.residual_gb,
+            "weights_gb": self.weights_gb,
             "held_gb": self.held_gb(),
             "ledger": self.ledger.snapshot(),
         }

@@ -1,6 +1,6 @@
 """The simulated engine's dev API (vLLM serves it only with VLLM_SERVER_DEV_MODE=1, not behind
---api-key): `/sleep`, `/wake_up`, `/is_sleeping`, `/reset_prefix_cache`, `/collective_rpc`,
-with the memory oracle's charges at sleep and wake (memory.py).
+--api-key): `/sleep`, `/release_kv_cache_memory`, `/wake_up`, `/is_sleeping`, `/reset_prefix_cache`,
+`/collective_rpc`, with the memory oracle's charges at sleep, release and wake (memory.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from config.argv import NO_RELOAD_FORMATS
 from .host_memory import NOT_MODELLED, HostModel
 from .memory import OutOfMemory
 from .http import bad_request, error_response, query_json, read_json
-from .state import WAKE_TAGS
+from .state import SCHEDULING, WAKE_TAGS, ReleaseRefused
 
 if TYPE_CHECKING:
     from .server import SimServer
@@ -55,7 +55,7 @@ def add_routes(app: web.Application, server: "SimServer", host: HostModel | None
             raise bad_request(f"Invalid sleep level {level}; must be 0, 1 or 2", "level")
         if mode not in ("abort", "wait", "keep"):
             raise bad_request(f"Invalid mode {mode!r}; must be abort, wait or keep", "mode")
-        await server.control.enter("sleep", query=query_json(request))
+        await server.control.enter("sleep", query=query_json(request), variant=f"sleep_level{level}")
         await server.engine.sleep(level, mode)
         if level == 2 and server.lose_lora_on_level2:
             server.adapters.lost = True
@@ -66,14 +66,29 @@ def add_routes(app: web.Application, server: "SimServer", host: HostModel | None
             host.sleep(level)
         return web.json_response({"status": "sleeping", "level": level})
 
+    async def release_kv_cache_memory(request: web.Request) -> web.Response:
+        await server.control.enter("release_kv_cache_memory", query=query_json(request))
+        try:
+            server.engine.release_kv_cache()
+        except ReleaseRefused as e:
+            # The engine core's utility call raising, as vLLM's API server answers it (seen on the CPU tier).
+            log.error("Invocation of release_kv_cache_memory method failed: %s", e)
+            if request.transport is not None:  # raised through vLLM's ASGI app: uvicorn drops the connection after
+                DOOMED.add(request.transport)
+            return error_response(500, f"Call to release_kv_cache_memory method failed: {e}", "InternalServerError")
+        if server.memory is not None:
+            server.memory.release_kv()  # the weights (and the residual) stay mapped
+        return web.json_response({"status": "kv_cache_released"})
+
     async def wake_up(request: web.Request) -> web.Response:
         tags = request.query.getall("tags", [])
-        bad = [t for t in tags if t not in WAKE_TAGS]
+        bad = [t for t in tags if t not in (*WAKE_TAGS, SCHEDULING)]
         if bad:
-            raise bad_request(f"Unknown wake_up tags {bad}; valid tags: {list(WAKE_TAGS)}", "tags")
-        step = "wake" if not tags or set(tags) == set(WAKE_TAGS) else f"wake_{tags[0]}"
+            raise bad_request(f"Unknown wake_up tags {bad}; valid tags: {[*WAKE_TAGS, SCHEDULING]}", "tags")
+        mapped = [t for t in tags if t != SCHEDULING]
+        step = "wake" if not mapped or set(mapped) == set(WAKE_TAGS) else f"wake_{mapped[0]}"
         await server.control.enter(step, query=query_json(request), tags=list(tags))
-        if server.memory is not None and server.engine.is_sleeping:
+        if server.memory is not None and server.engine.maps_memory(list(tags)):
             # The first tag woken maps the whole share back; later ones find it mapped.
             try:
                 server.memory.wake()
@@ -164,6 +179,7 @@ def add_routes(app: web.Application, server: "SimServer", host: HostModel | None
 
     r = app.router
     r.add_post("/sleep", sleep)
+    r.add_post("/release_kv_cache_memory", release_kv_cache_memory)
     r.add_post("/wake_up", wake_up)
     r.add_get("/is_sleeping", is_sleeping)
     r.add_post("/collective_rpc", collective_rpc)

@@ -46,6 +46,11 @@ DRAFT_PARAMS = tuple(
 )
 
 WAKE_TAGS = ("weights", "kv_cache")
+SCHEDULING = "scheduling"  # vLLM 0.32's wake tag for level 0: resume scheduling only (v1/engine/core.py:1001-1005)
+
+
+class ReleaseRefused(Exception):
+    """vLLM 0.32 refuses /release_kv_cache_memory (v1/engine/core.py:1026-1036); the text is its own."""
 
 
 class GenerationAborted(Exception):
@@ -107,6 +112,7 @@ class SimEngine:
         self.level: int | None = None
         self.weights_awake = True
         self.kv_cache_awake = True
+        self.kv_released = False  # the KV cache was discarded (level 0 + release): its pages come back undefined
         # Two gates, because /sleep?mode=wait must stop admitting new requests while
         # the running ones keep decoding to completion.
         self._admit = asyncio.Event()
@@ -187,6 +193,31 @@ class SimEngine:
         # Level 0 only pauses scheduling; weights and KV cache stay where they are.
         return {None: "awake", 0: "awake", 1: "weights_offloaded", 2: "discard_all"}[self.level]
 
+    @property
+    def sleeping_tags(self) -> set[str]:
+        """The executor's sleeping tags (vllm/v1/executor/abstract.py:127): what is unmapped now."""
+        return {t for t, awake in (("weights", self.weights_awake), ("kv_cache", self.kv_cache_awake)) if not awake}
+
+    def maps_memory(self, tags: list[str]) -> bool:
+        """Whether a wake with `tags` maps memory back ([]: all), as vLLM's executor decides it: nothing
+        when nothing sleeps, and nothing at all when a tag asked for does not sleep (abstract.py:394-403)."""
+        tags = [t for t in tags if t != SCHEDULING] if tags else []
+        asleep = self.sleeping_tags
+        return bool(asleep) and all(t in asleep for t in tags)
+
+    def release_kv_cache(self) -> None:
+        """vLLM 0.32's release_kv_cache_memory (v1/engine/core.py:1021-1039): after a completed pause with
+        no request left, and only while nothing sleeps yet, discard the KV cache (no copy kept)."""
+        if self.level is None or self.waiting or self.running:
+            raise ReleaseRefused("release_kv_cache_memory() requires a completed pause first")
+        if self.sleeping_tags:
+            raise ReleaseRefused("release_kv_cache_memory() requires all executor memory to be resident")
+        t0 = time.monotonic()
+        self.kv_cache_awake = False
+        self.kv_released = True
+        self.metrics.observe_sleep_op("release_kv_cache_memory", time.monotonic() - t0)
+        log.info("It took %.6f seconds to discard tags {'kv_cache'}.", time.monotonic() - t0)
+
     async def sleep(self, level: int, mode: str) -> None:
         t0 = time.monotonic()
         self._admit.clear()
@@ -201,6 +232,13 @@ class SimEngine:
             self._decode.clear()
         else:  # keep: in-flight requests freeze where they are and resume on wake
             self._decode.clear()
+        if level == 0:  # a pause: nothing is unmapped (core.py:973-976)
+            self.level = 0 if self.level is None else self.level
+            log.info("Paused scheduling (level 0, mode %s).", mode)
+            return
+        if not self.weights_awake:  # vLLM: "Executor is already sleeping." (abstract.py:383-385)
+            return
+        # From level 0 too: what a release discarded stays discarded (device_allocator/cumem.py:257-262).
         self.level = level
         self.weights_awake = False
         self.kv_cache_awake = False
@@ -214,18 +252,20 @@ class SimEngine:
 
     def wake(self, tags: list[str]) -> dict:
         t0 = time.monotonic()
-        tags = tags or list(WAKE_TAGS)
         # Waking the weights maps their memory back in. After Level 1 the contents come
         # back from host RAM (nothing was discarded); after Level 2 the memory is
-        # uninitialised until reload_weights / a draft reload writes it.
-        if "weights" in tags:
-            self.weights_awake = True
-        if "kv_cache" in tags:
-            self.kv_cache_awake = True
+        # uninitialised until reload_weights / a draft reload writes it. A tag that does
+        # not sleep makes the executor wake nothing (abstract.py:398-403).
+        if self.maps_memory(tags):
+            woken = [t for t in tags if t != SCHEDULING] or list(WAKE_TAGS)
+            self.weights_awake = self.weights_awake or "weights" in woken
+            self.kv_cache_awake = self.kv_cache_awake or "kv_cache" in woken
+        # Scheduling resumes only once nothing sleeps (core.py:1012-1018).
         if self.weights_awake and self.kv_cache_awake and self.level is not None:
-            if self.level > 0:  # Level 0 only paused the scheduler: nothing was unmapped
+            if self.level > 0 or self.kv_released:  # a pause alone unmapped nothing; a release did (its KV pages)
                 self.numerics.woke()
             self.level = None
+            self.kv_released = False
             self._reset_false_left = self.cfg.reset_prefix_false
             self._admit.set()
             self._decode.set()

@@ -17,10 +17,10 @@ HALO = "stroke='#fff' stroke-width='3' paint-order='stroke'"  # a label drawn ov
 
 STATE_COLOURS = {  # booting is amber and awake green: a booting engine does not serve
     "awake": "#1a7f37", "booting": "#bf8700", "waking": "#0969da", "verifying": "#8250df", "draining": "#e16f24",
-    "sleeping L1": "#8c959f", "sleeping L2": "#57606a", "cold": "#d0d7de", "failed": "#cf222e"}
+    "sleeping L0": "#afb8c1", "sleeping L1": "#8c959f", "sleeping L2": "#57606a", "cold": "#d0d7de", "failed": "#cf222e"}
 ASLEEP = "#afb8c1"  # a sleeper's residual in the GPU chart
 PHASE_COLOURS = {
-    "drain": "#e16f24", "sleep": "#57606a", "stage": "#4ac26b", "wake_weights": "#0969da", "reload_draft": "#54aeff",
+    "drain": "#e16f24", "sleep": "#57606a", "release_kv_cache": "#8c959f", "stage": "#4ac26b", "wake_weights": "#0969da", "reload_draft": "#54aeff",
     "reload_weights": "#218bff", "wake_kv_cache": "#0550ae", "reset_prefix_cache": "#80ccff", "gate": "#8250df",
     "restart": "#cf222e", "boot": "#bf8700"}
 OTHER_PHASE = "#d0d7de"
@@ -28,7 +28,7 @@ TICKS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800)
 
 
 def lane_state(interval: dict[str, Any]) -> str:
-    return f"sleeping L{interval['level']}" if interval["state"] == "sleeping" and interval.get("level") else interval["state"]
+    return f"sleeping L{interval['level']}" if interval["state"] == "sleeping" and interval.get("level") is not None else interval["state"]
 
 
 def story(gates: Iterable[str]) -> Optional[str]:
@@ -98,6 +98,9 @@ def _marker(mark: dict[str, Any], cx: float, cy: float, name: str) -> str:
     if mark["kind"] == "restart":
         return (f"<circle class='restart-marker' cx='{cx:.1f}' cy='{cy:.1f}' r='5' fill='#fff' stroke='#cf222e' "
                 f"stroke-width='2.5'>{title}</circle>")
+    if mark["kind"] == "ahead":  # a wake ahead of demand (woken), then its outcome (used, unused, failed)
+        return (f"<polygon class='ahead-marker' points='{cx - 5:.1f},{cy - 6:.1f} {cx + 6:.1f},{cy:.1f} {cx - 5:.1f},{cy + 6:.1f}' "
+                f"fill='{'#1a7f37' if mark['detail'] == 'used' else '#8c959f'}'>{title}</polygon>")
     colour, css = ("#cf222e", "refusal-marker") if mark["kind"] == "refused" else ("#e16f24", "allowed-marker")
     return (f"<g class='{css}'>{title}<circle cx='{cx:.1f}' cy='{cy:.1f}' r='8' fill='#fff'/>"
             f"<path d='M{cx - 5:.1f},{cy - 5:.1f} l10,10 M{cx + 5:.1f},{cy - 5:.1f} l-10,10' stroke='{colour}' "
@@ -210,7 +213,7 @@ def _gpu_chart(device: str, spans: list[tuple[float, float, dict[str, Any]]], x:
         stacked = 0.0
         for name, held in sorted(s["gpus"].get(device, {}).items()):
             h = max(CHART_H * min(held["share"], 1.0), 2.0 if held["share"] > 0 else 0.0)  # a residual stays visible
-            colour = ASLEEP if held["state"] == "sleeping" else STATE_COLOURS.get(held["state"], OTHER_PHASE)
+            colour = ASLEEP if held["state"] in ("sleeping", "kv-parked") else STATE_COLOURS.get(held["state"], OTHER_PHASE)
             width = max(x(b) - x(a), 0.5)
             parts.append(f"<rect x='{x(a):.1f}' y='{base - stacked - h:.1f}' width='{width:.1f}' "
                          f"height='{h:.1f}' fill='{colour}' stroke='#fff' stroke-width='0.5'>"

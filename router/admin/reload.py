@@ -113,6 +113,7 @@ def apply(router: Router, new: Roster, changes: RosterDiff, weights: dict[str, O
     router.roster = new.model_copy(update={"listen": router.roster.listen})
     router.keys = keys
     scheduler.swap, scheduler.limits, scheduler.capacity = new.swap, new.queue, sizes
+    scheduler.demand.tau_s = new.swap.demand_tau_s
     for engine in router.engines.values():
         engine.swap = new.swap
     for name in changes.removed:

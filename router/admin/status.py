@@ -31,7 +31,9 @@ def placement_status(router: Router) -> dict[str, Any]:
         devices.append({"index": view.index, "memory_gb": view.memory_gb, "planned": round(view.planned, 4),
                         "residual": round(view.residual, 4), "free": round(max(0.0, 1.0 - view.planned - view.residual), 4),
                         "engines": view.engines})
-    return {"devices": devices, "host": {"ram_budget_gb": round(scheduler.capacity.ram_budget_gb, 4),
+    now = scheduler.clock()
+    return {"devices": devices, "wake_ahead": [w.as_dict(now) for w in reversed(scheduler.ahead_done)],
+            "host": {"ram_budget_gb": round(scheduler.capacity.ram_budget_gb, 4),
                                          "level1_gb": round(scheduler.level1_gb(), 4)}}
 
 
@@ -55,6 +57,7 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "host_memory": host_memory_status(router, e),
         "staging": e.stager.as_dict(),  # engines.stage: staged (in the page cache as the router knows), running, last report
         "wake_estimate_s": round(scheduler.predicted_wait(e, scheduler.clock()), 2),
+        "woken_ahead": scheduler.ahead[e.name].as_dict(scheduler.clock()) if e.name in scheduler.ahead else None,
         "in_flight": e.in_flight,
         "queued": scheduler.queued(e),
         "port": e.port,

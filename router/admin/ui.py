@@ -96,7 +96,7 @@ def _engines(engines: list[dict[str, Any]]) -> str:
         rows.append(
             f"<tr id='engine-{escape(e['name'])}'><td>{escape(e['name'])}{aliases}</td>"
             f"<td><span class='state' style='background:{colour}'>{escape(e['state'])}</span>{booting}</td>"
-            f"<td>{e['for_s']:.0f} s</td><td>{e['sleep_level'] or '—'}</td>"
+            f"<td>{e['for_s']:.0f} s</td><td>{_level(e['sleep_level'])}</td>"
             f"<td>{escape(shares)}{' (pinned)' if e['pin'] else ''}</td>"
             f"<td>{e['wake_estimate_s']:.1f} s</td><td>{e['in_flight']}</td><td>{e['queued']}</td>"
             f"<td>{_mal(e['baseline_mal'])} / {_mal(e['observed_mal'])}</td><td>{escape(restarts)}</td>"
@@ -203,3 +203,8 @@ document.querySelectorAll('button[data-model]').forEach(function (button) {
 
 def _mal(value: Any) -> str:
     return "—" if value is None else f"{value:.2f}"
+
+
+def _level(level: object) -> str:
+    """A parked engine's rung: level 0 is KV-parked (engines/ladder.py), not "not asleep"."""
+    return "—" if level is None else "0 (KV)" if level == 0 else str(level)

@@ -33,7 +33,7 @@ def render(status: dict[str, Any]) -> str:
         mal = "-" if e["baseline_mal"] is None else f"{e['baseline_mal']:.2f}/{e['observed_mal'] or 0:.2f}"
         state = e["state"] + (f" ({e['action']})" if e["action"] else "")
         state += " (leaving the roster)" if e.get("retiring") else " (restart pending: roster)" if e.get("roster_change_pending") else ""
-        rows.append((e["name"] + (" [pin]" if e["pin"] else ""), state, f"{e['for_s']:.0f}s", str(e["sleep_level"] or "-"),
+        rows.append((e["name"] + (" [pin]" if e["pin"] else ""), state, f"{e['for_s']:.0f}s", "-" if e["sleep_level"] is None else f"{e['sleep_level']}{' (KV)' if e['sleep_level'] == 0 else ''}",
                      ",".join(map(str, e["devices"])), f"{e['gpu_share']:g}", f"{e['wake_estimate_s']:.1f}s",
                      str(e["in_flight"]), str(e["queued"]), mal, _drift(e.get("logprob_drift") or {}), str(e["restarts"]),
                      verdict.get("result", "-")))

@@ -33,7 +33,7 @@ def doing(engine: Engine) -> str:
     """What the engine is doing, in a few words, for the comment line (never the client's input)."""
     state = engine.state
     if state is State.WAKING:
-        steps = engine.wake_phases(engine.sleep_level or 1)
+        steps = engine.wake_phases(1 if engine.sleep_level is None else engine.sleep_level)
         step = next((p for p in steps if p not in engine.last_phases), "gate")
         return f"waking {engine.name} ({step})"
     if state is State.VERIFYING:

@@ -1,5 +1,5 @@
-"""What the scheduler does, as opposed to what it decides: boot, wake, park, stop, demote,
-restart, and the bookkeeping of failures. Each action runs as its own task, owns its engine
+"""What the scheduler does, as opposed to what it decides: boot, wake, park, deepen (a KV-parked
+engine a rung further down), stop, demote, restart, and the bookkeeping of failures. Each action runs as its own task, owns its engine
 until it ends, and contains whatever goes wrong to that engine.
 
 `Actions` is the action part of `Scheduler` (see `router.scheduling.state`); the policy is in `scheduler.py`.
@@ -13,11 +13,12 @@ import time
 from typing import Awaitable, Callable, Optional, Union
 
 from engines.engine import Engine, EngineFailed, State
+from engines.ladder import KV_PARKED
 from engines.memory import process_gpu_memory_gb
 from router.errors import APIError, for_clients
 from router.scheduling import placement
 from router.scheduling.costs import NO_LEVEL2, Costs
-from router.scheduling.events import SwapRecord
+from router.scheduling.history import SwapRecord
 from router.scheduling.roster_changes import RosterChanges
 from router.scheduling.staging import Staging
 from router.scheduling.state import MID_TRANSITION, Decision
@@ -41,7 +42,7 @@ class Actions(Costs, RosterChanges, Staging):
             raise engine.fail(f"boot failed: it cannot be placed: {why}")
         started = time.monotonic()
         await engine.boot()
-        self.costs.observe_boot(engine.name, time.monotonic() - started)
+        self.costs.observe_boot(engine.name, time.monotonic() - started, engine.last_phases.get("gate", 0.0))
         self.backoff.succeeded(engine.name)
         log.info("%s booted in %.1f s", engine.name, time.monotonic() - started)
         self._grant(engine)
@@ -66,7 +67,9 @@ class Actions(Costs, RosterChanges, Staging):
             elif decision.action == "wake":
                 await self._wake(engine)
             elif decision.action == "park":
-                await self._park(engine, decision.why, decision.level or 2)
+                await self._park(engine, decision.why, 2 if decision.level is None else decision.level)
+            elif decision.action == "deepen":
+                await self._deepen(engine, decision.why, 2 if decision.level is None else decision.level)
             elif decision.action == "stop":
                 await self._stop(engine, decision.why)
             elif decision.action == "demote":
@@ -128,12 +131,13 @@ class Actions(Costs, RosterChanges, Staging):
             self._record(swap_id, target, moved, "failed", started, {**phases, **target.last_phases}, predicted, str(exc))
             await self._handle_failure(target, str(exc))
             return
-        if level and restart is None:
+        if level is not None and restart is None:
             reload_s = sum(target.last_phases.get(p, 0.0) for p in ("reload_draft", "reload_weights"))
-            self.costs.observe_wake(target.name, level, time.monotonic() - woke, reload_s, stage_s=target.last_phases.get("stage", 0.0),
-                                    staged=target.stager.found_resident, cached=target.stager.cached)
+            self.costs.observe_wake(target.name, level, time.monotonic() - woke, reload_s, target.last_phases.get("wake_weights", 0.0),
+                                    stage_s=target.last_phases.get("stage", 0.0), staged=target.stager.found_resident,
+                                    cached=target.stager.cached)
         else:
-            self.costs.observe_boot(target.name, time.monotonic() - woke)
+            self.costs.observe_boot(target.name, time.monotonic() - woke, target.last_phases.get("gate", 0.0))
         self.backoff.succeeded(target.name)
         self._grant(target, swap_id)
         self._record(swap_id, target, moved, "ok", started, {**phases, **target.last_phases}, predicted)
@@ -143,6 +147,17 @@ class Actions(Costs, RosterChanges, Staging):
         self.events.evicted(engine, _reason(why))
         started = time.monotonic()
         await engine.sleep(level)
+        self.costs.observe_sleep(engine.name, time.monotonic() - started)
+        self._log_host_memory(engine, level)
+        # KV-parked, what its processes hold is its weights besides its residual: not a residual to keep.
+        if self.capacity.nvml and level != KV_PARKED:
+            await asyncio.to_thread(self._measure_residual, engine)
+
+    async def _deepen(self, engine: Engine, why: str, level: int) -> None:
+        log.info("parking %s further, from its KV park down to level %d (%s)", engine.name, level, why)
+        self.events.evicted(engine, _reason(why))
+        started = time.monotonic()
+        await engine.park_further(level)
         self.costs.observe_sleep(engine.name, time.monotonic() - started)
         self._log_host_memory(engine, level)
         if self.capacity.nvml:
@@ -165,7 +180,7 @@ class Actions(Costs, RosterChanges, Staging):
         self.handled.discard(engine.name)
         started = time.monotonic()
         await engine.restart(reason)
-        self.costs.observe_boot(engine.name, time.monotonic() - started)
+        self.costs.observe_boot(engine.name, time.monotonic() - started, engine.last_phases.get("gate", 0.0))
         self._grant(engine)
 
     def _log_host_memory(self, engine: Engine, level: int) -> None:

@@ -6,6 +6,11 @@ absence is likely to cause (predicted wake seconds × likelihood of reuse, from
 the engines hold for sleep (measured after every sleep and wake, `engines.memory.host`; estimated until
 then), and makes RAM for a more valuable engine by demoting a Level-1 sleeper. A Level-2 wake is priced
 staged when it will likely be (its checkpoint within host.page_cache_budget_gb: `staged_next`).
+
+The KV tier (level 0, engines/ladder.py) is not a level `_choose_level` picks: it frees less, so
+whether it is enough depends on the waiter. The scheduler offers it beside the full park as a
+victim of its own ("kv_park"), and a KV-parked sleeper a move further down ("deepen"); placement's
+`cheapest` takes whichever makes the room at the least expected cost.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import math
 from typing import Collection, Optional
 
 from engines.engine import Engine, State
+from engines.ladder import KV_PARKED
 from engines.memory import PRIOR_FACTOR
 from router.scheduling.placement import Ledger
 from router.scheduling.state import SchedulerState
@@ -23,7 +29,9 @@ NO_LEVEL2 = "its --load-format cannot reload weights from disk, so it never slee
 
 
 class Costs(SchedulerState):
-    reuse_horizon_s = 60.0  # "needed again soon" means within this long (a benchmark running time faster scales it)
+    @property
+    def reuse_horizon_s(self) -> float:
+        return self.swap.reuse_horizon_s
 
     def cost(self, engine: Engine, action: str, now: float) -> float:
         """What placement ranks victims by. bench/placement.py replaces it on the instance (LRU)."""
@@ -140,7 +148,7 @@ class Costs(SchedulerState):
         if action == "demote":  # chosen only where the wake empties the cache (passes_through)
             return 0.0
         now = self._host_now_gb(engine)
-        if action == "park" and self.parking_level.get(engine.name) == 1:
+        if action in ("park", "deepen") and self.parking_level.get(engine.name) == 1:
             return max(now, self.level1_need_gb(engine) or 0.0)
         return now
 
@@ -193,16 +201,41 @@ class Costs(SchedulerState):
         """How likely `engine` is to be asked for within reuse_horizon_s."""
         return 1.0 - math.exp(-self.demand.rate(engine.name, now) * self.reuse_horizon_s)
 
+    def blocked_by_boot(self, engine: Engine, now: float) -> float:
+        """Expected seconds the others on its devices wait behind a cold boot of `engine`: a boot has its
+        devices to itself (`boot_devices`), so every wake or park there waits for it to end. Each other
+        engine is asked for during the boot with the chance its demand gives, and waits half of it."""
+        boot = self.costs.boot_s(engine.name)
+        mine = set(engine.spec.devices)
+        return sum((1.0 - math.exp(-self.demand.rate(other.name, now) * boot)) * boot / 2 for other in self.engines
+                   if other is not engine and not other.spec.pin and mine & set(other.spec.devices))
+
+    def deeper_level(self, engine: Engine, now: float) -> Optional[int]:
+        """The rung a KV-parked `engine` goes down to when its weights' room is needed: what a full park
+        would choose now (Level 1 while host RAM holds it as it is, else 2); None: neither (a stop)."""
+        if engine.spec.sleep_level != "auto":
+            return None  # a fixed level 0 is never taken further: it is stopped
+        return self._choose_level(engine, now)[0]
+
     def expected_cost(self, engine: Engine, action: str, now: float) -> float:
         """Seconds of waiting that moving `engine` out of the way is expected to cost later:
         its predicted wake (or, stopped, the boot beyond its wake) times the chance it is needed
-        again soon. Ties go to the least recently used."""
-        if action == "stop":
+        again soon; a cold boot also counts what it makes the others on its devices wait. "kv_park": a
+        KV park's wake; "deepen": a KV-parked engine's wake from the rung below beyond its KV wake. Ties
+        go to the least recently used."""
+        if action == "stop":  # an awake engine's (a `sleep_level: 0` one that cannot be KV-parked): the whole boot
             level = engine.sleep_level
-            extra = self.costs.boot_s(engine.name) - self.costs.wake_s(engine.name, level, engine.stager.staged)
+            wake = 0.0 if level is None else self.costs.wake_s(engine.name, level, level == 2 and engine.stager.staged)
+            extra = self.costs.boot_s(engine.name) - wake + self.blocked_by_boot(engine, now)
+        elif action == "kv_park":
+            extra = self.costs.wake_s(engine.name, KV_PARKED)
+        elif action == "deepen":
+            level = self.deeper_level(engine, now)
+            extra = self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine)) \
+                - self.costs.wake_s(engine.name, KV_PARKED)
         else:
             level, _ = self._choose_level(engine, now)
-            extra = self.costs.boot_s(engine.name) if level is None else \
-                self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine))
+            extra = self.costs.boot_s(engine.name) + self.blocked_by_boot(engine, now) if level is None \
+                else self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine))
         recency = 1e-9 / (1.0 + max(0.0, now - self.demand.last(engine.name)))  # a tie-break only
         return self._reuse(engine, now) * max(extra, 0.0) + recency

@@ -1,5 +1,8 @@
-"""The last hour, kept in memory: each engine's state intervals (sleeping split by level), the swaps,
-the gate's refusals and the restarts, and samples of the host RAM held for Level 1 and of each GPU's
+"""What the scheduler reports, and the last hour of it kept in memory.
+
+Reported: each swap as a `SwapRecord`, and the `Events` an observer receives (the router's
+metrics and this history implement them). Kept: each engine's state intervals (sleeping split by level), the swaps, each engine's state intervals (sleeping split by level), the swaps,
+the gate's refusals, the restarts and the wakes ahead of demand, and samples of the host RAM held for Level 1 and of each GPU's
 shares. The Router records it (it observes the engines
 and the scheduler); `/admin/timeline` serves it as JSON and `/ui` draws it. Bounded by time (KEEP_S) and by count,
 so a router that runs for months holds the same few hundred kilobytes."""
@@ -11,7 +14,47 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from router.scheduling.events import SwapRecord
+from engines.engine import Engine
+
+@dataclass
+class SwapRecord:
+    """One wake (or boot) that a request or an operator asked for, with what was moved for it."""
+
+    to_model: str
+    from_models: list[str]  # parked (or stopped) to make room
+    result: str  # "ok" | "failed"
+    seconds: float  # from the first move for it to promotion
+    phases: dict[str, float]
+    predicted_s: float
+    group: str = ""
+    at: float = field(default_factory=time.time)
+    error: Optional[str] = None
+    # What the gate said during it, in order, with the restart between: ["refused", "restarted", "passed"]
+    # is a wake the gate refused and a cold restart repaired (its `result` is still "ok").
+    gates: list[str] = field(default_factory=list)
+    id: int = 0  # unique across restarts (router.app): the activity records of the requests that waited for it carry it
+
+    def as_dict(self) -> dict[str, Any]:
+        """As /admin/status, /admin/timeline and /ui show it."""
+        return {"id": self.id, "to": self.to_model, "from": self.from_models, "result": self.result,
+                "seconds": round(self.seconds, 4), "predicted_s": round(self.predicted_s, 3),
+                "phases": {k: round(v, 4) for k, v in self.phases.items()}, "error": self.error, "at": self.at,
+                "gates": self.gates}
+
+
+class Events:
+    """What the scheduler reports (the router's metrics implement this)."""
+
+    def swap_done(self, record: SwapRecord) -> None: ...
+
+    def evicted(self, engine: Engine, reason: str) -> None: ...
+
+    def woke_ahead(self, engine: Engine, outcome: str) -> None:
+        """A pre-wake (router.scheduling.ahead): `woken` when decided, then used, unused or failed."""
+
+    def retired(self, engine: Engine) -> None:
+        """An engine that left the roster has stopped and is no longer scheduled."""
+
 
 KEEP_S = 3600.0  # /admin/timeline?minutes= goes up to 60; /ui draws the last 30
 MAX_INTERVALS = 2000  # per engine: a swap every second for half an hour

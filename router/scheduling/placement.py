@@ -5,7 +5,10 @@ Pure arithmetic over what the engines are doing now; the scheduler asks, and act
 Each device is measured in fractions of itself (1.0 = the whole GPU), because that is how
 vLLM sizes an engine: `--gpu-memory-utilization` is the share of each of its devices it takes
 when awake. A sleeping engine still holds its CUDA context and allocator pools (its
-residual, in GB, converted with the device's size; uncounted when the size is unknown).
+residual, in GB, converted with the device's size; uncounted when the size is unknown). A
+KV-parked one (level 0: engines/ladder.py) holds its weights besides (`weights_gb`, divided over its
+devices); the KV tier is offered only where both the weights and the device sizes are known, and a
+level-0 engine whose weights are unknown is counted at its whole share (what it frees is not known).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Callable, Iterable, Optional, Protocol
 
 from config.schema import ModelSpec
 from engines.engine import State
+from engines.ladder import KV_PARKED
 
 EPS = 1e-9  # shares are written as decimals: 0.3 + 0.6 + 0.1 must fit in 1.0
 EXHAUSTIVE_UP_TO = 12  # candidates searched exhaustively for the cheapest set; above, greedily
@@ -53,23 +57,28 @@ class Capacity:
 
 @dataclass(frozen=True)
 class Victim:
-    """An engine to move out of the way: park it (awake -> asleep) or stop it (asleep -> cold)."""
+    """An engine to move out of the way: park it (awake -> asleep), park it further (KV-parked ->
+    Level 1/2: "deepen") or stop it (asleep -> cold). One engine may be offered more than once (a KV
+    park and a full park): `cheapest` takes at most one of an engine's offers."""
 
     engine: Placed
-    action: str  # "park" | "stop"
+    action: str  # "park" | "deepen" | "stop"
     frees: dict[int, float]  # fraction freed per device
     cost: float  # expected seconds of waiting this move causes later
     busy: bool = False  # it is serving requests (parked only when no idle choice exists)
     ready_in: float = 0.0  # seconds until it may be moved (min_active_s, max_hold_s); 0: now
+    level: Optional[int] = None  # the rung it goes to, when the offer fixes it (a KV park: 0); None: chosen at the move
 
 
 class Ledger:
     """What every engine holds on every device right now, plus what this round of decisions reserved."""
 
     def __init__(self, engines: Iterable[Placed], capacity: Capacity, reserved: Iterable[Placed] = (),
-                 residuals: Optional[dict[str, dict[int, float]]] = None):
+                 residuals: Optional[dict[str, dict[int, float]]] = None,
+                 weights: Optional[dict[str, Optional[float]]] = None):
         self.capacity = capacity
         self.residuals = residuals or {}
+        self.weights = weights or {}  # GB per engine (all its devices together), None: unknown
         self.reserved: set[str] = {e.name for e in reserved}
         self.engines = list(engines)
         self.use: dict[int, float] = {}
@@ -83,12 +92,35 @@ class Ledger:
         if engine.name in self.reserved or engine.state in HOLDS_SHARE or (
                 engine.state is State.FAILED and engine.holds_process):
             return {d: engine.spec.gpu_share for d in devices}
+        if engine.state is State.SLEEPING and engine.sleep_level == KV_PARKED:
+            return {d: self.kv_parked(engine, d) for d in devices}
         if engine.state is State.SLEEPING:
             return {d: self.residual(engine, d) for d in devices}
         return {d: 0.0 for d in devices}
 
     def residual(self, engine: Placed, device: int) -> float:
         return self.capacity.residual(engine, device, self.residuals.get(engine.name))
+
+    def weights_on(self, engine: Placed, device: int) -> Optional[float]:
+        """Its weights' part of `device`, as a fraction of it (None: its weights or the device's size unknown)."""
+        gb = self.weights.get(engine.name, engine.spec.weights_gb)
+        gpus = self.capacity.gpus
+        if gb is None or gpus is None or device not in gpus:
+            return None
+        return gb / len(engine.spec.devices) / gpus[device]
+
+    def kv_offered(self, engine: Placed) -> bool:
+        """Whether a KV park can be planned for `engine`: what it keeps (its weights) is known on each device,
+        and less than its share (else the KV cache is nothing to speak of)."""
+        return all((w := self.weights_on(engine, d)) is not None and w + self.residual(engine, d) < engine.spec.gpu_share - EPS
+                   for d in engine.spec.devices)
+
+    def kv_parked(self, engine: Placed, device: int) -> float:
+        """What a KV-parked engine holds on `device`: its weights and its residual, never more than its share."""
+        weights = self.weights_on(engine, device)
+        if weights is None:
+            return engine.spec.gpu_share
+        return min(weights + self.residual(engine, device), engine.spec.gpu_share)
 
     def reserve(self, engine: Placed) -> None:
         """Count `engine` at its full share from now on (it is about to wake or boot)."""
@@ -114,9 +146,15 @@ class Ledger:
     def fits(self, engine: Placed, victims: Iterable[Victim] = ()) -> bool:
         return not self.shortfall(engine, victims)
 
-    def parked_frees(self, engine: Placed) -> dict[int, float]:
-        """What parking an awake engine gives back on each device (its share minus its residual)."""
-        return {d: self.held(engine)[d] - self.residual(engine, d) for d in engine.spec.devices}
+    def parked_frees(self, engine: Placed, level: Optional[int] = None) -> dict[int, float]:
+        """What parking an awake engine gives back on each device: its share minus its residual, or, KV-parked
+        (`level` 0), minus its weights too."""
+        keeps = self.kv_parked if level == KV_PARKED else self.residual
+        return {d: max(self.held(engine)[d] - keeps(engine, d), 0.0) for d in engine.spec.devices}
+
+    def deepened_frees(self, engine: Placed) -> dict[int, float]:
+        """What a KV-parked engine gives back going down to Level 1 or 2: its weights."""
+        return {d: max(self.held(engine)[d] - self.residual(engine, d), 0.0) for d in engine.spec.devices}
 
     def stopped_frees(self, engine: Placed) -> dict[int, float]:
         return dict(self.held(engine))
@@ -132,7 +170,7 @@ def cheapest(ledger: Ledger, target: Placed, candidates: list[Victim], base: lis
     if not needed:
         return []
     useful = [v for v in candidates if any(v.frees.get(d, 0.0) > EPS for d in needed)]
-    if not ledger.fits(target, [*base, *useful]):
+    if not ledger.fits(target, [*base, *_most_of_each(useful)]):
         return None
     if len(useful) > EXHAUSTIVE_UP_TO:
         return _greedy(ledger, target, useful, base, needed)
@@ -142,7 +180,7 @@ def cheapest(ledger: Ledger, target: Placed, candidates: list[Victim], base: lis
             cost = sum(v.cost for v in combo)
             if best is not None and (cost, size) >= best[:2]:
                 continue
-            if ledger.fits(target, [*base, *combo]):
+            if len({v.engine.name for v in combo}) == size and ledger.fits(target, [*base, *combo]):
                 best = (cost, size, list(combo))
     return best[2] if best else None
 
@@ -154,6 +192,8 @@ def _greedy(ledger: Ledger, target: Placed, useful: list[Victim], base: list[Vic
 
     chosen: list[Victim] = []
     for victim in sorted(useful, key=per_share):
+        if any(v.engine.name == victim.engine.name for v in chosen):
+            continue  # one offer per engine
         chosen.append(victim)
         if ledger.fits(target, [*base, *chosen]):
             break
@@ -164,6 +204,15 @@ def _greedy(ledger: Ledger, target: Placed, useful: list[Victim], base: list[Vic
         if ledger.fits(target, [*base, *rest]):
             chosen = rest
     return chosen
+
+
+def _most_of_each(victims: list[Victim]) -> list[Victim]:
+    """Of each engine's offers, the one that frees the most: whether any set of offers can make room."""
+    best: dict[str, Victim] = {}
+    for v in victims:
+        if v.engine.name not in best or sum(v.frees.values()) > sum(best[v.engine.name].frees.values()):
+            best[v.engine.name] = v
+    return list(best.values())
 
 
 def most_awake(engines: Iterable[Placed], capacity: Capacity) -> int:
@@ -213,7 +262,7 @@ class DeviceView:
     index: int
     memory_gb: Optional[float]
     planned: float = 0.0  # shares of engines awake or on their way in or out
-    residual: float = 0.0  # residuals of sleeping engines
+    residual: float = 0.0  # what sleeping engines hold: their residuals (and a KV-parked one's weights)
     shares: dict[str, tuple[str, float]] = field(default_factory=dict)  # name -> ("awake", 0.25) / ("sleeping", 0.01)
 
     @property
@@ -229,12 +278,12 @@ def devices_view(ledger: Ledger) -> list[DeviceView]:
         for device, fraction in ledger.held(engine).items():
             view = views.setdefault(device, DeviceView(device, gpus.get(device)))
             if engine.state is State.SLEEPING and engine.name not in ledger.reserved:
-                view.residual += fraction
-                view.shares[engine.name] = ("sleeping", fraction)
+                view.residual += fraction  # a KV-parked engine's weights with it: held by a sleeper
+                view.shares[engine.name] = ("kv-parked" if engine.sleep_level == KV_PARKED else "sleeping", fraction)
             elif fraction > 0:
                 view.planned += fraction
                 view.shares[engine.name] = (engine.state.value, fraction)
     return [views[i] for i in sorted(views)]
 
 
-CostFn = Callable[[Placed, str, float], float]  # (engine, "park" | "stop", now) -> expected seconds of waiting caused
+CostFn = Callable[[Placed, str, float], float]  # (engine, "park" | "kv_park" | "deepen" | "stop", now) -> expected seconds of waiting caused

@@ -20,16 +20,17 @@ import asyncio
 from typing import Optional
 
 from engines.engine import Engine, State
+from engines.ladder import KV_PARKED
 from router.errors import APIError
 from router.scheduling import placement
-from router.scheduling.actions import Actions
+from router.scheduling.ahead import WakeAhead
 from router.scheduling.costs import NO_LEVEL2
 from router.scheduling.placement import Ledger, Victim
 from router.scheduling.state import BOOTING_ACTIONS, Decision, Plan
 from router.tasks import spawn
 
 
-class Scheduler(Actions):
+class Scheduler(WakeAhead):
     # -- the loop ----------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -78,7 +79,7 @@ class Scheduler(Actions):
         self.doing[name] = (decision.action, self.clock(), predicted)
         if decision.action in BOOTING_ACTIONS and (decision.action == "restart" or engine.state in (State.COLD, State.FAILED)):
             self.boots.add(name)
-        if decision.action == "park" and decision.level is not None:
+        if decision.action in ("park", "deepen") and decision.level is not None:
             self.parking_level[name] = decision.level
         task = spawn(self._act(decision), f"{decision.action}:{name}")
         self._actions.add(task)
@@ -171,6 +172,10 @@ class Scheduler(Actions):
                         started(move.engine)
             else:
                 waits.append(max(idle - idle_for, self.swap.min_active_s - awake_for, 0.01))
+        for decision in self.ahead_decisions(ledger, now, moving, clear):
+            decisions.append(decision)
+            moving.add(decision.engine.name)
+            started(decision.engine)
         return Plan(tuple(decisions), min(waits) if waits and not decisions else None)
 
     def _targets(self, now: float, moving: set[str]) -> list[tuple[Engine, float]]:
@@ -215,15 +220,14 @@ class Scheduler(Actions):
                                              False, max(ready_in, 0.01)))
                 continue
             if engine.state is State.SLEEPING:
-                candidates.append(Victim(engine, "stop", ledger.stopped_frees(engine), self.cost(engine, "stop", now)))
+                candidates += self._sleeper_offers(ledger, engine, now)
             elif engine.state is State.AWAKE:
                 ready_in = self._evictable_in(engine, oldest, now)
                 if ready_in > 0:
                     waits.append(ready_in)
                     blocked |= rival
-                victim = Victim(engine, "park", ledger.parked_frees(engine), self.cost(engine, "park", now),
-                                engine.in_flight > 0, ready_in)
-                (forced if rival else candidates).append(victim)
+                offers = self._park_offers(ledger, engine, now, engine.in_flight > 0, ready_in, rival)
+                (forced if rival else candidates).extend(offers)
         if blocked:
             return None, min(waits, default=None)
         now_idle = [v for v in candidates if not v.ready_in and not v.busy]
@@ -242,6 +246,33 @@ class Scheduler(Actions):
             return forced + chosen, None
         return None, later_wait if later else min(waits, default=None)
 
+    def _park_offers(self, ledger: Ledger, engine: Engine, now: float, busy: bool, ready_in: float,
+                     rival: bool) -> list[Victim]:
+        """The ways an awake engine can make room: a full park (at the level `_move` chooses) and, where
+        the KV tier is known to fit (placement's `kv_offered`), a KV park, first (the cheaper wake, when both
+        are enough). A rival in the waiter's group must leave its share, so it is offered the full park only.
+        A `sleep_level: 0` engine whose KV park cannot be sized (weights or GPU sizes unknown) frees nothing
+        placement can count: it is offered a stop instead, as when its weights' room is needed."""
+        fixed_kv = engine.spec.sleep_level == KV_PARKED
+        if fixed_kv and not ledger.kv_offered(engine):
+            return [Victim(engine, "stop", ledger.stopped_frees(engine), self.cost(engine, "stop", now), busy, ready_in)]
+        full = Victim(engine, "park", ledger.parked_frees(engine, KV_PARKED if fixed_kv else None),
+                      self.cost(engine, "park", now), busy, ready_in)
+        if rival or engine.spec.sleep_level != "auto" or not ledger.kv_offered(engine):
+            return [full]
+        kv = Victim(engine, "park", ledger.parked_frees(engine, KV_PARKED), self.cost(engine, "kv_park", now), busy,
+                    ready_in, level=KV_PARKED)
+        return [kv, full]
+
+    def _sleeper_offers(self, ledger: Ledger, engine: Engine, now: float) -> list[Victim]:
+        """A sleeper can be stopped; a KV-parked one can also go down a rung, freeing its weights but
+        keeping its process (and its next wake short of a boot)."""
+        stop = Victim(engine, "stop", ledger.stopped_frees(engine), self.cost(engine, "stop", now))
+        level = self.deeper_level(engine, now) if engine.sleep_level == KV_PARKED else None
+        if level is None:
+            return [stop]
+        return [Victim(engine, "deepen", ledger.deepened_frees(engine), self.cost(engine, "deepen", now), level=level), stop]
+
     def _evictable_in(self, engine: Engine, oldest: float, now: float) -> float:
         """Seconds until an awake engine may be parked for a waiter that arrived at `oldest` (0: now).
         min_active_s protects a wake someone asked for: an engine booted in the background and not
@@ -256,7 +287,12 @@ class Scheduler(Actions):
         engine = victim.engine
         if victim.action == "stop":
             return [Decision("stop", engine, why)]
-        level, demoted = self._choose_level(engine, now, waking=ledger.reserved, ledger=ledger)
+        if victim.action == "deepen":
+            return [Decision("deepen", engine, f"{why}; its weights' room, down to level {victim.level}", victim.level)]
+        if victim.level == KV_PARKED:
+            return [Decision("park", engine, f"{why}; its KV cache only (level 0)", KV_PARKED)]
+        back = self.ahead_level(engine)
+        level, demoted = (back, []) if back is not None else self._choose_level(engine, now, waking=ledger.reserved, ledger=ledger)
         reason = self.level_reason(engine, level, ledger.reserved)
         if level is None:
             numbers = f"; {reason}" if reason else ""

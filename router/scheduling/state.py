@@ -20,7 +20,7 @@ from config.schema import ModelSpec, Queue, Swap
 from engines.engine import Engine, State
 from router.errors import APIError, for_clients
 from router.scheduling.estimates import Demand, WakeCosts
-from router.scheduling.events import Events, SwapRecord
+from router.scheduling.history import Events, SwapRecord
 from router.scheduling.placement import Capacity, Ledger
 
 # States an engine is only in while an action drives it.
@@ -54,12 +54,13 @@ AT_ONCE = Lease(found_awake=True)
 
 @dataclass(frozen=True)
 class Decision:
-    """One action to start now: boot, wake, park, stop, demote, restart, retire, respec, failed."""
+    """One action to start now: boot, wake, park, deepen (a KV-parked engine down a rung), stop, demote,
+    restart, retire, respec, failed."""
 
     action: str
     engine: Engine
     why: str = ""
-    level: Optional[int] = None  # park: the sleep level chosen
+    level: Optional[int] = None  # park, deepen: the sleep level chosen (0: KV-parked)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class SchedulerState:
         self.waiting: dict[str, collections.deque[Waiter]] = {e.name: collections.deque() for e in engines}
         self.backoff = Backoff([e.name for e in engines], clock)
         self.costs = WakeCosts(self.weights)
-        self.demand = Demand()
+        self.demand = Demand(swap.demand_tau_s)
         self.busy: dict[str, asyncio.Future[None]] = {}  # engine -> done when its action ends
         self.doing: dict[str, tuple[str, float, float]] = {}  # engine -> (action, started, predicted seconds)
         self.parking_level: dict[str, int] = {}  # engine being parked -> the level it goes to
@@ -91,6 +92,8 @@ class SchedulerState:
         self.staged_for: dict[str, float] = {}  # target -> the making_room it was staged for (staging.py: once each)
         self.pending_restart: dict[str, str] = {}  # engine -> reason, for its next wake
         self.residuals: dict[str, dict[int, float]] = {}  # measured per engine and device, GB
+        self.ahead: dict[str, Any] = {}  # engine -> its pre-wake (router.scheduling.ahead.WokenAhead), until its outcome
+        self.ahead_done: list[Any] = []  # the last pre-wakes with their outcomes, newest last
         self.host_why: dict[str, Optional[str]] = {}  # engine -> why its last park was not at Level 1 (numbers)
         self.to_boot: set[str] = set()  # new in a reload (or restarted from a changed entry): boot in the background
         self.startup: set[str] = set()  # not booted yet since the router started (first boots are not swaps)
@@ -201,7 +204,7 @@ class SchedulerState:
 
     def ledger(self) -> Ledger:
         reserved = [e for e in self.engines if self.doing.get(e.name, ("",))[0] in RESERVING]
-        return Ledger(self.engines, self.capacity, reserved, self.residuals)
+        return Ledger(self.engines, self.capacity, reserved, self.residuals, self.weights)
 
     def _grant(self, engine: Engine, swap_id: Optional[int] = None) -> None:
         queue = self.waiting[engine.name]

@@ -18,6 +18,10 @@ SHARE = "--gpu-memory-utilization"
 HOST_MODEL = ("--sim-host-bytes-per-gb", "1e9")  # real size: the router measures real bytes
 PAGES = 2 << 20  # tiny tensors (norms) take a page each, and the sim's own heap moves a little
 
+# Without GPU sizes the KV tier (level 0) is not offered, since what a release frees cannot be sized, so
+# every park here is a full one: these scenarios are about Level 1 against Level 2 and host RAM.
+FULL_PARKS = {"gpus": None}
+
 
 def checkpoint(tmp_path: Path, name: str, gb: float) -> str:
     folder = tmp_path / name
@@ -60,7 +64,7 @@ async def test_a_sleeper_measured_from_proc_breaks_a_budget_its_estimate_would_h
     # a, c and b take the GPU in turn. Each checkpoint is 20 MB: estimated 27 MB at Level 1 (x 1.35);
     # the sim's rounding makes it 33.6 MB. By the estimates a and c fit in 58 MB together; measured, no.
     router = await start_router(roster_dict(bare(tmp_path, "a"), model(tmp_path, "c"), model(tmp_path, "b", default=True),
-                                            host={"ram_budget_gb": 0.058}))
+                                            **FULL_PARKS, host={"ram_budget_gb": 0.058}))
     a, c = await router.engine("a"), await router.engine("c")
     assert (a["sleep_level"], c["sleep_level"]) == (1, 2), "a parked first, at level 1; c did not fit beside what a holds"
     held = a["host_memory"]
@@ -87,7 +91,7 @@ async def test_a_sleeper_measured_from_proc_breaks_a_budget_its_estimate_would_h
 async def test_a_speculative_sleeper_is_measured_by_its_worker_extension_and_its_level1_wake_gives_the_ram_back(
         start_router, tmp_path):
     router = await start_router(roster_dict(model(tmp_path, "spec", speculative={"num_speculative_tokens": 3}),
-                                            model(tmp_path, "other", default=True), host={"ram_budget_gb": 1}))
+                                            model(tmp_path, "other", default=True), **FULL_PARKS, host={"ram_budget_gb": 1}))
     spec = await router.engine("spec")
     assert spec["sleep_level"] == 1 and spec["host_memory"]["source"] == "extension", spec["host_memory"]
     asleep = spec["host_memory"]["measured_gb"]
@@ -114,7 +118,7 @@ async def test_hotswap_status_shows_each_engines_measured_host_memory(start_rout
     import sys
 
     router = await start_router(roster_dict(model(tmp_path, "a"), model(tmp_path, "b", default=True),
-                                            host={"ram_budget_gb": 1}))
+                                            **FULL_PARKS, host={"ram_budget_gb": 1}))
     host = (await router.engine("a"))["host_memory"]
     held, source = host["measured_gb"], host["source"]
     out = await eventually(lambda: subprocess.run([sys.executable, "-m", "router.cli", "status", "--url", router.url],
@@ -147,7 +151,7 @@ async def test_an_attached_engine_has_no_process_to_read_so_only_its_extension_c
 async def test_a_level1_sleep_that_holds_more_than_its_guess_and_breaks_the_budget_is_stopped_at_once(start_router, tmp_path):
     # Estimated 27 MB, within 30; measured 33.6 MB, over: a cannot pass through the GPU (b is awake), so it stops.
     router = await start_router(roster_dict(model(tmp_path, "a"), model(tmp_path, "b", default=True),
-                                            host={"ram_budget_gb": 0.03}))
+                                            **FULL_PARKS, host={"ram_budget_gb": 0.03}))
     a = await eventually(_cold(router, "a"), what="a stopped for host RAM")
     assert a["host_memory"]["counted_gb"] == 0
     assert re.search(r"stopping a \(asleep at level 1\): host RAM over host\.ram_budget_gb=0\.03 by measurement: the "

@@ -19,6 +19,10 @@ from tests.support import RouterProcess, ask, client, dev_steps, eventually, ros
 
 SHARE = "--gpu-memory-utilization"
 
+# Without GPU sizes the KV tier (level 0) is not offered, since what a release frees cannot be sized, so
+# every park here is a full one: these scenarios are about Level 1 against Level 2 and host RAM.
+FULL_PARKS = {"gpus": None}
+
 
 def model(name: str, share: float, *args: str, **extra) -> dict:
     return sim_model(name, args=(SHARE, str(share), *args), **extra)
@@ -117,7 +121,7 @@ async def test_the_sleep_level_is_chosen_by_the_host_ram_budget(start_router, tm
     roster = roster_dict(
         model("a", 0.6, *HOST_MODEL, model=checkpoint(tmp_path, "a", 0.02), **spec),
         model("b", 0.6, *HOST_MODEL, model=checkpoint(tmp_path, "b", 0.02), **spec),
-        model("c", 0.6, *HOST_MODEL, model=checkpoint(tmp_path, "c", 0.02), default=True, **spec), host={"ram_budget_gb": 0.05})
+        model("c", 0.6, *HOST_MODEL, model=checkpoint(tmp_path, "c", 0.02), default=True, **spec), **FULL_PARKS, host={"ram_budget_gb": 0.05})
     router = await start_router(roster)
     levels = {e["name"]: (e["state"], e["sleep_level"], e["weights_gb"]) for e in (await router.status())["engines"]}
     assert levels == {"a": ("sleeping", 1, 0.02), "b": ("sleeping", 2, 0.02), "c": ("awake", None, 0.02)}, \
@@ -138,7 +142,7 @@ async def test_a_level1_sleeper_nobody_asks_for_is_demoted_to_make_ram_for_a_bus
         model("idle", 0.6, *slow_l2, *HOST_MODEL, model=checkpoint(tmp_path, "idle", 0.02), **spec),
         model("hot", 0.6, *slow_l2, *HOST_MODEL, model=checkpoint(tmp_path, "hot", 0.02), default=True, **spec),
         model("other", 0.6, *slow_l2, *HOST_MODEL, model=checkpoint(tmp_path, "other", 0.02), **spec),
-        host={"ram_budget_gb": 0.05})
+        **FULL_PARKS, host={"ram_budget_gb": 0.05})
     router = await start_router(roster)
     c = client(router)
     # Measure hot's Level-1 and Level-2 wakes, and make it the popular one.
@@ -215,7 +219,7 @@ async def test_an_engine_whose_load_format_cannot_reload_is_stopped_when_host_ra
     fail: with no host RAM for Level 1 the router stops it instead, and it boots cold when asked for."""
     router = await start_router(roster_dict(
         model("tz", 0.6, "--load-format", "tensorizer", weights_gb=8), model("other", 0.6, weights_gb=8),
-        host={"ram_budget_gb": 1}))
+        **FULL_PARKS, host={"ram_budget_gb": 1}))
     assert await states(router) == {"tz": "cold", "other": "awake"}, "tz made room to boot other by stopping"
     log = router.log()
     assert "stopping tz (awake): room to boot other; no room for it at level 1 in host RAM, and its --load-format " \

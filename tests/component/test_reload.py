@@ -152,7 +152,7 @@ async def test_an_invalid_roster_changes_nothing_and_every_error_says_where(star
     errors = body["errors"]
     path = str(router.roster_path)
     assert any(e.startswith(f"{path}:") and "models[0].modle: unknown key 'modle'; did you mean 'model'?" in e for e in errors), errors
-    assert any("models[1].sleep_level: must be 'auto', 1 or 2 (found 3)" in e for e in errors), errors
+    assert any("models[1].sleep_level: must be 'auto', 0, 1 or 2 (found 3)" in e for e in errors), errors
     assert any("models[2].devices[0]: GPU 7 is not in gpus:" in e for e in errors), errors
     for error in errors:  # file:line:col: field: message
         file, line, col, rest = error.split(":", 3)

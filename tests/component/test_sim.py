@@ -692,6 +692,18 @@ async def test_step_delay_slows_that_step_only(start_sim_engine, http):
     assert delayed >= 0.5 and plain < delayed - 0.2, (plain, delayed)
 
 
+async def test_a_level1_sleep_copying_weights_out_takes_its_own_delay_and_a_level2_sleep_does_not(start_sim_engine, http):
+    sim = start_sim_engine(*FAST, "--sim-step-delay", "sleep_level1=0.5")
+    t0 = time.monotonic()
+    await dev(http, sim, "/sleep", {"level": "2"})
+    level2 = time.monotonic() - t0
+    await dev(http, sim, "/wake_up")
+    t0 = time.monotonic()
+    await dev(http, sim, "/sleep", {"level": "1"})
+    level1 = time.monotonic() - t0
+    assert level1 >= 0.5 and level2 < level1 - 0.2, (level1, level2)
+
+
 async def test_crash_mid_stream_after_n_chunks(start_sim_engine, http):
     sim = start_sim_engine("--sim-token-rate", "1000", "--sim-crash-mid-stream", "3")
     received = []

@@ -6,6 +6,7 @@ cache (engines/sim/page_cache.py): a 2 GB checkpoint at 2 GB/s cold (1 s), 6 GB/
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from pathlib import Path
 
@@ -93,8 +94,8 @@ async def test_within_the_page_cache_budget_a_parked_model_is_staged_ahead_of_it
     sim = f"http://127.0.0.1:{b['port']}"
 
     def staged_ahead() -> bool:
-        return "engine b: staged 1 files, 2.00 GB (2.00 GB read, 0% resident before)" in router.log() \
-            and json.loads(get(sim + "/sim/state"))["disk"]["resident"] and "(ahead)" in router.log()
+        return bool(re.search(r"engine b: staged 1 files, 2\.00 GB \(2\.00 GB read, 0% resident before\) in [\d.]+ s "
+                              r"\(ahead\)", router.log())) and json.loads(get(sim + "/sim/state"))["disk"]["resident"]
 
     await eventually(staged_ahead, timeout=10, what="b staged in the background")
     assert await ask(c, "b")

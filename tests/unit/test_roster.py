@@ -197,7 +197,7 @@ def test_kill_grace_is_one_roster_setting():
               - name: a
                 model: /m/a
                 sleep_level: 3
-            """, "roster.yaml:5:18: models[0].sleep_level: must be 'auto', 1 or 2 (found 3)", id="sleep-level"),
+            """, "roster.yaml:5:18: models[0].sleep_level: must be 'auto', 0, 1 or 2 (found 3)", id="sleep-level"),
         pytest.param("""
             models:
               - name: a
@@ -282,9 +282,9 @@ def test_kill_grace_is_one_roster_setting():
             """, "roster.yaml:3:3: defaults.model: 'model' identifies one engine; set it on each model, not in defaults", id="identity-in-defaults"),
         pytest.param("""
             defaults:
-              sleep_level: 0
+              sleep_level: 4
             models: [{name: a, model: /m/a}, {name: b, model: /m/b}]
-            """, "roster.yaml:3:16: defaults.sleep_level: must be 'auto', 1 or 2 (found 0)", id="bad-default-blamed-once"),
+            """, "roster.yaml:3:16: defaults.sleep_level: must be 'auto', 0, 1 or 2 (found 4)", id="bad-default-blamed-once"),
         pytest.param("""
             models:
               - name: a
@@ -407,7 +407,7 @@ def test_check_prints_every_error_and_exits_2(tmp_path: Path):
     run = hotswap("check", "--config", str(roster))
     assert run.returncode == 2 and run.stdout == ""
     lines = run.stderr.splitlines()
-    assert lines[0] == f"{roster}:4:18: models[0].sleep_level: must be 'auto', 1 or 2 (found 5)"
+    assert lines[0] == f"{roster}:4:18: models[0].sleep_level: must be 'auto', 0, 1 or 2 (found 5)"
     assert lines[1] == f"{roster}:5:11: models[1].name: 'a' is already used by models[0].name; names and aliases must be unique"
     assert "2 errors" in lines[2]
 

@@ -718,7 +718,7 @@ async def test_a_level1_sleep_that_held_more_than_its_guess_over_the_budget_send
     popular = measured(FakeEngine("popular", share=0.3, level=1), 12, level1=12)
     unused = measured(FakeEngine("unused", share=0.3, level=1), 10, level1=10)  # estimated 8: it fit, measured it does not
     s = scheduler(popular, unused, awake("a", clock, share=0.3), clock=clock, gpus=gpus, ram_gb=20,
-                  estimates={"popular": 12, "unused": 8})
+                  estimates={"popular": 12, "unused": 8}, wake_ahead=False)  # the room is free: popular would wake ahead
     for name in ("popular", "unused"):
         s.costs.observe_wake(name, 1, 0.5)
         s.costs.observe_wake(name, 2, 5.0)
@@ -747,3 +747,20 @@ async def test_a_sleeper_whose_room_is_being_made_is_not_sent_down_for_the_ram_i
     s.busy["parking"], s.doing["parking"] = asyncio.get_running_loop().create_future(), ("park", clock.now, 0.0)
     s.parking_level["parking"] = 1
     assert s.decide(clock.now) == Plan(), "12 + 12 GB over 20 while the park runs, but target's 12 are on their way out"
+
+
+async def test_stopping_a_sleeper_is_priced_with_the_wait_its_cold_boot_makes_its_gpu_neighbours_pay(clock):
+    sleeper, neighbour = FakeEngine("sleeper", share=0.3, level=1), FakeEngine("neighbour", share=0.3)
+    elsewhere = FakeEngine("elsewhere", share=0.3, devices=[1])
+    s = scheduler(sleeper, neighbour, elsewhere, clock=clock, gpus={0: 100.0, 1: 100.0})
+    s.costs.observe_boot("sleeper", 50.0)
+    s.costs.observe_wake("sleeper", 1, 1.0)
+    for name in ("sleeper", "elsewhere"):
+        for _ in range(10):
+            s.demand.arrived(name, clock.now - 1)
+    alone = s.expected_cost(sleeper, "stop", clock.now)
+    assert alone == pytest.approx(s._reuse(sleeper, clock.now) * 49.0, rel=1e-3), "a busy GPU elsewhere waits for nothing"
+    for _ in range(10):
+        s.demand.arrived("neighbour", clock.now - 1)
+    shared = s.expected_cost(sleeper, "stop", clock.now)
+    assert shared > alone * 1.3, "its boot holds GPU 0 alone for 50 s: the neighbour's next wake waits behind it"

@@ -81,3 +81,28 @@ def test_the_readme_records_the_stretch_the_commit_and_the_command(trace):
     assert header["commit"] in readme and "Apache-2.0" in readme and "days 8–14" in readme
     assert header["command"] in readme
     assert f"{header['requests']} requests" in readme
+
+
+def test_the_wake_bench_roster_serves_every_model_of_the_trace_on_two_gpus_at_h200_costs(tmp_path):
+    """bench/wake_trace.py's roster is one hotswap accepts, places every model of the trace on two GPUs
+    with about 2.9 GPUs' worth of shares, and prices each step as an H200 host takes it."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(TRACES.parent))
+    try:
+        import wake_trace
+    finally:
+        sys.path.remove(str(TRACES.parent))
+    from config import parse_roster
+
+    header, reqs = wake_trace.load_trace(TRACE, None)
+    assert {r.model for r in reqs} == set(wake_trace.MODELS) == set(MODELS)
+    args = argparse.Namespace(time_scale=0.1, ram_budget_gb=160.0, disk_gb_per_s=2.0)
+    roster = parse_roster(wake_trace.roster(18080, args, tmp_path / "ledger.json"), "<wake bench>")
+    shares = sum(m.gpu_share * len(m.devices) for m in roster.models)
+    assert {d for m in roster.models for d in m.devices} == {0, 1} and 2.7 <= shares <= 3.0
+    assert roster.swap.demand_tau_s == pytest.approx(30.0) and roster.swap.reuse_horizon_s == pytest.approx(6.0), \
+        "the policy's time constants scale with the trace"
+    big = wake_trace.MODELS["llama-70b"].steps()
+    assert big["reload_weights"] == pytest.approx(70 / 6.0) and big["wake"] == pytest.approx(70 / 50.0)

@@ -1,0 +1,458 @@
+"""The wait for a parked model on a production trace (issue 32): hotswap, the code before, and a
+memory-aware LRU router, side by side in one run.
+
+    .venv/bin/python bench/wake_trace.py [--trace bench/traces/servegen-d1-7.jsonl] [--minutes M]
+        [--time-scale S] [--arms hotswap,lru,before --ab-src TREE] [--write-docs]
+
+The trace is ServeGen-derived (bench/traces/README.md): bursty per-application arrivals, ten models.
+The roster (`MODELS`) puts them on two GPUs of 141 GB, their `--gpu-memory-utilization` shares
+summing to about 2.9 GPUs, from a 70B (fp8) down to an embedder. Every step the router drives
+costs what it costs on an H200 host, per GPU (an engine on two GPUs moves half its weights on
+each, in parallel), times `--time-scale`:
+
+  Level-1 sleep   weights out to pinned host RAM at 25 GB/s     (sim step sleep_level1)
+  Level-1 wake    weights back at 50 GB/s                       (wake)
+  Level-2 sleep   0.3 s: the weights are only dropped           (sleep_level2)
+  Level-2 wake    reload from the page cache at 6 GB/s          (reload_weights; the draft's too)
+  cold boot       20 s (process, CUDA graphs) + the weights from disk at --disk-gb-per-s
+  decode          each model's tokens/s (`MODELS`), with a draft accepting 2.6 tokens a step
+
+The arms, each a fresh router (in its own child process, so `before` imports another tree) on
+fresh simulated engines (always this tree's `engines.sim`, so every arm meets the same engines):
+
+  hotswap   this tree
+  no-ahead  this tree with `swap.wake_ahead: false`, to tell what waking ahead does
+  lru       this tree with the victims chosen least recently requested first (bench/replay.py
+            `lru_cost`): a memory-aware router that swaps on demand and drains its victim, as
+            Ollama and Ray Serve do
+  before    `--ab-src`, a checkout of the code before the change measured (its default scheduler)
+
+Client wait = the time to the first token (embeddings: to the answer). A request streams its
+trace's output tokens at its model's rate, read to the end (its engine is busy until then); its
+wait is the time to its first token's event − the floor (the median of the same for requests to
+an awake model before the trace: the proxy's loopback cost). Prompts are short:
+the sim does not model prefill, which is the same in every arm. Reported in real seconds (wall ÷
+time scale). The roster's time constants are scaled with the trace (`min_active_s`, `max_hold_s`,
+`drain_timeout_s`, `queue.max_wait_s`, and the policy's `demand_tau_s`, `reuse_horizon_s`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import harness as h  # bench/harness.py: the run session, report helpers
+from replay import Failed, at_arrival_times, first_errors, lru_cost, running_router  # bench/replay.py: the in-process router
+
+SECTION = "## The wait for a parked model on a production trace (issue 32)"
+ARMS = ("hotswap", "no-ahead", "lru", "before")
+GPU_GB = 141.0
+TRACE = h.REPO / "bench" / "traces" / "servegen-d1-7.jsonl"
+
+# An H200 host, in real seconds (issue 32).
+L1_OUT_GB_S, L1_BACK_GB_S, PAGE_CACHE_GB_S = 25.0, 50.0, 6.0
+LEVEL2_SLEEP_S, BOOT_FIXED_S = 0.3, 20.0
+DRAFT_SHARE = 0.02  # a draft (EAGLE head or small model) as a share of its target's weights
+ACCEPTANCE = 2.6
+# The roster's time constants (real seconds), scaled like the trace.
+MIN_ACTIVE_S, MAX_HOLD_S, MAX_WAIT_S, DRAIN_S = 5.0, 30.0, 300.0, 30.0
+CALIBRATION_REQUESTS = 20
+WITHIN_S = 2.0
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    devices: tuple[int, ...]
+    share: float  # --gpu-memory-utilization, on each of its devices
+    weights_gb: float  # the whole checkpoint (spread over its devices)
+    tok_s: float  # decode tokens/s of one request
+    kind: str = "chat"
+
+    @property
+    def per_gpu_gb(self) -> float:
+        return self.weights_gb / len(self.devices)
+
+    def steps(self) -> dict[str, float]:
+        """Real seconds of each sim step."""
+        w = self.per_gpu_gb
+        return {"sleep_level1": w / L1_OUT_GB_S, "sleep_level2": LEVEL2_SLEEP_S, "wake": w / L1_BACK_GB_S,
+                "wake_weights": 0.05, "reload_weights": w / PAGE_CACHE_GB_S,
+                "reload_draft": w * DRAFT_SHARE / PAGE_CACHE_GB_S, "wake_kv_cache": 0.1}
+
+    def boot_s(self, disk_gb_s: float) -> float:
+        return BOOT_FIXED_S + self.per_gpu_gb / disk_gb_s
+
+
+# Shares sum to 2.8 GPUs over two, laid out as an operator would by the trace's popularity: GPU 0
+# holds the hot set awake together (the 70B, the two most asked-for small models, the embedder),
+# GPU 1 the long tail, 1.8 GPUs' worth taking turns. The 70B and the Mixtral in fp8, the rest bf16.
+MODELS = {m.name: m for m in (
+    Model("llama-70b", (0,), 0.60, 70, 35),
+    Model("qwen-32b", (1,), 0.55, 64, 60),
+    Model("mixtral-8x7b", (1,), 0.40, 47, 70),
+    Model("gemma-27b", (1,), 0.45, 54, 65),
+    Model("llama-13b", (1,), 0.25, 26, 90),
+    Model("mistral-7b", (0,), 0.15, 14.5, 120),
+    Model("llama-8b", (0,), 0.15, 16, 115),
+    Model("qwen-7b", (1,), 0.15, 15, 120),
+    Model("phi-3-mini", (0,), 0.08, 7.6, 160),
+    Model("bge-large", (0,), 0.02, 0.7, 1000, kind="embeddings"),
+)}
+
+
+@dataclass(frozen=True)
+class Req:
+    i: int
+    t: float
+    model: str
+    kind: str
+    tokens: int
+
+
+def load_trace(path: Path, minutes: Optional[float]) -> tuple[dict, list[Req]]:
+    with path.open() as f:
+        header = json.loads(f.readline())["header"]
+        rows = [json.loads(line) for line in f if line.strip()]
+    unknown = sorted({r["model"] for r in rows} - set(MODELS))
+    if unknown:
+        raise SystemExit(f"{path}: models not in this bench's roster: {', '.join(unknown)}")
+    cut = math.inf if minutes is None else minutes * 60
+    reqs = [Req(i, r["t"], r["model"], r["kind"], max(1, r["output_tokens"])) for i, r in enumerate(x for x in rows if x["t"] < cut)]
+    return header, reqs
+
+
+def policy_keys(scale: float) -> str:
+    """The scheduler's own time constants as roster keys, scaled, where the tree running has them (a tree
+    from before they were keys gets them set on its instance instead: `older_tree`)."""
+    from config.schema import Swap
+
+    fields = Swap.model_fields
+    return "".join(f", {key}: {fields[key].default * scale:g}" for key in ("demand_tau_s", "reuse_horizon_s") if key in fields)
+
+
+def older_tree(scheduler: Any, scale: float) -> None:
+    """A tree from before the policy's time constants were roster keys: scale them on the instance."""
+    old = importlib.import_module("router.scheduling")  # that tree's names, which this one no longer exports
+    scheduler.demand = old.Demand(old.DEMAND_TAU_S * scale)
+    scheduler.reuse_horizon_s *= scale
+
+
+def roster(port: int, args: argparse.Namespace, ledger: Path, arm: str = "hotswap") -> str:
+    scale = args.time_scale
+    env = {"HOTSWAP_SIM_GPU_LEDGER": str(ledger), "HOTSWAP_SIM_GPU_MEMORY_GB": f"0={GPU_GB:g},1={GPU_GB:g}",
+           "PYTHONPATH": str(h.REPO)}  # every arm meets this tree's simulator
+    lines = [
+        "# written by bench/wake_trace.py",
+        f"listen: {{host: 127.0.0.1, port: {port}}}",
+        f"swap: {{min_active_s: {MIN_ACTIVE_S * scale:g}, max_hold_s: {MAX_HOLD_S * scale:g}, "
+        f"drain_timeout_s: {DRAIN_S * scale:g}{policy_keys(scale)}{', wake_ahead: false' if arm == 'no-ahead' else ''}}}",
+        f"queue: {{max_wait_s: {MAX_WAIT_S * scale:g}, max_waiting: 4096}}",
+        f"gpus: [{{index: 0, memory_gb: {GPU_GB:g}}}, {{index: 1, memory_gb: {GPU_GB:g}}}]",
+        f"host: {{ram_budget_gb: {args.ram_budget_gb:g}}}",
+        "defaults:",
+        f"  launcher: [{json.dumps(sys.executable)}, -m, engines.sim, serve]",
+        f"  env: {json.dumps(env)}",
+        "models:",
+    ]
+    for m in MODELS.values():
+        flags = ["--gpu-memory-utilization", f"{m.share:g}", "--sim-boot-s", f"{m.boot_s(args.disk_gb_per_s) * scale:.4f}",
+                 "--sim-token-rate", f"{m.tok_s / scale:g}", "--sim-acceptance", f"{ACCEPTANCE:g}",
+                 "--max-model-len", "131072"]
+        for step, s in m.steps().items():
+            flags += ["--sim-step-delay", f"{step}={s * scale:.4f}"]
+        lines += [f"  - name: {m.name}", f"    model: bench/{m.name}", f"    weights_gb: {m.weights_gb:g}",
+                  f"    devices: {list(m.devices)}", f"    args: {json.dumps(flags)}"]
+        if m.kind == "chat":
+            lines.append(f"    speculative: {{method: draft_model, model: bench/{m.name}-draft, num_speculative_tokens: 3}}")
+        else:  # the canary is a generation; an embedder's check would be a pooling request
+            lines.append("    gate: {enabled: false}")
+        if m.name == "llama-8b":
+            lines.append("    default: true")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Result:
+    arm: str
+    floor_s: float = 0.0  # wall
+    waits: dict[int, float] = field(default_factory=dict)  # request -> real seconds to its first token
+    errors: list[str] = field(default_factory=list)
+    lag_s: list[float] = field(default_factory=list)
+    wakes: dict[str, int] = field(default_factory=dict)
+    wake_s: dict[str, float] = field(default_factory=dict)
+    evictions: dict[str, int] = field(default_factory=dict)
+    phase_s: dict[str, float] = field(default_factory=dict)  # real seconds in each phase, over every wake
+    wall_s: float = 0.0
+
+
+async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Path) -> Result:
+    """One arm, in this process (the child's side of `run_child`)."""
+    import aiohttp
+
+    scale = args.time_scale
+    text = roster(h.free_port(), args, tmp / f"ledger-{arm}.json", arm)
+    (tmp / f"roster-{arm}.yaml").write_text(text)
+    deadline = time.monotonic() + args.max_seconds
+
+    def setup(scheduler: Any) -> None:
+        if not policy_keys(scale):
+            older_tree(scheduler, scale)
+        if arm == "lru":
+            scheduler.cost = lru_cost(scheduler)
+
+    timeout = aiohttp.ClientTimeout(total=(MAX_WAIT_S + 2 * max(r.tokens for r in trace) / 30) * scale + 60)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as client, \
+            running_router(text, arm, tmp / f"engines-{arm}", deadline, setup) as run:
+        res = Result(arm)
+
+        async def send(r: Req) -> tuple[int, float, str]:
+            """(status, wall seconds to the first token or the answer, error). A stream is read to its end
+            (its engine is busy until then), in large blocks: the bench's own CPU is the engines' too."""
+            if r.kind == "embeddings":
+                path, body = "/v1/embeddings", {"model": r.model, "input": "Wake"}
+            else:
+                path, body = "/v1/completions", {"model": r.model, "prompt": "Wake", "max_tokens": r.tokens,
+                                                 "temperature": 0, "ignore_eos": True, "stream": True}
+            t0 = time.perf_counter()
+            try:
+                async with client.post(run.base_url + path, json=body) as resp:
+                    if resp.status != 200 or r.kind == "embeddings":
+                        data = await resp.read()
+                        return resp.status, time.perf_counter() - t0, "" if resp.status == 200 else data[:200].decode(errors="replace")
+                    first = await resp.content.readuntil(b"\n\n")  # the first token's event
+                    ttft = time.perf_counter() - t0
+                    tail = first[-64:]
+                    while chunk := await resp.content.read(1 << 16):
+                        tail = (tail + chunk)[-64:]
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                return 0, time.perf_counter() - t0, repr(exc)
+            if b"[DONE]" not in tail:
+                return 0, ttft, f"the stream ended without [DONE]: ...{tail.decode(errors='replace')!r}"
+            return 200, ttft, ""
+
+        cal = Req(-1, 0.0, "llama-8b", "chat", 1)
+        floors = []
+        for _ in range(CALIBRATION_REQUESTS):
+            status, lat, err = await send(cal)
+            if status != 200:
+                raise Failed(f"{arm}: calibration request answered {status}: {err}")
+            floors.append(lat)
+        run.scheduler.demand = type(run.scheduler.demand)(run.scheduler.demand.tau_s)  # the calibration is not demand
+        res.floor_s = h.percentile(floors, 0.5)
+
+        async def one(r: Req) -> None:
+            status, lat, err = await send(r)
+            if status != 200:
+                res.errors.append(f"#{r.i} {r.model}: {status} {err}")
+                return
+            res.waits[r.i] = max(0.0, lat - res.floor_s) / scale
+
+        print(f"  {arm}: booted; replaying {len(trace)} requests", flush=True)
+        res.lag_s, res.wall_s = await at_arrival_times([(r.t, lambda r=r: one(r)) for r in trace], scale, deadline, arm)
+    res.wakes, res.wake_s = run.recorder.wake_kinds(scale)
+    res.evictions = dict(run.recorder.evictions)
+    res.phase_s = run.recorder.phase_seconds(scale)
+    return res
+
+
+def run_child(arm: str, args: argparse.Namespace, tmp: Path) -> Result:
+    """Run one arm in a child process whose `router` is the arm's tree."""
+    tree = Path(args.ab_src) if arm == "before" else h.REPO
+    out = tmp / f"result-{arm}.json"
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", arm, "--child-out", str(out), "--child-tmp", str(tmp),
+            *args.passthrough]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(h.REPO / "bench")])}
+    # Run from this tree: an engine started as `python -m engines.sim` finds its package in the working
+    # directory first, and every arm must meet the same simulator.
+    proc = subprocess.run(argv, env=env, cwd=str(h.REPO))
+    if proc.returncode != 0:
+        raise Failed(f"{arm}: the arm's process exited {proc.returncode}; its router log is {tmp / f'router-{arm}.log'}")
+    data = json.loads(out.read_text())
+    data["waits"] = {int(k): v for k, v in data["waits"].items()}
+    return Result(**data)
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+def summary(xs: list[float], minutes: float, res: Result) -> dict[str, float]:
+    """`minutes`: the whole replay's (warm-up too), which every wake of `res` falls in."""
+    wakes = sum(res.wakes.get(k, 0) for k in ("level1", "level2"))
+    return {"mean": sum(xs) / len(xs) if xs else math.nan, "p50": h.percentile(xs, 0.5), "p90": h.percentile(xs, 0.9),
+            "p99": h.percentile(xs, 0.99), "within": sum(1 for x in xs if x <= WITHIN_S) / len(xs) if xs else math.nan,
+            "wakes_min": wakes / minutes}
+
+
+def report(results: dict[str, Result], header: dict, trace: list[Req], args: argparse.Namespace, started: str,
+           elapsed: float, load_start: str) -> str:
+    start = trace[0].t + args.warmup_minutes * 60
+    measured = {r.i for r in trace if r.t >= start}
+    ok = {i for i in measured if all(i in res.waits for res in results.values())}
+    minutes = (trace[-1].t - start) / 60
+    span = (trace[-1].t - trace[0].t) / 60
+    stats = {a: summary([res.waits[i] for i in ok], span, res) for a, res in results.items()}
+    lines = [
+        SECTION, "",
+        f"{h.host(started)}, commit {h.git_rev()}. Took {elapsed:.0f} s. Load average at start / end: "
+        f"{load_start} / {h.loadavg()}.", "", "```", h.command_line(), "```", "",
+        f"Trace: `{args.trace.relative_to(h.REPO) if args.trace.is_relative_to(h.REPO) else args.trace}` "
+        f"({header.get('source', '?')}, commit {str(header.get('commit', '?'))[:7]}, days {header.get('days')}), "
+        f"{len(trace)} requests; the first {args.warmup_minutes:g} minutes replayed but not counted, "
+        f"{len(measured)} requests over {minutes:.1f} minutes measured; time scale {args.time_scale:g}. "
+        f"Waits are real seconds to the first token (embeddings: to the answer), over the {len(ok)} requests "
+        "answered 200 in every arm. Floor (wall): " + ", ".join(f"{a} {r.floor_s * 1e3:.1f} ms" for a, r in results.items()) + ".",
+        "", "| model | GPUs | share | weights GB | L1 sleep / wake s | L2 wake s | boot s | tok/s | requests |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for m in MODELS.values():
+        st = m.steps()
+        l2 = st["wake_weights"] + st["reload_weights"] + st["wake_kv_cache"] + (st["reload_draft"] if m.kind == "chat" else 0)
+        n = sum(1 for r in trace if r.model == m.name and r.i in measured)
+        lines.append(f"| {m.name} | {','.join(map(str, m.devices))} | {m.share:g} | {m.weights_gb:g} | "
+                     f"{st['sleep_level1']:.2f} / {st['wake']:.2f} | {l2:.2f} | {m.boot_s(args.disk_gb_per_s):.0f} | "
+                     f"{m.tok_s:g} | {n} |")
+    lines += [
+        "", f"Host RAM budget {args.ram_budget_gb:g} GB (`sleep_level: auto`), disk {args.disk_gb_per_s:g} GB/s for a "
+        f"cold boot, `min_active_s` {MIN_ACTIVE_S:g}, `max_hold_s` {MAX_HOLD_S:g}, `drain_timeout_s` {DRAIN_S:g}, "
+        "the gate on (a 64-token canary after every wake; the embedder's off).", "",
+        f"| arm | mean s | p50 s | p90 s | p99 s | within {WITHIN_S:g} s | wakes/min | wakes L1 / L2 / boot | parks | "
+        "demotions | stops | errors | send lag p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for a, res in results.items():
+        s, w, ev = stats[a], res.wakes, res.evictions
+        parks = sum(v for k, v in ev.items() if k not in ("demote", "stop"))
+        lines.append(f"| {a} | {s['mean']:.2f} | {s['p50']:.2f} | {s['p90']:.2f} | {s['p99']:.1f} | {s['within']:.0%} | "
+                     f"{s['wakes_min']:.1f} | {w.get('level1', 0)} / {w.get('level2', 0)} / {w.get('boot', 0)} | {parks} | "
+                     f"{ev.get('demote', 0)} | {ev.get('stop', 0)} | {len(res.errors)} | "
+                     f"{h.percentile(res.lag_s, 0.99) * 1e3 / args.time_scale:.0f} |")
+    if "hotswap" in stats:
+        hs = stats["hotswap"]
+        verdicts = [f"within {WITHIN_S:g} s: {hs['within']:.0%} (target ≥ 90%)", f"p99 {hs['p99']:.1f} s (target ≤ 15 s)"]
+        if "before" in stats:
+            b = stats["before"]
+            verdicts += [f"mean ÷ before {hs['mean'] / b['mean']:.2f}× (target ≤ 0.5×)",
+                         f"p99 ÷ before {hs['p99'] / b['p99']:.2f}× (target ≤ 0.6×)"]
+        if "lru" in stats:
+            lru = stats["lru"]
+            worse = [k for k in ("mean", "p50", "p90", "p99") if hs[k] > lru[k] + 0.005]
+            verdicts.append("never worse than LRU at mean, p50, p90, p99" if not worse
+                            else f"WORSE than LRU at {', '.join(worse)}")
+        lines += ["", "**hotswap: " + "; ".join(verdicts) + ".**"]
+    phases = sorted({p for res in results.values() for p in res.phase_s}, key=lambda p: -max(r.phase_s.get(p, 0) for r in results.values()))
+    lines += ["", "Where the wakes' time went: real seconds per wake in each phase (the victims' drain and sleep included), "
+              "over every successful wake or boot of the replay:", "",
+              "| arm | wakes | " + " | ".join(phases) + " |", "|---|---:|" + "---:|" * len(phases)]
+    for a, res in results.items():
+        n = max(1, sum(res.wakes.values()))
+        lines.append(f"| {a} | {sum(res.wakes.values())} | " + " | ".join(f"{res.phase_s.get(p, 0) / n:.2f}" for p in phases) + " |")
+    lines += ["", "Mean wait per model (s):", "", "| model | requests | " + " | ".join(results) + " |",
+              "|---|---:|" + "---:|" * len(results)]
+    for name in MODELS:
+        ids = [i for i in ok if trace[i].model == name]
+        cells = [f"{sum(res.waits[i] for i in ids) / len(ids):.2f}" if ids else "-" for res in results.values()]
+        lines.append(f"| {name} | {len(ids)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + first_errors([res.errors for res in results.values()])) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", type=Path, default=TRACE, help="a JSON-lines trace (default %(default)s)")
+    p.add_argument("--minutes", type=float, default=None, help="replay only the trace's first MINUTES (a quick look)")
+    p.add_argument("--warmup-minutes", type=float, default=2.0,
+                   help="the trace's first minutes are replayed but not counted: the router's demand estimate starts "
+                        "empty, as no running router's does (default %(default)s)")
+    p.add_argument("--time-scale", type=float, default=0.1, help="wall seconds per real second (default %(default)s)")
+    p.add_argument("--ram-budget-gb", type=float, default=160.0, help="host.ram_budget_gb (default %(default)s)")
+    p.add_argument("--disk-gb-per-s", type=float, default=2.0, help="a cold read from disk (default %(default)s)")
+    p.add_argument("--arms", default="hotswap,lru", help=f"comma-separated, of {', '.join(ARMS)} (default %(default)s)")
+    p.add_argument("--ab-src", default=None, help="the tree the `before` arm runs (a checkout of the code before)")
+    p.add_argument("--max-seconds", type=float, default=900.0, help="cap on each arm's run, wall (default %(default)s)")
+    p.add_argument("--write-docs", action="store_true", help="write the section into --docs (default: print only)")
+    p.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--child-tmp", type=Path, help=argparse.SUPPRESS)
+    h.add_session_args(p)
+    a = p.parse_args(argv)
+    a.trace = a.trace.resolve()
+    a.arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+    if not a.arms or not set(a.arms) <= set(ARMS):
+        p.error(f"--arms: choose from {', '.join(ARMS)}")
+    if "before" in a.arms and not (a.ab_src and (Path(a.ab_src) / "router").is_dir()):
+        p.error("--arms before needs --ab-src, a tree with router/ in it (e.g. `git worktree add /tmp/before <commit>`)")
+    if not 0 < a.time_scale <= 1:
+        p.error("--time-scale must be in (0, 1]")
+    a.no_docs = a.no_docs or not a.write_docs
+    # What a child gets again: everything but the arms, the docs and the session's own flags.
+    a.passthrough = ["--trace", str(a.trace), "--time-scale", f"{a.time_scale!r}", "--ram-budget-gb", f"{a.ram_budget_gb!r}",
+                     "--disk-gb-per-s", f"{a.disk_gb_per_s!r}", "--max-seconds", f"{a.max_seconds!r}", "--no-docs"]
+    if a.minutes is not None and a.minutes <= a.warmup_minutes:
+        p.error("--minutes must be more than --warmup-minutes")
+    if a.minutes is not None:
+        a.passthrough += ["--minutes", f"{a.minutes!r}"]
+    return a
+
+
+def child_main(args: argparse.Namespace) -> int:
+    import uvloop
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        filename=str(args.child_tmp / f"router-{args.child}.log"))
+    _, trace = load_trace(args.trace, args.minutes)
+    try:
+        res = uvloop.run(run_arm(args.child, trace, args, args.child_tmp))
+    except Failed as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 1
+    args.child_out.write_text(json.dumps(asdict(res)))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child_main(args)
+    header, trace = load_trace(args.trace, args.minutes)
+    with h.session(args, "hotswap-wakebench-") as run:
+        span = trace[-1].t - trace[0].t
+        print(f"bench: {len(trace)} requests over {span:.0f} s real = {span * args.time_scale:.0f} s wall per arm; "
+              f"arms {', '.join(args.arms)}; logs in {run.tmp}", flush=True)
+        results = {}
+        try:
+            for arm in args.arms:
+                print(f"bench: {arm}", flush=True)
+                results[arm] = run_child(arm, args, run.tmp)
+                start = trace[0].t + args.warmup_minutes * 60
+                counted = [w for i, w in results[arm].waits.items() if trace[i].t >= start]
+                s = summary(counted, span / 60, results[arm])
+                print(f"  {arm}: mean {s['mean']:.2f} s, p50 {s['p50']:.2f}, p90 {s['p90']:.2f}, p99 {s['p99']:.1f}, "
+                      f"within {WITHIN_S:g} s {s['within']:.0%}, {len(results[arm].errors)} errors", flush=True)
+        except Failed as exc:
+            keep = "" if args.keep_logs else " (they are removed on exit: run with --keep-logs to read them)"
+            print(f"bench: {exc}{keep}", file=sys.stderr)
+            return 1
+        text = report(results, header, trace, args, run.started, time.monotonic() - run.t0, run.load_start)
+        run.publish(text, SECTION)
+        return 0
+    return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,109 @@
+"""Waking a parked engine before anyone asks for it (`swap.wake_ahead`).
+
+A wake a request waits for costs it the wake and the canary. When a device has room nobody waits
+for, or room held only by idle engines nobody has asked for within `reuse_horizon_s` (no demand),
+the parked engine most likely to be asked for next is woken then, so its next request finds it awake. What it may cost is bounded
+by the numbers: the chance it is asked for within `reuse_horizon_s` times the wake it saves must
+beat what the idle engines parked for it are expected to cost (the same `expected_cost` victims are
+ranked by) plus, should it go unused, the sleep that gives its room back.
+
+A pre-woken engine that nobody has used is an ordinary idle victim, parked at once for a waiter
+(`_evictable_in`: an unclaimed wake is not protected by `min_active_s`), and at the level it came
+from when that was Level 2 (dropping its weights again is all it takes: the waiter pays no copy
+out, and the engine is where it would be had it never woken). Each pre-wake and its outcome
+(used, parked unused, failed) is an event: a counter, a mark on the timeline, /admin/status.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from engines.engine import Engine, State
+from router.scheduling import placement
+from router.scheduling.actions import Actions
+from router.scheduling.placement import Ledger, Victim
+from router.scheduling.state import Decision
+
+
+@dataclass
+class WokenAhead:
+    """One pre-wake, from its decision to its outcome."""
+
+    engine: str
+    level: Optional[int]  # the level it was asleep at
+    at: float  # scheduler clock, when decided
+    chance: float  # the chance it is asked for within reuse_horizon_s, then
+    outcome: Optional[str] = None  # None while it waits to be used; used | unused | failed
+
+    def as_dict(self, now: float) -> dict[str, object]:
+        return {"engine": self.engine, "from_level": self.level, "ago_s": round(now - self.at, 3),
+                "chance": round(self.chance, 3), "outcome": self.outcome or "pending"}
+
+
+class WakeAhead(Actions):
+    """The wake-ahead part of `Scheduler` (see `router.scheduling.state`)."""
+
+    ahead: dict[str, WokenAhead]  # engine -> its pre-wake, until the outcome is known
+    ahead_done: list[WokenAhead]  # the last outcomes, newest last (for /admin/status)
+
+    def ahead_decisions(self, ledger: Ledger, now: float, moving: set[str],
+                        clear: Callable[[Engine], bool]) -> list[Decision]:
+        """At most one pre-wake (or the parks that make its room), where no waiter needs the room."""
+        self._settle_ahead()
+        if not self.swap.wake_ahead:
+            return []
+        wanted = {d for e in self.engines if self.waiting[e.name] and e.state is not State.AWAKE for d in e.spec.devices}
+        wanted |= {d for name in self.making_room for d in self._engine(name).spec.devices}
+        sleepers = [e for e in self.engines if e.state is State.SLEEPING and e.name not in self.busy and e.name not in moving
+                    and e.name not in self.ahead and not set(e.spec.devices) & wanted and not self.backoff.waiting(e, now)
+                    and self.demand.rate(e.name, now) > 0 and clear(e)]
+        for target in sorted(sleepers, key=lambda e: -self.demand.rate(e.name, now)):
+            chance = self._reuse(target, now)
+            saved = chance * self.costs.wake_s(target.name, target.sleep_level)
+            unused = (1 - chance) * self.costs.sleep_s(target.name)  # giving the room back, should nobody come
+            if saved <= unused:
+                continue
+            if ledger.fits(target):
+                self.ahead[target.name] = WokenAhead(target.name, target.sleep_level, now, chance)
+                self.events.woke_ahead(target, "woken")
+                return [Decision("wake", target, f"ahead of demand: {chance:.0%} likely asked for within "
+                                                    f"{self.reuse_horizon_s:g} s, saves {saved:.1f} s expected")]
+            victims = [Victim(e, "park", ledger.parked_frees(e), self.cost(e, "park", now)) for e in self.engines
+                       if e.state is State.AWAKE and e.name not in self.busy and e.name not in moving and not e.spec.pin
+                       and not e.in_flight and set(e.spec.devices) & set(target.spec.devices) and clear(e)
+                       and self._evictable_in(e, now, now) == 0 and now - self.demand.last(e.name) > self.reuse_horizon_s]
+            chosen = placement.cheapest(ledger, target, victims, [])
+            if chosen and sum(v.cost for v in chosen) < saved - unused:
+                return [d for v in chosen for d in self._move(v, f"room to wake {target.name} ahead of demand "
+                                                                 f"({chance:.0%} likely asked for within {self.reuse_horizon_s:g} s)",
+                                                              ledger, now)]
+        return []
+
+    def ahead_level(self, engine: Engine) -> Optional[int]:
+        """The level an unused pre-woken engine goes back to: Level 2 when it came from there (a drop, at
+        no cost to the waiter it makes room for); else None, chosen as for any park."""
+        woken = self.ahead.get(engine.name)
+        return 2 if woken is not None and woken.outcome is None and woken.level == 2 and engine.spec.reloads_weights else None
+
+    def _settle_ahead(self) -> None:
+        """Outcomes of the pre-wakes: used once it served a request; unused once parked (or stopped)
+        before it did."""
+        engines = {e.name: e for e in self.engines}
+        for name, woken in list(self.ahead.items()):
+            engine = engines.get(name)
+            if engine is None:  # left the roster
+                self.ahead.pop(name)
+                continue
+            if name in self.busy and engine.state is not State.AWAKE:
+                continue  # its wake is still running
+            if engine.state is State.AWAKE and engine.last_used >= engine.since and name not in self.busy:
+                self._ahead_ended(engine, "used")
+            elif engine.state is not State.AWAKE and name not in self.busy:
+                self._ahead_ended(engine, "unused" if engine.state is not State.FAILED else "failed")
+
+    def _ahead_ended(self, engine: Engine, outcome: str) -> None:
+        woken = self.ahead.pop(engine.name)
+        woken.outcome = outcome
+        self.ahead_done = [*self.ahead_done[-19:], woken]
+        self.events.woke_ahead(engine, outcome)

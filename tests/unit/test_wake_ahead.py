@@ -1,0 +1,133 @@
+"""Waking ahead of demand (router.scheduling.ahead), driven through `decide` with fake engines and a
+fake clock, as the scheduler's other scenarios are (tests/unit/test_scheduler.py)."""
+
+from __future__ import annotations
+
+from engines.engine import State
+from tests.unit.test_scheduler import FakeEngine, actions, awake, clock, scheduler, wait_for  # noqa: F401 (clock: a fixture)
+
+
+class Heard:
+    """The events the scheduler reports."""
+
+    def __init__(self) -> None:
+        self.ahead: list[tuple[str, str]] = []
+
+    def woke_ahead(self, engine, outcome: str) -> None:
+        self.ahead.append((engine.name, outcome))
+
+    def swap_done(self, record) -> None: ...
+
+    def evicted(self, engine, reason: str) -> None: ...
+
+
+def asked(s, name: str, times: int, at: float) -> None:
+    for _ in range(times):
+        s.demand.arrived(name, at)
+
+
+def priced(s, *names: str, wake_s: float = 5.0, sleep_s: float = 0.3) -> None:
+    for name in names:
+        s.costs.observe_wake(name, 2, wake_s)
+        s.costs.observe_sleep(name, sleep_s)
+
+
+async def test_room_nobody_waits_for_goes_to_the_sleeper_most_likely_to_be_asked_for_next(clock):
+    a = awake("a", clock, share=0.3)
+    popular, rare = FakeEngine("popular", share=0.3), FakeEngine("rare", share=0.3)
+    s = scheduler(a, popular, rare, clock=clock, gpus={0: 100.0})
+    s.events = heard = Heard()
+    priced(s, "popular", "rare")
+    asked(s, "popular", 20, clock.now - 5)
+    asked(s, "rare", 1, clock.now - 200)
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("wake", "popular")], "one pre-wake at a time, the likeliest first"
+    assert plan.decisions[0].why.startswith("ahead of demand: ")
+    assert heard.ahead == [("popular", "woken")]
+    assert s.ahead["popular"].level == 2
+
+
+async def test_nothing_is_woken_ahead_where_a_waiter_needs_the_room(clock):
+    busy = awake("busy", clock, share=0.5)
+    busy.in_flight = 1
+    waited, popular = FakeEngine("waited", share=0.6), FakeEngine("popular", share=0.3)
+    s = scheduler(busy, waited, popular, clock=clock, gpus={0: 100.0})
+    priced(s, "popular", "waited")
+    asked(s, "popular", 20, clock.now - 5)
+    wait_for(s, waited, clock.now - 1)
+    assert actions(s.decide(clock.now)) == [], "waited's room is being waited for (busy holds it until max_hold_s)"
+
+
+async def test_a_model_nobody_asked_for_is_not_woken_ahead_nor_one_whose_unused_wake_costs_more_than_it_saves(clock):
+    never, seldom = FakeEngine("never", share=0.3), FakeEngine("seldom", share=0.3)
+    s = scheduler(never, seldom, clock=clock, gpus={0: 100.0})
+    priced(s, "never")
+    priced(s, "seldom", wake_s=1.0, sleep_s=4.0)
+    asked(s, "seldom", 1, clock.now - 250)  # about 15% likely within the 60 s horizon
+    assert actions(s.decide(clock.now)) == [], "no demand: no guess; a 1 s wake saved is not worth a 4 s sleep wasted"
+
+
+async def test_an_idle_engine_nobody_asked_for_lately_is_parked_for_a_likely_one_and_one_with_demand_never(clock):
+    rare = awake("rare", clock, share=0.6)
+    rare.last_used = clock.now - 100
+    popular = FakeEngine("popular", share=0.6)
+    s = scheduler(rare, popular, clock=clock, gpus={0: 100.0})
+    priced(s, "rare", "popular", wake_s=10.0)
+    asked(s, "popular", 20, clock.now - 5)
+    asked(s, "rare", 1, clock.now - 280)
+    rare.in_flight = 1
+    assert actions(s.decide(clock.now)) == [], "rare is serving: nothing is cut for a guess"
+    rare.in_flight = 0
+    s.demand.arrived("rare", clock.now - 30)
+    assert actions(s.decide(clock.now)) == [], "rare was asked for 30 s ago, within the 60 s horizon: it has demand"
+    s.demand = type(s.demand)(s.demand.tau_s)
+    asked(s, "popular", 20, clock.now - 5)
+    asked(s, "rare", 1, clock.now - 280)
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("park", "rare")] and "ahead of demand" in plan.decisions[0].why
+    s.busy.clear(), s.doing.clear()
+    rare.state, rare.sleep_level = State.SLEEPING, 2
+    assert actions(s.decide(clock.now)) == [("wake", "popular")], "its room made, popular wakes"
+
+
+async def test_a_pre_woken_engine_nobody_used_goes_back_to_level2_at_once_for_a_waiter_and_counts_as_unused(clock):
+    popular, other = FakeEngine("popular", share=0.6), FakeEngine("other", share=0.6)
+    s = scheduler(popular, other, clock=clock, gpus={0: 100.0})
+    s.events = heard = Heard()
+    priced(s, "popular", "other")
+    asked(s, "popular", 20, clock.now - 5)
+    assert actions(s.decide(clock.now)) == [("wake", "popular")]
+    s.busy.clear(), s.doing.clear()
+    popular.state, popular.since, popular.sleep_level = State.AWAKE, clock.now, None  # woken, unused since
+    clock.now += 1  # well inside min_active_s: an unclaimed wake is not protected by it
+    wait_for(s, other, clock.now)
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("park", "popular")] and plan.decisions[0].level == 2, "dropped again, as it was"
+    s.busy.clear(), s.doing.clear()
+    popular.state, popular.sleep_level = State.SLEEPING, 2
+    s.decide(clock.now)
+    assert heard.ahead == [("popular", "woken"), ("popular", "unused")]
+    assert [w.outcome for w in s.ahead_done] == ["unused"]
+
+
+async def test_a_pre_woken_engine_that_served_a_request_counts_as_used(clock):
+    popular = FakeEngine("popular", share=0.6)
+    s = scheduler(popular, clock=clock, gpus={0: 100.0})
+    s.events = heard = Heard()
+    priced(s, "popular")
+    asked(s, "popular", 20, clock.now - 5)
+    s.decide(clock.now)
+    s.busy.clear(), s.doing.clear()
+    popular.state, popular.since = State.AWAKE, clock.now
+    clock.now += 3
+    popular.last_used = clock.now
+    s.decide(clock.now)
+    assert heard.ahead == [("popular", "woken"), ("popular", "used")]
+
+
+async def test_wake_ahead_off_wakes_nothing_nobody_asked_for(clock):
+    popular = FakeEngine("popular", share=0.3)
+    s = scheduler(popular, clock=clock, gpus={0: 100.0}, wake_ahead=False)
+    priced(s, "popular")
+    asked(s, "popular", 20, clock.now - 5)
+    assert actions(s.decide(clock.now)) == []
