@@ -265,6 +265,7 @@ class Actions(Costs, RosterChanges, Staging):
         async def action() -> str:
             if engine.state is not State.AWAKE:
                 return f"not awake ({engine.state.value})"
+            self.put_to_sleep.add(engine.name)  # by an operator: not woken ahead of demand, only by a request
             level = self._level_alone(engine)
             reason = self.level_reason(engine, level)
             if level is None:

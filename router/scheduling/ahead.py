@@ -7,6 +7,8 @@ by the numbers: the chance it is asked for within `reuse_horizon_s` times the wa
 beat what the idle engines parked for it are expected to cost (the same `expected_cost` victims are
 ranked by) plus, should it go unused, the sleep that gives its room back.
 
+An engine an operator put to sleep (`/admin/sleep`) stays asleep until a request asks for it.
+
 A pre-woken engine that nobody has used is an ordinary idle victim, parked at once for a waiter
 (`_evictable_in`: an unclaimed wake is not protected by `min_active_s`), and at the level it came
 from when that was Level 2 (dropping its weights again is all it takes: the waiter pays no copy
@@ -56,7 +58,7 @@ class WakeAhead(Actions):
         wanted = {d for e in self.engines if self.waiting[e.name] and e.state is not State.AWAKE for d in e.spec.devices}
         wanted |= {d for name in self.making_room for d in self._engine(name).spec.devices}
         sleepers = [e for e in self.engines if e.state is State.SLEEPING and e.name not in self.busy and e.name not in moving
-                    and e.name not in self.ahead and not set(e.spec.devices) & wanted and not self.backoff.waiting(e, now)
+                    and e.name not in self.ahead and e.name not in self.put_to_sleep and not set(e.spec.devices) & wanted and not self.backoff.waiting(e, now)
                     and self.demand.rate(e.name, now) > 0 and clear(e)]
         for target in sorted(sleepers, key=lambda e: -self.demand.rate(e.name, now)):
             chance = self._reuse(target, now)

@@ -92,6 +92,7 @@ class SchedulerState:
         self.staged_for: dict[str, float] = {}  # target -> the making_room it was staged for (staging.py: once each)
         self.pending_restart: dict[str, str] = {}  # engine -> reason, for its next wake
         self.residuals: dict[str, dict[int, float]] = {}  # measured per engine and device, GB
+        self.put_to_sleep: set[str] = set()  # slept by an operator (admin sleep), until a request asks for it
         self.ahead: dict[str, Any] = {}  # engine -> its pre-wake (router.scheduling.ahead.WokenAhead), until its outcome
         self.ahead_done: list[Any] = []  # the last pre-wakes with their outcomes, newest last
         self.host_why: dict[str, Optional[str]] = {}  # engine -> why its last park was not at Level 1 (numbers)
@@ -123,6 +124,7 @@ class SchedulerState:
         now = self.clock()
         if not admin:
             self.demand.arrived(engine.name, now)
+            self.put_to_sleep.discard(engine.name)
         if engine.name not in self.busy and engine.try_lease():
             return AT_ONCE
         if not admin and self.backoff.waiting(engine, now):

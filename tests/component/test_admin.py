@@ -181,7 +181,8 @@ async def test_the_status_page_renders_the_roster_and_shows_a_swap_in_a_real_bro
     checkpoint = tmp_path / "a-weights"
     checkpoint.mkdir()
     (checkpoint / "model.safetensors").open("wb").truncate(20_000_000)  # sparse; the router and the sim size from it
-    a = sim_model("a", default=True, model=str(checkpoint), args=("--sim-host-bytes-per-gb", "1e9"))
+    # sleep_level 1: with its weights and the GPU's size known, `auto` would only release a's KV cache
+    a = sim_model("a", default=True, model=str(checkpoint), args=("--sim-host-bytes-per-gb", "1e9"), sleep_level=1)
     router = await start_router(roster_dict(a, sim_model("b", spec=True, draft_restore="none"), host={"ram_budget_gb": 0.05}))
     before = await asyncio.to_thread(chromium, "--dump-dom", router.url + "/ui", profile=tmp_path / "p1")
     assert "id=\"engine-a\"" in before and "id=\"engine-b\"" in before and "no swaps yet" in before

@@ -131,3 +131,14 @@ async def test_wake_ahead_off_wakes_nothing_nobody_asked_for(clock):
     priced(s, "popular")
     asked(s, "popular", 20, clock.now - 5)
     assert actions(s.decide(clock.now)) == []
+
+
+async def test_a_model_an_operator_put_to_sleep_is_not_woken_ahead_until_a_request_asks_for_it(clock):
+    popular = FakeEngine("popular", share=0.3)
+    s = scheduler(popular, clock=clock, gpus={0: 100.0})
+    priced(s, "popular")
+    asked(s, "popular", 20, clock.now - 5)
+    s.put_to_sleep.add("popular")  # what /admin/sleep leaves
+    assert actions(s.decide(clock.now)) == [], "the operator wants it asleep"
+    s.put_to_sleep.discard("popular")  # what a request for it does (acquire)
+    assert actions(s.decide(clock.now)) == [("wake", "popular")]
