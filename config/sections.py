@@ -191,12 +191,20 @@ class Host(Section):
     ram_budget_gb: Optional[float] = Field(
         None, gt=0, description="Host RAM the engines may hold for sleep (Level-1 copies of the weights, and what stays "
                      "cached after a wake), as measured after every sleep and wake; unset: half of MemTotal.")
+    page_cache_budget_gb: Optional[float] = Field(
+        None, ge=0, description="Page cache the router may fill ahead of time with the checkpoints of the Level-2 "
+        "sleepers most likely woken next (staged weights: their reload then reads RAM, not the disk). Page cache is "
+        "evictable, but what it holds competes with the Level-1 copies (ram_budget_gb), the engines' own host RAM and "
+        "everything else on the host: set it to what the host can spare. Unset or 0: nothing is staged ahead; a "
+        "Level-2 wake still stages its own checkpoint while its victims drain and sleep.")
 
 
 class StepTimeouts(Section):
     """Seconds each step of a swap may take before the engine is marked FAILED."""
 
     sleep: float = Field(120, gt=0, description="POST /sleep (after the drain).")
+    stage: float = Field(300, gt=0, description="collective_rpc hotswap_stage_weights (the checkpoint read into the "
+                         "page cache before a Level-2 wake). Past it the wake goes on: a stage never fails a wake.")
     release_kv_cache: float = Field(
         60, gt=0, description="POST /release_kv_cache_memory (a KV park, after POST /sleep?level=0).")
     wake_weights: float = Field(120, gt=0, description="POST /wake_up?tags=weights.")

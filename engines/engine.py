@@ -23,8 +23,9 @@ from engines import handshake, ladder, wake
 from engines.gate import GateRecord, Verdict
 from engines.leases import Leases
 from engines.memory import HostMemory
-from engines.process import EngineProcess, free_port, log_file
+from engines.process import EngineProcess, free_port, loads_extension, log_file
 from engines.progress import ROSTER, Progress
+from engines.stage import Stager
 from engines.states import TRANSITIONS, EngineFailed, Observer, State
 from engines.vllm import EngineError, EngineRefused, VLLMClient, attached_client
 
@@ -65,6 +66,7 @@ class Engine:
         self._watch: Optional[asyncio.Task[None]] = None
         self.probe: Optional[asyncio.Task[None]] = None  # engines.watch's health probe, one at a time
         self.host = HostMemory(spec)  # what it holds in host RAM for sleep (engines.memory.host)
+        self.stager = Stager(spec.name, loads_extension(spec))  # its checkpoint into the page cache (engines.stage)
 
     # -- what the router reads -----------------------------------------------------------
 
@@ -91,8 +93,11 @@ class Engine:
     def phases(self) -> list[str]:
         """The steps this engine's sleep and wake go through (for metrics that must exist up front)."""
         down = [s.phase for level in self.sleep_levels for s in ladder.down(level, "wait")]
-        up = [p for level in self.sleep_levels for p in wake.phases(level, self.spec.draft_restore)]
+        up = [p for level in self.sleep_levels for p in self.wake_phases(level)]
         return [*dict.fromkeys(down + up), "gate"]
+
+    def wake_phases(self, level: int) -> list[str]:
+        return wake.phases(level, self.spec.draft_restore, self.stager.enabled)
 
     @property
     def sleep_levels(self) -> tuple[int, ...]:
@@ -322,11 +327,27 @@ class Engine:
             raise self.fail(f"gate refused promotion: {verdict.reason}")
 
     async def _wake_steps(self, level: int) -> None:
-        await self._run_steps(wake.steps(level, self.spec.draft_restore))
+        await self._run_steps(wake.steps(level, self.spec.draft_restore, self.stager.enabled))
+        if level == 2:
+            self.stager.reloaded()
 
     async def _run_steps(self, steps: tuple[wake.Step, ...]) -> None:
         for step in steps:
-            await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
+            if step.fatal:
+                await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
+            else:
+                await self._stage()
+
+    async def _stage(self) -> None:
+        """The stage step: timed and reported like a step, but whatever happens the wake goes on (engines.stage)."""
+        started, self.progress.step = time.monotonic(), "stage"
+        self._no_step.clear()  # a death meanwhile is reported by the next step, naming it
+        try:
+            ok = await self.stager.step(self.client, self.swap.timeouts.stage)
+        finally:
+            self._no_step.set()
+            self.progress.step = None
+        self._step_done("stage", started, ok)
 
     async def demote(self) -> None:
         """Level 1 -> Level 2 without serving, to give host RAM back: vLLM can only drop the host copy
@@ -361,6 +382,7 @@ class Engine:
 
     async def stop(self) -> None:
         self._stopping = True
+        self.stager.forget()
         if self.state is not State.COLD:
             self._enter(State.COLD)  # first: no lease may be handed out to a process that is going away
         if self.process is not None:

@@ -2,6 +2,12 @@
 read their phase names from here, so a new step is added in exactly one place.
 
 Level 2 (weights discarded at sleep), in this order:
+  0. stage               collective_rpc hotswap_stage_weights (engines that load the worker
+                         extension): the checkpoint's files read into the page cache, so the
+                         reloads below read RAM, not the disk. Joins a stage already running
+                         (begun while the victims drained and slept, or in the background within
+                         host.page_cache_budget_gb). Never fails the wake: a failed or timed-out
+                         stage is logged once and the wake goes on (its reload reads the disk).
   1. wake_weights        POST /wake_up?tags=weights
   2. reload_draft        collective_rpc hotswap_reload_draft (only with draft_restore: reload) —
                          draft first, so the target reload after it stays authoritative for
@@ -19,7 +25,9 @@ Level 0, KV-parked (weights on the GPU, KV cache released; engines/ladder.py):
                          point into them. The gate still runs after it: a KV fault (vLLM #44972,
                          undefined KV pages after a wake) is what its logprob check catches.
 
-Each step is `run(client, timeout)`; `swap.timeouts.<phase>` bounds it.
+Each step is `run(client, timeout)`; `swap.timeouts.<phase>` bounds it. A step with `fatal=False`
+(only `stage`) is timed like the others (its phase; its failures counted apart, hotswap_stage_failures_total):
+its failure is the wake's loss of a speed-up, not the wake's failure.
 """
 
 from __future__ import annotations
@@ -36,6 +44,17 @@ from engines.vllm import EngineError, VLLMClient
 class Step:
     phase: str
     run: Callable[[VLLMClient, float], Awaitable[Any]]
+    fatal: bool = True
+
+
+async def stage_weights(client: VLLMClient, timeout: float) -> dict[str, Any]:
+    """The worker extension's report ({files, bytes, read_bytes, seconds, resident_before}) of the
+    rank that read (the others skip: the page cache is the host's)."""
+    results = await client.collective_rpc("hotswap_stage_weights", timeout=timeout)
+    read = [r for r in results if isinstance(r, dict) and not r.get("skipped")]
+    if not read:
+        raise EngineError("POST /collective_rpc hotswap_stage_weights", f"no worker staged: {results!r:.300}")
+    return read[0]
 
 
 async def reload_draft(client: VLLMClient, timeout: float) -> list[Any]:
@@ -57,6 +76,7 @@ async def reset_prefix_cache(client: VLLMClient, timeout: float) -> None:
         delay = min(delay * 2, 0.5)
 
 
+STAGE = Step("stage", stage_weights, fatal=False)
 LEVEL2 = (
     Step("wake_weights", lambda client, t: client.wake_up(["weights"], timeout=t)),
     Step("reload_draft", reload_draft),
@@ -81,17 +101,18 @@ LEVEL1 = (
 )
 
 # Every phase a swap can report, in the order a swap goes through them (metric labels, status).
-PHASES = ("drain", "sleep", "release_kv_cache", *(s.phase for s in LEVEL2), "gate")
+PHASES = ("drain", "sleep", "release_kv_cache", STAGE.phase, *(s.phase for s in LEVEL2), "gate")
 
 
-def steps(level: int, draft_restore: str) -> tuple[Step, ...]:
-    """The wake steps for an engine asleep at `level` whose draft is restored per `draft_restore`."""
+def steps(level: int, draft_restore: str, stages: bool = True) -> tuple[Step, ...]:
+    """The wake steps for an engine asleep at `level` whose draft is restored per `draft_restore`;
+    `stages`: it loads the worker extension, so a Level-2 wake stages its checkpoint first."""
     if level == 0:
         return LEVEL0
     if level == 1:
         return LEVEL1
-    return tuple(s for s in LEVEL2 if s.phase != "reload_draft" or draft_restore == "reload")
+    return (STAGE,) * stages + tuple(s for s in LEVEL2 if s.phase != "reload_draft" or draft_restore == "reload")
 
 
-def phases(level: int, draft_restore: str) -> list[str]:
-    return [s.phase for s in steps(level, draft_restore)]
+def phases(level: int, draft_restore: str, stages: bool = True) -> list[str]:
+    return [s.phase for s in steps(level, draft_restore, stages)]

@@ -63,6 +63,9 @@ class Metrics(Observer, Events):
                                        [*m, "phase"], buckets=SWAP_BUCKETS, registry=r)
         self.phase_failures = Counter("hotswap_swap_phase_failures", "Sleep/wake steps that failed (the engine went FAILED).",
                                       [*m, "phase"], registry=r)
+        # Apart from the step failures, whose alert pages: a failed stage fails nothing, its reload reads the disk.
+        self.stage_failures = Counter("hotswap_stage_failures", "Stages (a Level-2 wake's checkpoint read into the page "
+                                      "cache first) that failed or timed out; the wake went on.", m, registry=r)
         self.boot_failures = Counter("hotswap_engine_boot_failures", "Cold boots that did not end in a promoted engine.", m, registry=r)
         self.boot_seconds = Histogram("hotswap_engine_boot_duration_seconds", "Cold boot to healthy, per engine.", m,
                                       buckets=BOOT_BUCKETS, registry=r)
@@ -125,7 +128,9 @@ class Metrics(Observer, Events):
             self.wake_ahead.labels(*labels, outcome)
         self.boot_failures.labels(*labels)
         for phase in engine.phases:
-            self.phase_failures.labels(*labels, phase)
+            if phase != "stage":
+                self.phase_failures.labels(*labels, phase)
+        self.stage_failures.labels(*labels)
         for reason in RESTART_REASONS:
             self.restarts.labels(*labels, reason)
         for result in ("refused", "allowed"):
@@ -142,7 +147,11 @@ class Metrics(Observer, Events):
             (self.boot_seconds.labels(*labels).observe(seconds) if ok else self.boot_failures.labels(*labels).inc())
             return
         self.phase_seconds.labels(*labels, phase).observe(seconds)
-        if not ok:
+        if ok:
+            return
+        if phase == "stage":
+            self.stage_failures.labels(*labels).inc()
+        else:
             self.phase_failures.labels(*labels, phase).inc()
 
     def verdict(self, engine: Engine, verdict: Verdict) -> None:

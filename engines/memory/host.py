@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from config.schema import ModelSpec
+from engines.process import loads_extension
 from engines.vllm.client import EngineError, EngineHTTPError, VLLMClient
 
 if TYPE_CHECKING:
@@ -110,8 +111,8 @@ class HostMemory:
     def reset(self, spec: ModelSpec) -> None:
         """A new process (a boot), or none (a stop): nothing held for sleep, nothing known of its sources."""
         self.name = spec.name
-        # The router composes --worker-extension-cls for a draft it reloads (engines/process/engine_process.py).
-        self.expects_extension = spec.managed and spec.command is None and spec.draft_restore == "reload"
+        # The router composes --worker-extension-cls for a draft it reloads and a checkpoint it stages (engines.process).
+        self.expects_extension = loads_extension(spec)
         # An argv the router composed without it has none: asking would only make vLLM log an
         # AttributeError and answer 500 at every boot. `command:` and `url:` engines may have one.
         self.lacks_extension = spec.managed and spec.command is None and not self.expects_extension
@@ -244,7 +245,7 @@ class HostMemory:
         if self.lacks_extension:
             self._extension = False
             self._no_extension = self.problem = ("no worker extension: the router loads it only into engines whose draft it "
-                                                 "reloads (draft_restore: reload)")
+                                                 "reloads or that may sleep at level 2 (sleep_level: 1 here)")
             return None
         try:
             pinned = pinned_bytes(await client.collective_rpc(REPORT_RPC, timeout=RPC_S))
@@ -290,7 +291,8 @@ class HostMemory:
         held = "unmeasured" if self.held is None else f"{self.held / GB:.2f} GB, {self.source}"
         self._warn_once("release", "engine %s: its host cache cannot be emptied after a level-1 wake (%s): what its "
                         "level-1 sleep pinned stays held (now %s) and counts against host.ram_budget_gb until the engine "
-                        "stops; only engines whose draft the router reloads load the worker extension (docs/operators.md)",
+                        "stops; only engines whose draft the router reloads or that may sleep at level 2 load the worker extension "
+                        "(docs/operators.md)",
                         self._release_why or "the release did not answer", held)
 
     def _warn_once(self, key: str, message: str, *args: Any) -> None:

@@ -21,6 +21,16 @@ from config.schema import ModelSpec
 from engines.process import reaper
 
 WORKER_EXTENSION = "engines.vllm_worker.HotswapWorkerExtension"
+
+
+def loads_extension(spec: ModelSpec) -> bool:
+    """Whether the router composes --worker-extension-cls for this engine: when it reloads its draft,
+    and when it may sleep at Level 2 from a checkpoint vLLM can reload, because then its wake stages
+    that checkpoint into the page cache first (engines.stage). Never for a `command:` (its argv is the
+    operator's) or a `url:` engine (not started here)."""
+    if not spec.managed or spec.command is not None:
+        return False
+    return spec.draft_restore == "reload" or (spec.sleep_level in ("auto", 2) and spec.reloads_weights)
 PRESERVE_DRAFT = "draft.*"
 TAIL_BYTES = 64 * 1024
 # The router waits this much longer than the reaper's grace before it SIGKILLs the group itself:
@@ -41,7 +51,7 @@ ROUTER_FLAG_VALUES: dict[str, FlagRule] = {
     "--speculative-config": lambda spec, port: (
         None if spec.speculative is None else [json.dumps(spec.speculative, separators=(",", ":"))]
     ),
-    "--worker-extension-cls": lambda spec, port: [WORKER_EXTENSION] if spec.draft_restore == "reload" else None,
+    "--worker-extension-cls": lambda spec, port: [WORKER_EXTENSION] if loads_extension(spec) else None,
     "--sleep-preserve-parameter-names": lambda spec, port: [PRESERVE_DRAFT] if spec.draft_restore == "preserve" else None,
     # Each single-sequence answer then carries its own acceptance under metrics.speculative_decoding
     # (vllm/config/observability.py:50, engine/arg_utils.py:1657 in vLLM 0.32), which the gate and the

@@ -23,6 +23,7 @@ from .control import DELAY_VARIANTS, FAULT_KINDS, STEPS, Control, Fault, Injecte
 from .boot_failure import memory_check_failure, print_boot_failure
 from .host_memory import HostModel
 from .memory import DEFAULT_RESIDUAL_GB, DEFAULT_SHARE, EngineMemory, Ledger, OutOfMemory, parse_devices
+from .page_cache import DEFAULT_PAGE_CACHE_GB_S, DiskModel
 
 log = logging.getLogger("vllm.sim")
 uvicorn_log = logging.getLogger("uvicorn")
@@ -123,8 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "N bytes per GB of weights, each tensor rounded up to a power of two, kept after the wake until "
                    "hotswap_empty_host_cache (engines/sim/host_memory.py); 1e9 is real size. Unset: not modelled")
     s.add_argument("--sim-weights-gb", type=float, default=None, metavar="GB",
-                   help="the weights' size for --sim-host-bytes-per-gb, and what a KV release keeps mapped in the memory "
+                   help="the weights' size for --sim-host-bytes-per-gb and --sim-disk-gb-per-s, and what a KV release keeps mapped in the memory "
                    "oracle; unset: the weight files in MODEL, a local directory")
+    s.add_argument("--sim-disk-gb-per-s", type=float, default=None, metavar="GB_S",
+                   help="model the disk and the page cache a Level-2 reload reads: a cold read of the weights "
+                   "(--sim-weights-gb) at GB_S, a resident one at --sim-page-cache-gb-per-s; hotswap_stage_weights "
+                   "makes them resident (engines/sim/page_cache.py; the host's page cache: HOTSWAP_SIM_PAGE_CACHE, "
+                   "HOTSWAP_SIM_PAGE_CACHE_GB). Unset: reload_weights takes only its --sim-step-delay")
+    s.add_argument("--sim-page-cache-gb-per-s", type=float, default=DEFAULT_PAGE_CACHE_GB_S, metavar="GB_S",
+                   help="a reload's speed from resident pages, with --sim-disk-gb-per-s (default %(default)s: an H200 host)")
     s.add_argument("--sim-sleep-residual-gb", type=float, default=DEFAULT_RESIDUAL_GB,
                    help="GB a sleeping engine still holds per device; with --gpu-memory-utilization, modelled "
                    "only when HOTSWAP_SIM_GPU_LEDGER names a ledger (engines/sim/memory.py)")
@@ -191,6 +199,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.gpu_memory is not None:
         unknown = rest  # modelled, so no longer ignored
     args.host_model = host_model(args, parser)
+    args.disk_model = disk_model(args, parser)
     # `--sleep-preserve-parameter-names a,b` and `... a b` both select several globs.
     args.sleep_preserve_parameter_names = [
         pat for item in args.sleep_preserve_parameter_names for pat in item.split(",") if pat
@@ -204,13 +213,28 @@ def host_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Hos
         return None
     if not args.sim_host_bytes_per_gb > 0:
         parser.error("--sim-host-bytes-per-gb must be a positive number of bytes per GB of weights")
-    weights = args.sim_weights_gb
-    if weights is None and os.path.isdir(args.model):
-        weights = folder_weights_gb(Path(args.model))
+    weights = _weights_gb(args)
     if weights is None or weights < 0:
         parser.error("--sim-host-bytes-per-gb needs the weights' size: --sim-weights-gb GB (>= 0), or MODEL a local "
                      "directory with weight files")
     return HostModel(weights, args.sim_host_bytes_per_gb)
+
+
+def _weights_gb(args: argparse.Namespace) -> float | None:
+    """--sim-weights-gb, else the weight files of MODEL when it is a local directory."""
+    if args.sim_weights_gb is not None:
+        return args.sim_weights_gb
+    return folder_weights_gb(Path(args.model)) if os.path.isdir(args.model) else None
+
+
+def disk_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DiskModel | None:
+    """The disk and page cache of a Level-2 reload (page_cache.py), when --sim-disk-gb-per-s asks for it."""
+    if args.sim_disk_gb_per_s is None:
+        return None
+    try:
+        return DiskModel.from_flags(args.model, _weights_gb(args), args.sim_disk_gb_per_s, args.sim_page_cache_gb_per_s)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def gpu_memory(args: argparse.Namespace, share_text: str) -> EngineMemory | None:
@@ -346,6 +370,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
         memory=memory,
     )
     server.lose_lora_on_level2 = args.sim_lora_lost_on_level2
+    server.disk = args.disk_model
     if server.dev_mode:
         log.warning("SECURITY WARNING: Development endpoints are enabled! This should NOT be used in production!")
     runner = web.AppRunner(

@@ -43,6 +43,7 @@ STEPS = (
     "sleep",
     "release_kv_cache_memory",
     "wake",
+    "stage",
     "wake_weights",
     "wake_kv_cache",
     "reload_weights",

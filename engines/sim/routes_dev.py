@@ -24,9 +24,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.sim")
 
-RPC_STEPS = {"reload_weights": "reload_weights", "hotswap_reload_draft": "reload_draft"}
+RPC_STEPS = {"reload_weights": "reload_weights", "hotswap_reload_draft": "reload_draft", "hotswap_stage_weights": "stage"}
 EXTENSION_METHODS = ("hotswap_reload_draft", "hotswap_draft_digest", "hotswap_discard_draft", "hotswap_perturb_target",
-                     "hotswap_target_digest", "hotswap_host_memory", "hotswap_empty_host_cache")
+                     "hotswap_target_digest", "hotswap_host_memory", "hotswap_empty_host_cache", "hotswap_stage_weights")
+# Without a disk model (page_cache.py) reads cost nothing: as if every page were resident.
+UNMODELLED_STAGE = {"files": 1, "bytes": 0, "read_bytes": 0, "seconds": 0.0, "resident_before": 1.0}
 
 
 # Connections uvicorn would close after an unhandled exception: the next request on one gets no answer.
@@ -139,8 +141,12 @@ def add_routes(app: web.Application, server: "SimServer", host: HostModel | None
             return error_response(500, msg, "InternalServerError")
         result: object
         if method == "reload_weights":
+            if server.disk is not None:
+                await server.disk.reload()  # from the page cache or the disk, at its speed
             e.reload_weights()
             result = None
+        elif method == "hotswap_stage_weights":
+            result = await server.disk.stage() if server.disk is not None else UNMODELLED_STAGE
         elif method == "hotswap_reload_draft":
             result = e.reload_draft()
         elif method == "hotswap_draft_digest":

@@ -24,6 +24,7 @@ from .lora import Adapters
 from .control import Control, InjectedFault, crash
 from .http import MALFORMED_METRICS_LINE, APIError, bad_request, cut, error_response, read_json, truncated_json
 from .memory import EngineMemory
+from .page_cache import DiskModel
 from .metrics import CONTENT_TYPE, answer_metrics
 from .state import Generation, GenerationAborted, SimEngine
 
@@ -53,6 +54,7 @@ class SimServer:
         self.names = engine.cfg.served_names
         self.adapters = adapters or Adapters({}, self.names[0])
         self.lose_lora_on_level2 = False
+        self.disk: DiskModel | None = None  # the disk and page cache a reload reads (page_cache.py); None: not modelled
 
     # ---- middleware -------------------------------------------------------------
 

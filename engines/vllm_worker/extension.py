@@ -1,5 +1,6 @@
-"""The router's vLLM worker extension: restore a speculative draft after a Level-2 wake, and report
-(and release) the pinned host memory a Level-1 sleep leaves behind.
+"""The router's vLLM worker extension: restore a speculative draft after a Level-2 wake, report
+(and release) the pinned host memory a Level-1 sleep leaves behind, and stage a Level-2 sleeper's
+checkpoint into the page cache before its reload.
 
 Loaded INSIDE the vLLM engine process with
 `--worker-extension-cls engines.vllm_worker.HotswapWorkerExtension`; vLLM mixes the class
@@ -32,14 +33,16 @@ import time
 from typing import Any, Iterable, Iterator
 
 from engines.vllm_worker.host_memory import HostMemoryMethods
+from engines.vllm_worker.staging import StagingMethods
 
 PROBE_ROWS = 4
 PROBE_SEED = 0x5EED
 
 
-class HotswapWorkerExtension(HostMemoryMethods):
+class HotswapWorkerExtension(HostMemoryMethods, StagingMethods):
     """Mixed into vLLM's worker class: `self` is the worker (vllm_config, model_runner, ...). The
-    host-memory methods are `engines.vllm_worker.host_memory`'s (vLLM's worker_base.py:301 mixes the class in
+    host-memory methods are `engines.vllm_worker.host_memory`'s, the staging one
+    `engines.vllm_worker.staging`'s (vLLM's worker_base.py:301 mixes the class in
     with its bases, so inherited methods are callable the same way)."""
 
     # --- the production method -------------------------------------------------------

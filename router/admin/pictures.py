@@ -20,7 +20,7 @@ STATE_COLOURS = {  # booting is amber and awake green: a booting engine does not
     "sleeping L0": "#afb8c1", "sleeping L1": "#8c959f", "sleeping L2": "#57606a", "cold": "#d0d7de", "failed": "#cf222e"}
 ASLEEP = "#afb8c1"  # a sleeper's residual in the GPU chart
 PHASE_COLOURS = {
-    "drain": "#e16f24", "sleep": "#57606a", "release_kv_cache": "#8c959f", "wake_weights": "#0969da", "reload_draft": "#54aeff",
+    "drain": "#e16f24", "sleep": "#57606a", "release_kv_cache": "#8c959f", "stage": "#4ac26b", "wake_weights": "#0969da", "reload_draft": "#54aeff",
     "reload_weights": "#218bff", "wake_kv_cache": "#0550ae", "reset_prefix_cache": "#80ccff", "gate": "#8250df",
     "restart": "#cf222e", "boot": "#bf8700"}
 OTHER_PHASE = "#d0d7de"

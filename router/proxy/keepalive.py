@@ -14,7 +14,6 @@ from typing import Optional
 
 from aiohttp import web
 
-from engines import wake
 from engines.engine import Engine, State
 from router.errors import APIError, sse_error
 from router.proxy.forward import SSE_HEADERS
@@ -34,7 +33,7 @@ def doing(engine: Engine) -> str:
     """What the engine is doing, in a few words, for the comment line (never the client's input)."""
     state = engine.state
     if state is State.WAKING:
-        steps = wake.phases(1 if engine.sleep_level is None else engine.sleep_level, engine.spec.draft_restore)
+        steps = engine.wake_phases(1 if engine.sleep_level is None else engine.sleep_level)
         step = next((p for p in steps if p not in engine.last_phases), "gate")
         return f"waking {engine.name} ({step})"
     if state is State.VERIFYING:

@@ -20,13 +20,14 @@ from router.scheduling import placement
 from router.scheduling.costs import NO_LEVEL2, Costs
 from router.scheduling.history import SwapRecord
 from router.scheduling.roster_changes import RosterChanges
+from router.scheduling.staging import Staging
 from router.scheduling.state import MID_TRANSITION, Decision
 from router.tasks import spawn
 
 log = logging.getLogger("hotswap")
 
 
-class Actions(Costs, RosterChanges):
+class Actions(Costs, RosterChanges, Staging):
     # -- boot --------------------------------------------------------------------------------
 
     async def _boot(self, engine: Engine) -> None:
@@ -106,7 +107,7 @@ class Actions(Costs, RosterChanges):
         moved, since = self.making_room.pop(target.name, ([], time.monotonic()))
         started = min(since, time.monotonic())
         level = target.sleep_level if target.state is State.SLEEPING else None
-        predicted = self.costs.wake_s(target.name, level)
+        predicted = self.costs.wake_s(target.name, level, staged=self.is_staged(target))
         restart = self.pending_restart.pop(target.name, None)
         self.handled.discard(target.name)
         if target.name in self.to_boot and not self.queued(target):
@@ -132,7 +133,9 @@ class Actions(Costs, RosterChanges):
             return
         if level is not None and restart is None:
             reload_s = sum(target.last_phases.get(p, 0.0) for p in ("reload_draft", "reload_weights"))
-            self.costs.observe_wake(target.name, level, time.monotonic() - woke, reload_s, target.last_phases.get("wake_weights", 0.0))
+            self.costs.observe_wake(target.name, level, time.monotonic() - woke, reload_s, target.last_phases.get("wake_weights", 0.0),
+                                    stage_s=target.last_phases.get("stage", 0.0), staged=target.stager.found_resident,
+                                    cached=target.stager.cached)
         else:
             self.costs.observe_boot(target.name, time.monotonic() - woke, target.last_phases.get("gate", 0.0))
         self.backoff.succeeded(target.name)

@@ -4,7 +4,8 @@ The cost part of `Scheduler` (see `router.scheduling.state`): an engine's expect
 absence is likely to cause (predicted wake seconds × likelihood of reuse, from
 `router.scheduling.estimates`); `sleep_level: auto` picks Level 1 while the host-RAM budget holds what
 the engines hold for sleep (measured after every sleep and wake, `engines.memory.host`; estimated until
-then), and makes RAM for a more valuable engine by demoting a Level-1 sleeper.
+then), and makes RAM for a more valuable engine by demoting a Level-1 sleeper. A Level-2 wake is priced
+staged when it will likely be (its checkpoint within host.page_cache_budget_gb: `staged_next`).
 
 The KV tier (level 0, engines/ladder.py) is not a level `_choose_level` picks: it frees less, so
 whether it is enough depends on the waiter. The scheduler offers it beside the full park as a
@@ -181,10 +182,19 @@ class Costs(SchedulerState):
         return (f"host RAM for level 1: it would hold {need:.2f} GB ({how}) beside {others:.2f} GB the others hold "
                 f"for sleep, over host.ram_budget_gb={self.capacity.ram_budget_gb:g}")
 
+    def staged_next(self, engine: Engine) -> bool:
+        """Whether `engine`'s next Level-2 wake will likely find its checkpoint staged: it is staged now, or
+        it stages and its checkpoint fits host.page_cache_budget_gb, so the staging ahead keeps it in the
+        page cache while it is among the likeliest to be asked for (router/scheduling/staging.py)."""
+        if engine.stager.staged:
+            return True
+        gb = self.weights.get(engine.name)
+        return engine.stager.enabled and gb is not None and 0 < gb <= self.capacity.page_cache_gb
+
     def _level1_value(self, engine: Engine, now: float, passes: bool) -> float:
         """Expected seconds of waiting that keeping `engine` at Level 1 saves: over a Level-2 wake
         when it can pass through the GPU to Level 2 (`passes`), else over the cold boot a stop costs."""
-        instead = self.costs.wake_s(engine.name, 2) if passes else self.costs.boot_s(engine.name)
+        instead = self.costs.wake_s(engine.name, 2, self.staged_next(engine)) if passes else self.costs.boot_s(engine.name)
         return self._reuse(engine, now) * max(instead - self.costs.wake_s(engine.name, 1), 0.0)
 
     def _reuse(self, engine: Engine, now: float) -> float:
@@ -215,16 +225,17 @@ class Costs(SchedulerState):
         go to the least recently used."""
         if action == "stop":  # an awake engine's (a `sleep_level: 0` one that cannot be KV-parked): the whole boot
             level = engine.sleep_level
-            extra = self.costs.boot_s(engine.name) - (0.0 if level is None else self.costs.wake_s(engine.name, level)) \
-                + self.blocked_by_boot(engine, now)
+            wake = 0.0 if level is None else self.costs.wake_s(engine.name, level, level == 2 and engine.stager.staged)
+            extra = self.costs.boot_s(engine.name) - wake + self.blocked_by_boot(engine, now)
         elif action == "kv_park":
             extra = self.costs.wake_s(engine.name, KV_PARKED)
         elif action == "deepen":
             level = self.deeper_level(engine, now)
-            extra = self.costs.wake_s(engine.name, level) - self.costs.wake_s(engine.name, KV_PARKED)
+            extra = self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine)) \
+                - self.costs.wake_s(engine.name, KV_PARKED)
         else:
             level, _ = self._choose_level(engine, now)
             extra = self.costs.boot_s(engine.name) + self.blocked_by_boot(engine, now) if level is None \
-                else self.costs.wake_s(engine.name, level)
+                else self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine))
         recency = 1e-9 / (1.0 + max(0.0, now - self.demand.last(engine.name)))  # a tie-break only
         return self._reuse(engine, now) * max(extra, 0.0) + recency

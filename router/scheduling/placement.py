@@ -45,6 +45,7 @@ class Capacity:
     gpus: Optional[dict[int, float]]  # GB per device index; None: sizes unknown, shares only
     ram_budget_gb: float
     nvml: bool = False  # NVML sees the GPUs: a sleeper's residual is measured, not assumed
+    page_cache_gb: float = 0.0  # host.page_cache_budget_gb: what staging ahead may fill (router/scheduling/staging.py)
 
     def residual(self, engine: Placed, device: int, measured: Optional[dict[int, float]] = None) -> float:
         """An engine's sleeping residual on `device`, as a fraction of it."""

@@ -59,6 +59,7 @@ class Scheduler(WakeAhead):
             plan = self.decide(self.clock())
             for decision in plan.decisions:
                 self._start(decision)
+            self.stage_ahead(self.clock())  # overlaps a target's stage with its victims' drain and sleep
             if plan.decisions:
                 continue
             try:
@@ -74,7 +75,7 @@ class Scheduler(WakeAhead):
         self.busy[name] = asyncio.get_running_loop().create_future()
         engine = decision.engine
         level = engine.sleep_level if engine.state is State.SLEEPING else None
-        predicted = self.costs.wake_s(name, level) if decision.action in ("boot", "wake") else 0.0
+        predicted = self.costs.wake_s(name, level, self.is_staged(engine)) if decision.action in ("boot", "wake") else 0.0
         self.doing[name] = (decision.action, self.clock(), predicted)
         if decision.action in BOOTING_ACTIONS and (decision.action == "restart" or engine.state in (State.COLD, State.FAILED)):
             self.boots.add(name)

@@ -23,7 +23,7 @@ def capacity(roster: Roster) -> Capacity:
     budget = roster.host.ram_budget_gb
     if budget is None:
         budget = host_memory_total_gb() / 2
-    return Capacity(gpus, budget, nvml=seen is not None)
+    return Capacity(gpus, budget, nvml=seen is not None, page_cache_gb=roster.host.page_cache_budget_gb or 0.0)
 
 
 def level1_weights(specs: Iterable[ModelSpec]) -> dict[str, Optional[float]]:

@@ -18,8 +18,7 @@ from typing import Any, Callable, Optional
 
 from config.schema import ModelSpec, Queue, Swap
 from engines.engine import Engine, State
-from router.errors import APIError
-from router.scheduling.backoff import Backoff
+from router.errors import APIError, for_clients
 from router.scheduling.estimates import Demand, WakeCosts
 from router.scheduling.history import Events, SwapRecord
 from router.scheduling.placement import Capacity, Ledger
@@ -83,13 +82,14 @@ class SchedulerState:
         self.clock = clock
         self.waiting: dict[str, collections.deque[Waiter]] = {e.name: collections.deque() for e in engines}
         self.backoff = Backoff([e.name for e in engines], clock)
-        self.costs = WakeCosts()
+        self.costs = WakeCosts(self.weights)
         self.demand = Demand(swap.demand_tau_s)
         self.busy: dict[str, asyncio.Future[None]] = {}  # engine -> done when its action ends
         self.doing: dict[str, tuple[str, float, float]] = {}  # engine -> (action, started, predicted seconds)
         self.parking_level: dict[str, int] = {}  # engine being parked -> the level it goes to
         self.making_room: dict[str, tuple[list[str], float]] = {}  # target -> (victims being moved, since)
         self.handled: set[str] = set()  # FAILED engines whose failure has been counted and stopped
+        self.staged_for: dict[str, float] = {}  # target -> the making_room it was staged for (staging.py: once each)
         self.pending_restart: dict[str, str] = {}  # engine -> reason, for its next wake
         self.residuals: dict[str, dict[int, float]] = {}  # measured per engine and device, GB
         self.put_to_sleep: set[str] = set()  # slept by an operator (admin sleep), until a request asks for it
@@ -236,3 +236,38 @@ class SchedulerState:
             self.waiting[waiter.engine.name].remove(waiter)
         except ValueError:
             pass
+
+
+# -- backoff: consecutive failures per engine, and when a failed engine may be tried again ------------
+# The first retry is immediate (the next request for the model triggers it); repeats wait 1, 2, 4, ...
+# seconds, up to MAX_BACKOFF_S. A success resets the count. (Here rather than a module of its own so
+# the wing keeps to its twelve modules: router/scheduling/staging.py took the place.)
+
+MAX_BACKOFF_S = 60.0
+
+
+class Backoff:
+    def __init__(self, names: list[str], clock: Callable[[], float]):
+        self.clock = clock
+        self.failures: dict[str, int] = {name: 0 for name in names}
+        self.retry_at: dict[str, float] = {}
+
+    def failed(self, name: str) -> float:
+        """Count one failure; seconds until the engine may be retried."""
+        self.failures[name] += 1
+        n = self.failures[name]
+        delay = 0.0 if n == 1 else min(MAX_BACKOFF_S, 2.0 ** (n - 2))
+        self.retry_at[name] = self.clock() + delay
+        return delay
+
+    def succeeded(self, name: str) -> None:
+        self.failures[name] = 0
+
+    def waiting(self, engine: Engine, now: float) -> bool:
+        """A failed engine still inside its backoff: its requests are refused, not queued."""
+        return engine.state is State.FAILED and now < self.retry_at.get(engine.name, 0)
+
+    def unavailable(self, engine: Engine) -> APIError:
+        wait = self.retry_at[engine.name] - self.clock()
+        return APIError(503, f"model '{engine.name}' is unavailable, restarting in {wait:.0f} s after "
+                        f"{self.failures[engine.name]} failures; last: {for_clients(engine.failure or '')}", "engine_failed", retry_after=wait)

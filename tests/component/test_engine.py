@@ -58,7 +58,7 @@ async def dev_calls(engine: Engine) -> list[str]:
     return dev_steps(await sim(engine, "GET", "/sim/log"))
 
 
-async def test_a_level2_wake_calls_the_five_steps_in_order(make_engine):
+async def test_a_level2_wake_stages_then_calls_the_five_steps_in_order(make_engine):
     engine = await make_engine(sim_model("a", spec=True))
     await engine.boot()
     assert engine.state is State.AWAKE and engine.served_name == "a"
@@ -67,7 +67,8 @@ async def test_a_level2_wake_calls_the_five_steps_in_order(make_engine):
     await engine.wake()
     assert engine.state is State.AWAKE
     assert await dev_calls(engine) == ["sleep", *WAKE_L2]
-    assert [p for p, ok in engine.observer.steps if ok][-6:] == [*WAKE_L2, "gate"]
+    assert WAKE_L2[0] == "stage", "the router loads the worker extension, so the checkpoint is staged first"
+    assert [p for p, ok in engine.observer.steps if ok][-len(WAKE_L2) - 1:] == [*WAKE_L2, "gate"]
     assert set(engine.last_phases) == {*WAKE_L2, "gate"}
     assert engine.observer.states[-4:] == [("draining", "sleeping"), ("sleeping", "waking"), ("waking", "verifying"), ("verifying", "awake")]
 
@@ -77,7 +78,7 @@ async def test_without_a_draft_to_reload_the_wake_skips_the_draft_step(make_engi
     await engine.boot()
     await engine.sleep()
     await engine.wake()
-    assert await dev_calls(engine) == ["sleep", "wake_weights", "reload_weights", "wake_kv_cache", "reset_prefix_cache"]
+    assert await dev_calls(engine) == ["sleep", "stage", "wake_weights", "reload_weights", "wake_kv_cache", "reset_prefix_cache"]
     assert "--sleep-preserve-parameter-names" in engine.process.argv
 
 
@@ -125,7 +126,7 @@ async def test_a_drain_that_outlasts_its_deadline_sleeps_in_abort_mode(make_engi
 
 
 @pytest.mark.parametrize("kind", ["crash", "hang", "http500"])
-@pytest.mark.parametrize("step", [*WAKE_L2, "sleep"])
+@pytest.mark.parametrize("step", [*(p for p in WAKE_L2 if p != "stage"), "sleep"])
 async def test_a_fault_at_any_step_leaves_the_engine_failed_naming_the_step(make_engine, step, kind):
     engine = await make_engine(sim_model("a", spec=True), swap={"timeouts": {step: 1}})
     await engine.boot()
@@ -140,6 +141,29 @@ async def test_a_fault_at_any_step_leaves_the_engine_failed_naming_the_step(make
     expected = {"hang": "no answer within 1 s", "http500": "HTTP 500", "crash": "process exited with code 1"}[kind]
     assert expected in message, message
     assert (step, False) in engine.observer.steps
+
+
+@pytest.mark.parametrize("kind", ["hang", "http500", "malformed"])
+async def test_a_failed_or_timed_out_stage_never_fails_the_wake(make_engine, kind):
+    engine = await make_engine(sim_model("a", spec=True), swap={"timeouts": {"stage": 1}})
+    await engine.boot()
+    await engine.sleep()
+    await sim(engine, "POST", "/sim/faults", json={"step": "stage", "kind": kind})
+    await engine.wake()
+    assert engine.state is State.AWAKE, engine.failure
+    assert ("stage", False) in engine.observer.steps, "the stage is reported, as failed"
+    assert await dev_calls(engine) == ["sleep", *WAKE_L2], "every step after it ran"
+    assert engine.stager.failure and not engine.stager.staged
+
+
+async def test_an_engine_that_dies_while_staging_fails_at_the_step_after_it(make_engine):
+    engine = await make_engine(sim_model("a", spec=True))
+    await engine.boot()
+    await engine.sleep()
+    await sim(engine, "POST", "/sim/faults", json={"step": "stage", "kind": "crash"})
+    with pytest.raises(EngineFailed) as failed:
+        await engine.wake()
+    assert str(failed.value).startswith("engine a: wake_weights failed: "), failed.value
 
 
 async def test_an_engine_that_dies_while_awake_is_noticed_at_once(make_engine):

@@ -35,7 +35,7 @@ async def test_a_kv_parked_engine_goes_down_to_level_2_without_waking_and_wakes_
     assert engine.observer.states[-1] == ("sleeping", "sleeping"), "its new rung is reported"
     await engine.wake()
     assert engine.state is State.AWAKE and engine.gate.last_verdict.result == "passed", "the draft was reloaded too"
-    assert await dev_calls(engine) == ["sleep", "release_kv_cache_memory", "sleep", "wake_weights", "reload_draft",
+    assert await dev_calls(engine) == ["sleep", "release_kv_cache_memory", "sleep", "stage", "wake_weights", "reload_draft",
                                        "reload_weights", "wake_kv_cache", "reset_prefix_cache"]
     with pytest.raises(EngineFailed):
         await engine.park_further(1)  # awake: there is no KV park to go further from

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.support import ask, client, eventually, roster_dict, sim_model
+from tests.support import FAST_SIM, SIM_LAUNCHER, ask, client, eventually, roster_dict, sim_model
 
 SHARE = "--gpu-memory-utilization"
 HOST_MODEL = ("--sim-host-bytes-per-gb", "1e9")  # real size: the router measures real bytes
@@ -35,6 +35,15 @@ def model(tmp_path: Path, name: str, **extra) -> dict:
     return sim_model(name, args=(SHARE, "0.6", *HOST_MODEL), model=checkpoint(tmp_path, name, 0.02), **extra)
 
 
+def bare(tmp_path: Path, name: str, **extra) -> dict:
+    """An engine started from the operator's own argv (`command:`): the router adds nothing to it, so it has
+    no worker extension (every engine the router composes that may sleep at Level 2 loads one, to stage its
+    checkpoint) and its host memory is read from /proc."""
+    argv = [*SIM_LAUNCHER, checkpoint(tmp_path, name, 0.02), "--port", "{port}", "--served-model-name", "{name}",
+            *FAST_SIM, SHARE, "0.6", *HOST_MODEL]
+    return {"name": name, "command": argv, "args": [SHARE, "0.6"], "weights_gb": 0.02, **extra}
+
+
 def sim_shmem(reaper_pid: int) -> int:
     """The resident shared memory of the sim process under the engine's reaper, in bytes (from /proc)."""
     [child] = Path(f"/proc/{reaper_pid}/task/{reaper_pid}/children").read_text().split()
@@ -54,12 +63,12 @@ async def test_a_sleeper_measured_from_proc_breaks_a_budget_its_estimate_would_h
         start_router, tmp_path):
     # a, c and b take the GPU in turn. Each checkpoint is 20 MB: estimated 27 MB at Level 1 (x 1.35);
     # the sim's rounding makes it 33.6 MB. By the estimates a and c fit in 58 MB together; measured, no.
-    router = await start_router(roster_dict(model(tmp_path, "a"), model(tmp_path, "c"), model(tmp_path, "b", default=True),
+    router = await start_router(roster_dict(bare(tmp_path, "a"), model(tmp_path, "c"), model(tmp_path, "b", default=True),
                                             **FULL_PARKS, host={"ram_budget_gb": 0.058}))
     a, c = await router.engine("a"), await router.engine("c")
     assert (a["sleep_level"], c["sleep_level"]) == (1, 2), "a parked first, at level 1; c did not fit beside what a holds"
     held = a["host_memory"]
-    assert held["source"] == "proc", "no worker extension in a non-speculative engine: read from /proc"
+    assert held["source"] == "proc", "no worker extension in a command engine: read from /proc"
     assert held["estimated_gb"] == pytest.approx(0.027)
     assert held["measured_gb"] * 1e9 == pytest.approx(sim_shmem(a["pid"]), abs=PAGES), "the router's count is what /proc shows"
     assert held["measured_gb"] > 0.033, "the power-of-two rounding: more than the estimate"
@@ -110,10 +119,11 @@ async def test_hotswap_status_shows_each_engines_measured_host_memory(start_rout
 
     router = await start_router(roster_dict(model(tmp_path, "a"), model(tmp_path, "b", default=True),
                                             **FULL_PARKS, host={"ram_budget_gb": 1}))
-    held = (await router.engine("a"))["host_memory"]["measured_gb"]
+    host = (await router.engine("a"))["host_memory"]
+    held, source = host["measured_gb"], host["source"]
     out = await eventually(lambda: subprocess.run([sys.executable, "-m", "router.cli", "status", "--url", router.url],
                                                   capture_output=True, text=True, timeout=30).stdout, what="hotswap status")
-    assert re.search(rf"a host RAM: measured {held:.2f} GB \(proc, after level-1 sleep\), estimated 0\.03 GB, counted "
+    assert re.search(rf"a host RAM: measured {held:.2f} GB \({source}, after level-1 sleep\), estimated 0\.03 GB, counted "
                      rf"{held:.2f} GB", out), out
     assert "host RAM held for sleep: " in out, out
 

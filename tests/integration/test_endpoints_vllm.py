@@ -44,7 +44,7 @@ def adapter(vllm_venv: Path, tiny_models: Path) -> Path:
 def roster(adapter: Path) -> dict[str, Any]:
     data = yaml.safe_load(EXAMPLE.read_text())
     data["swap"].update(min_active_s=0, max_hold_s=5, drain_timeout_s=30, boot_timeout_s=BOOT_TIMEOUT_S,
-                        timeouts={"sleep": 30, "wake_weights": 30, "reload_draft": 60, "reload_weights": 60,
+                        timeouts={"sleep": 30, "stage": 60, "wake_weights": 30, "reload_draft": 60, "reload_weights": 60,
                                   "wake_kv_cache": 30, "reset_prefix_cache": 30, "gate": 60})
     data["models"] = [{
         "name": NAME, "model": "${HOTSWAP_TINY_MODELS}/target", "default": True, "sleep_level": 2,

@@ -65,7 +65,7 @@ def roster() -> dict[str, Any]:
         boot_timeout_s=BOOT_TIMEOUT_S,
         # Each step answers in milliseconds on CPU (the gate in well under a second): these
         # fail a stuck step in bounded time without flaking on a busy 2-core machine.
-        timeouts={"sleep": 30, "wake_weights": 30, "reload_draft": 60, "reload_weights": 60,
+        timeouts={"sleep": 30, "stage": 60, "wake_weights": 30, "reload_draft": 60, "reload_weights": 60,
                   "wake_kv_cache": 30, "reset_prefix_cache": 30, "gate": 60},
     )
     data["queue"] = {"max_waiting": 64, "max_wait_s": RESTART_TIMEOUT_S}
@@ -221,8 +221,9 @@ def test_two_real_engines_swap_back_and_forth_through_the_staged_endpoints(route
     reference = {PLAIN: awake(router, PLAIN)}
     reference[SPEC] = awake(router, SPEC)
     assert reference[SPEC] != reference[PLAIN], "two different models must answer differently"
-    spec_wake = ["wake_weights", "reload_draft", "reload_weights", "wake_kv_cache", "reset_prefix_cache", "gate"]
-    plain_wake = ["wake_weights", "reload_weights", "wake_kv_cache", "reset_prefix_cache", "gate"]
+    # Both load the worker extension (each may sleep at Level 2), so each wake stages its checkpoint first.
+    spec_wake = ["stage", "wake_weights", "reload_draft", "reload_weights", "wake_kv_cache", "reset_prefix_cache", "gate"]
+    plain_wake = ["stage", "wake_weights", "reload_weights", "wake_kv_cache", "reset_prefix_cache", "gate"]
     record = REPORT.setdefault("swaps", [])
 
     for to, frm, wake in [(PLAIN, SPEC, plain_wake), (SPEC, PLAIN, spec_wake)] * 2:
@@ -243,12 +244,14 @@ def test_two_real_engines_swap_back_and_forth_through_the_staged_endpoints(route
         # then the gate's canary, then (promoted) the client's request.
         assert logged(router, frm, marks[frm], "POST /sleep?level=2&mode=wait")[-1] == "POST /sleep?level=2&mode=wait"
         got = logged(router, to, marks[to], lambda e: e.count("POST /v1/completions") >= 2)
+        # First the stage (begun while `frm` drained and slept; the wake's own step found it done or joined it).
         if to == SPEC:
             # Two RPCs between the weights and the kv_cache wake: the first is the draft reload
             # (vLLM's target reload logs nothing before it), the second vLLM's `reload_weights`.
-            wake_calls = [WAKE_L2[0], "POST /collective_rpc", "[target reloaded]", "POST /collective_rpc", *WAKE_L2[2:]]
+            wake_calls = ["POST /collective_rpc", WAKE_L2[0], "POST /collective_rpc", "[target reloaded]", "POST /collective_rpc",
+                          *WAKE_L2[2:]]
         else:
-            wake_calls = [WAKE_L2[0], "[target reloaded]", "POST /collective_rpc", *WAKE_L2[2:]]
+            wake_calls = ["POST /collective_rpc", WAKE_L2[0], "[target reloaded]", "POST /collective_rpc", *WAKE_L2[2:]]
         assert got == [*wake_calls, "POST /v1/completions", "POST /v1/completions"], f"{to}: engine log shows {got}"
 
 
@@ -282,7 +285,7 @@ def test_a_lost_draft_is_refused_by_the_gate_and_remediated_by_a_cold_restart(ro
     assert digest(router, NONE) == digest0, "the restarted engine's draft is the checkpoint's again"
     assert delta(counters(router, NONE), before) == {"refused": 1, "passed": 1, "restart_gate": 1}
     steps, swap = phases(router)
-    assert list(steps) == ["drain", "sleep", "wake_weights", "reload_weights", "wake_kv_cache", "reset_prefix_cache",
+    assert list(steps) == ["drain", "sleep", "stage", "wake_weights", "reload_weights", "wake_kv_cache", "reset_prefix_cache",
                            "gate", "restart"], steps
     assert "gate tiny-none: refused (mean acceptance length 1.00" in router.proc.log()
     REPORT["none_refused"] = {"verdict": refused, "swap_s": swap["seconds"], "phases": steps}
@@ -307,7 +310,7 @@ def test_a_lost_draft_is_restored_at_wake_and_passes_the_gate_without_a_restart(
     assert digest(router, SPEC) == digest0, "the draft is the checkpoint's again"
     assert delta(counters(router, SPEC), before) == {"passed": 1}
     steps, swap = phases(router)
-    assert list(steps) == ["drain", "sleep", "wake_weights", "reload_draft", "reload_weights", "wake_kv_cache",
+    assert list(steps) == ["drain", "sleep", "stage", "wake_weights", "reload_draft", "reload_weights", "wake_kv_cache",
                            "reset_prefix_cache", "gate"], steps
     REPORT["reload_restored"] = {"verdict": verdict, "swap_s": swap["seconds"], "phases": steps}
 

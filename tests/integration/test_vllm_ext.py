@@ -203,3 +203,40 @@ def test_the_host_memory_rpcs_answer_on_cpu_and_say_why_they_have_nothing_to_rep
         assert result["available"] is False and "no CUDA" in result["reason"], result
     mal, _ = engine.canary(PROMPT)
     assert mal == pytest.approx(FULL), "the engine serves on after the calls"
+
+
+def _drop(paths: list[str]) -> None:
+    """The checkpoint's pages out of the page cache (dirty pages never go, so synced first; advisory)."""
+    import os
+
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def test_the_stage_reads_the_files_vllms_loader_reads_into_the_page_cache(spec_engine: VllmServer, tiny_models) -> None:
+    import os
+
+    engine = spec_engine
+    files = sorted(str(p) for p in (tiny_models / "target").glob("*.safetensors"))
+    (found,), _ = engine.rpc("hotswap_weights_residency")
+    assert sorted(found["files"]) == files, "the target's weight files, as vLLM's loader lists them (the draft is the same)"
+
+    def dropped() -> bool:
+        _drop(files)
+        return engine.rpc("hotswap_weights_residency")[0][0]["resident"] < 0.5
+
+    poll(dropped, 30, "the checkpoint's pages dropped", interval=0.2)
+    (report,), staged_s = engine.rpc("hotswap_stage_weights")
+    size = sum(os.path.getsize(f) for f in files)
+    assert report["files"] == len(files) and report["bytes"] == size and report["read_bytes"] == size, report
+    assert report["resident_before"] < 0.5, report
+    (after,), _ = engine.rpc("hotswap_weights_residency")
+    assert after["resident"] >= 0.98, after
+    (again,), again_s = engine.rpc("hotswap_stage_weights")
+    assert again["read_bytes"] == 0 and again["resident_before"] >= 0.98, "resident: it only looks"
+    REPORT["stage"] = {"report": report, "rpc_s": round(staged_s, 4), "again_rpc_s": round(again_s, 4)}

@@ -33,7 +33,7 @@ MAX_WING_MODULES = 12
 MAX_TOP_MODULES = 10  # router/*.py: what every wing shares, and what wires them
 ENGINE_WINGS = ("gate", "memory", "vllm", "vllm_worker", "process", "sim")
 # engines/ itself keeps one engine's lifecycle: the state machine and what it runs
-ENGINE_TOP = ("engine", "states", "wake", "ladder", "handshake", "leases", "progress", "watch")
+ENGINE_TOP = ("engine", "states", "wake", "stage", "ladder", "handshake", "leases", "progress", "watch")
 # What vLLM's worker process has besides the standard library (the extension runs there).
 WORKER_MAY_IMPORT = {"torch", "vllm"}
 # What the simulator may know of engines/ outside sim/: what a real vLLM also knows (the files it loads).

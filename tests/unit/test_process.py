@@ -58,8 +58,20 @@ def test_every_flag_the_router_emits_is_router_owned_and_refused_in_args(name):
 def test_the_specs_cover_each_draft_restore():
     assert "--worker-extension-cls" in router_flags(SPECS["reload"])
     assert "--sleep-preserve-parameter-names" in router_flags(SPECS["preserve"])
-    assert not {"--worker-extension-cls", "--sleep-preserve-parameter-names"} & set(router_flags(SPECS["none"]))
+    assert "--sleep-preserve-parameter-names" not in router_flags(SPECS["none"])
     assert "--speculative-config" not in router_flags(SPECS["no-draft"])
+
+
+def test_the_worker_extension_goes_to_engines_that_reload_a_draft_or_stage_a_level2_checkpoint():
+    # A Level-2 wake stages its checkpoint through the extension (engines.stage), so any engine
+    # that may sleep at Level 2 from a reloadable checkpoint loads it, draft or not.
+    for name in ("reload", "none", "no-draft"):
+        assert "--worker-extension-cls" in router_flags(SPECS[name]), name
+    level1 = spec(sleep_level=1)
+    assert "--worker-extension-cls" not in router_flags(level1)
+    assert "--worker-extension-cls" in router_flags(spec(sleep_level=1, speculative={"num_speculative_tokens": 3}))
+    # auto with a format vLLM cannot reload never sleeps at Level 2: nothing to stage
+    assert "--worker-extension-cls" not in router_flags(spec(args=["--load-format", "dummy"]))
 
 
 def test_speculative_engines_and_only_they_report_acceptance_per_request():

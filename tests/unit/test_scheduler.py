@@ -12,7 +12,8 @@ import pytest
 from config.schema import ModelSpec, Queue, Swap
 from engines.engine import EngineFailed, State
 from engines.memory.host import PRIOR_FACTOR, HostMemory
-from router.scheduling.backoff import MAX_BACKOFF_S
+from engines.stage import Stager
+from router.scheduling.state import MAX_BACKOFF_S
 from router.errors import APIError
 from router.scheduling import Capacity, Decision, Plan, Scheduler, Waiter
 
@@ -43,6 +44,8 @@ class FakeEngine:
         self.holds_process = False
         self.stopped = 0
         self.host = HostMemory(self.spec)
+        self.stager = Stager(name, enabled=False)  # a test that stages enables it
+        self.client = None
 
     def try_lease(self) -> bool:
         if self.state is not State.AWAKE:

@@ -1,0 +1,143 @@
+"""The simulator's disk and page cache: what a Level-2 reload and a stage cost (issue 32).
+
+Enabled by `--sim-disk-gb-per-s GB_S` (a cold read's speed); `--sim-page-cache-gb-per-s` (default 6, an
+H200 host's measured reload from RAM) is a read of resident pages. The engine's checkpoint is
+`--sim-weights-gb` (or the weight files of MODEL, a local directory), resident or not as a whole.
+
+- `hotswap_stage_weights`: resident, it only looks (mincore: no time); else it reads at disk speed and
+  the checkpoint becomes resident.
+- `reload_weights`: at page-cache speed when resident, else at disk speed (and then it is resident:
+  the reload's reads filled the cache).
+- Calls into the worker run one at a time, as vLLM runs utility calls, so a reload sent while a stage
+  reads waits for it.
+
+The page cache is the host's: with `HOTSWAP_SIM_PAGE_CACHE=/path/cache.json` every sim on the host
+shares one (a JSON file under `flock`, as the GPU ledger in memory.py), holding checkpoints by their
+MODEL path (two engines of one checkpoint share its pages), each with the time it was last read; over
+`HOTSWAP_SIM_PAGE_CACHE_GB` (unset: unbounded) the least recently read are evicted. Without the file,
+the cache is this process's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+CACHE_ENV = "HOTSWAP_SIM_PAGE_CACHE"
+CAPACITY_ENV = "HOTSWAP_SIM_PAGE_CACHE_GB"
+DEFAULT_PAGE_CACHE_GB_S = 6.0
+
+
+class PageCache:
+    """Which checkpoints are resident (GB and last read, by key), LRU within a capacity."""
+
+    def __init__(self, path: str | os.PathLike | None, capacity_gb: float | None) -> None:
+        self.path = Path(path) if path else None
+        self.capacity_gb = capacity_gb
+        self._own: dict[str, dict] = {}
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> PageCache:
+        env = os.environ if env is None else env
+        capacity = env.get(CAPACITY_ENV)
+        return cls(env.get(CACHE_ENV) or None, float(capacity) if capacity else None)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, dict]]:
+        if self.path is None:
+            yield self._own
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with os.fdopen(os.dup(fd), "r+") as f:
+                text = f.read()
+                entries = json.loads(text).get("resident", {}) if text.strip() else {}
+                yield entries
+                f.seek(0)
+                f.truncate()
+                json.dump({"resident": entries}, f, sort_keys=True)
+                f.flush()
+        finally:
+            os.close(fd)
+
+    def resident(self, key: str) -> bool:
+        with self._locked() as entries:
+            return key in entries
+
+    def touch(self, key: str, gb: float) -> list[str]:
+        """`key` was read: resident, most recently used; returns the keys evicted to make it fit."""
+        with self._locked() as entries:
+            entries[key] = {"gb": gb, "at": time.time()}
+            evicted = []
+            if self.capacity_gb is not None:
+                for old in sorted((k for k in entries if k != key), key=lambda k: entries[k]["at"]):
+                    if sum(e["gb"] for e in entries.values()) <= self.capacity_gb:
+                        break
+                    evicted.append(old)
+                    del entries[old]
+                if entries[key]["gb"] > self.capacity_gb:  # it does not fit at all: nothing of it stays
+                    del entries[key]
+            return evicted
+
+    def drop(self, key: str) -> None:
+        with self._locked() as entries:
+            entries.pop(key, None)
+
+    def snapshot(self) -> dict:
+        with self._locked() as entries:
+            return {"path": str(self.path) if self.path else None, "capacity_gb": self.capacity_gb,
+                    "resident": {k: dict(v) for k, v in entries.items()}}
+
+
+class DiskModel:
+    """One engine's checkpoint on a disk with a page cache in front of it."""
+
+    def __init__(self, key: str, weights_gb: float, disk_gb_s: float, page_cache_gb_s: float, cache: PageCache) -> None:
+        self.key, self.weights_gb = key, weights_gb
+        self.disk_gb_s, self.page_cache_gb_s = disk_gb_s, page_cache_gb_s
+        self.cache = cache
+        self.worker = asyncio.Lock()  # vLLM's engine core runs utility calls one at a time
+
+    @classmethod
+    def from_flags(cls, model: str, weights_gb: float | None, disk_gb_s: float, page_cache_gb_s: float) -> DiskModel:
+        """From --sim-disk-gb-per-s and its companions; ValueError (the message for argparse) when they do not fit."""
+        if not disk_gb_s > 0 or not page_cache_gb_s > 0:
+            raise ValueError("--sim-disk-gb-per-s and --sim-page-cache-gb-per-s must be positive GB per second")
+        if weights_gb is None or weights_gb < 0:
+            raise ValueError("--sim-disk-gb-per-s needs the weights' size: --sim-weights-gb GB (>= 0), or MODEL a local "
+                             "directory with weight files")
+        try:
+            cache = PageCache.from_env()
+        except ValueError:
+            raise ValueError(f"{CAPACITY_ENV} must be a number of GB") from None
+        return cls(model, weights_gb, disk_gb_s, page_cache_gb_s, cache)
+
+    async def stage(self) -> dict:
+        async with self.worker:
+            started = time.monotonic()
+            resident = self.cache.resident(self.key)
+            if not resident:
+                await asyncio.sleep(self.weights_gb / self.disk_gb_s)
+            self.cache.touch(self.key, self.weights_gb)
+            size = round(self.weights_gb * 1e9)
+            return {"files": 1, "bytes": size, "read_bytes": 0 if resident else size,
+                    "seconds": round(time.monotonic() - started, 4), "resident_before": 1.0 if resident else 0.0}
+
+    async def reload(self) -> None:
+        async with self.worker:
+            speed = self.page_cache_gb_s if self.cache.resident(self.key) else self.disk_gb_s
+            await asyncio.sleep(self.weights_gb / speed)
+            self.cache.touch(self.key, self.weights_gb)
+
+    def state_json(self) -> dict:
+        return {"key": self.key, "weights_gb": self.weights_gb, "disk_gb_per_s": self.disk_gb_s,
+                "page_cache_gb_per_s": self.page_cache_gb_s, "resident": self.cache.resident(self.key),
+                "page_cache": self.cache.snapshot()}

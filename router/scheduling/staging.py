@@ -1,0 +1,80 @@
+"""Staged weights: which Level-2 sleepers' checkpoints to read into the page cache, and when.
+
+The staging part of `Scheduler` (see `router.scheduling.state`). A stage is the engine's
+(`engines.stage`: the worker extension reads the files vLLM's loader reads); this decides whose:
+
+- the target of a wake whose room is being made, at once: its victims' drain and sleep take
+  seconds, and its reload then reads RAM (begun for every such target, budget or not: the
+  wake's own reload would read the same bytes into the page cache anyway);
+- within `host.page_cache_budget_gb`, the Level-2 sleepers most likely to be asked for next
+  (`Demand.rate`), one at a time (a background read must not slow a wake's reload on the same
+  disk, so none starts while a wake runs), the likeliest first, skipping one that does not fit.
+
+Page cache is evictable: the router cannot hold pages, only put them there; the budget bounds
+what it puts there ahead of need. `is_staged` is what the wake-cost estimate reads
+(`WakeCosts.wake_s(..., staged=True)`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engines.engine import Engine, State
+from router.scheduling.state import SchedulerState
+
+log = logging.getLogger("hotswap")
+
+
+class Staging(SchedulerState):
+    def is_staged(self, engine: Engine) -> bool:
+        """Its checkpoint is in the page cache (as far as the router knows) or being read there now."""
+        return engine.stager.staged or engine.stager.running
+
+    def stage_ahead(self, now: float) -> None:
+        """Begin the stages that should run now (no awaiting: each is a task of its engine's stager;
+        its end pokes the loop). Called by the loop after each round of decisions."""
+        try:
+            self._stage_targets()
+            self._stage_likeliest(now)
+        except Exception:  # a defect here must not stop the loop: staging only ever saves time
+            log.exception("internal error while choosing checkpoints to stage")
+
+    def _stageable(self, engine: Engine) -> bool:
+        return engine.stager.enabled and engine.state is State.SLEEPING and engine.sleep_level == 2
+
+    def _begin(self, engine: Engine, why: str) -> None:
+        was_running = engine.stager.running
+        task = engine.stager.begin(engine.client, self.swap.timeouts.stage, why)
+        if task is not None and not was_running:
+            task.add_done_callback(lambda _: self.poke())
+
+    def _stage_targets(self) -> None:
+        """Once per room made (a failed stage is not retried in a loop: the wake's own stage tries again)."""
+        for name, (_, since) in self.making_room.items():
+            engine = next((e for e in self.engines if e.name == name), None)
+            if engine is None or self.staged_for.get(name) == since or not self._stageable(engine):
+                continue
+            self.staged_for[name] = since
+            if not engine.stager.staged:
+                self._begin(engine, "room")
+        for name in [n for n in self.staged_for if n not in self.making_room]:
+            del self.staged_for[name]
+
+    def _stage_likeliest(self, now: float) -> None:
+        budget = self.capacity.page_cache_gb
+        if not budget or any(e.stager.running for e in self.engines):
+            return
+        if any(action == "wake" for action, *_ in self.doing.values()):
+            return  # its reload has the disk
+        ranked = sorted((e for e in self.engines if self._stageable(e) and e.name not in self.busy
+                         and self.demand.rate(e.name, now) > 0 and self.weights.get(e.name)),
+                        key=lambda e: -self.demand.rate(e.name, now))
+        used = 0.0
+        for engine in ranked:
+            gb = self.weights[engine.name] or 0.0
+            if used + gb > budget:
+                continue
+            used += gb
+            if not engine.stager.staged and engine.stager.failure is None:  # a failed one waits for its next wake
+                self._begin(engine, "ahead")
+                return

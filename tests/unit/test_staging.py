@@ -1,0 +1,206 @@
+"""Staged weights in the scheduler (issue 32, part 1): what a staged Level-2 wake is predicted to cost,
+and which checkpoints are staged when, within host.page_cache_budget_gb. Fake engines, a fake clock and
+a fake engine client whose stage answers at once."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+
+from engines.engine import State
+from engines.stage import Stager
+from router.scheduling.estimates import WakeCosts
+from tests.unit.test_scheduler import Clock, FakeEngine, awake, clock, scheduler  # noqa: F401 (clock: the fixture)
+
+STAGED = {"files": 2, "bytes": 4_000_000_000, "read_bytes": 4_000_000_000, "seconds": 0.5, "resident_before": 0.0}
+
+
+class StagingClient:
+    """What a stage asks of an engine: collective_rpc hotswap_stage_weights, answered as the extension answers."""
+
+    def __init__(self, answer: dict[str, Any] = STAGED):
+        self.answer = answer
+        self.calls = 0
+
+    async def collective_rpc(self, method: str, timeout: float, args=(), kwargs=None) -> list[Any]:
+        assert method == "hotswap_stage_weights"
+        self.calls += 1
+        return [dict(self.answer)]
+
+
+def stages(engine: FakeEngine, answer: dict[str, Any] = STAGED) -> FakeEngine:
+    """The engine loads the worker extension (as the router composes it for a Level-2 sleeper)."""
+    engine.stager = Stager(engine.name, enabled=True)
+    engine.client = StagingClient(answer)
+    return engine
+
+
+def demand(s, name: str, requests: int, clock: Clock) -> None:
+    for _ in range(requests):
+        s.demand.arrived(name, clock.now)
+
+
+async def settle(*engines: FakeEngine) -> None:
+    await asyncio.gather(*(e.stager.task for e in engines if e.stager.task is not None))
+
+
+# -- the estimate -------------------------------------------------------------------------------------
+
+def test_a_staged_level2_wake_is_priced_from_the_page_cache_rate_measured_on_any_model():
+    costs = WakeCosts({"big": 20.0, "small": 2.0})
+    # small's wake read the disk (its stage failed): 10 s, 8 of them the reload, 4 s per GB
+    costs.observe_wake("small", 2, 10.0, reload_s=8.0, cached=False)
+    # big woke after a stage: its reload read the page cache at 0.2 s per GB
+    costs.observe_wake("big", 2, 12.0, reload_s=4.0, stage_s=5.0, cached=True)
+    assert costs.reload_s_per_gb == {False: pytest.approx(4.0), True: pytest.approx(0.2)}
+    unstaged, staged = costs.wake_s("small", 2), costs.wake_s("small", 2, staged=True)
+    assert unstaged == pytest.approx(10.0)
+    assert staged == pytest.approx(2.0 + 2.0 * 0.2), "its wake without the reload, plus 2 GB at the page cache's rate"
+    assert costs.wake_s("small", 1) == pytest.approx(2.0), "Level 1 still falls back to the wake without its reload"
+
+
+def test_a_measured_staged_wake_replaces_the_formula_and_never_prices_above_the_unstaged_one():
+    costs = WakeCosts({"m": 4.0})
+    costs.observe_wake("m", 2, 9.0, reload_s=6.0, cached=True)
+    costs.observe_wake("m", 2, 3.5, reload_s=1.0, staged=True, cached=True)
+    assert costs.staged_wake == {"m": 3.5} and costs.wake[("m", 2)] == 9.0, "a staged wake is kept apart"
+    assert costs.wake_s("m", 2, staged=True) == pytest.approx(3.5)
+    costs.observe_wake("m", 2, 30.0, reload_s=1.0, staged=True, cached=True)  # a stall, once
+    assert costs.wake_s("m", 2, staged=True) <= costs.wake_s("m", 2)
+
+
+def test_before_any_staged_reload_is_measured_a_staged_wake_costs_what_an_unstaged_one_does():
+    costs = WakeCosts({"m": 4.0})
+    costs.observe_wake("m", 2, 9.0, reload_s=6.0)
+    assert costs.wake_s("m", 2, staged=True) == costs.wake_s("m", 2) == pytest.approx(9.0)
+
+
+# -- the policy ---------------------------------------------------------------------------------------
+
+async def test_the_target_of_a_wake_stages_while_its_victims_drain_and_sleep_budget_or_not(clock):
+    a, b = awake("a", clock), stages(FakeEngine("b"))
+    s = scheduler(a, b, clock=clock)
+    s.making_room["b"] = (["a"], clock.now)  # decide chose to park a for b
+    s.stage_ahead(clock.now)
+    assert b.stager.running and b.stager.why == "room"
+    await settle(b)
+    assert b.stager.staged and s.is_staged(b) and b.client.calls == 1
+
+
+async def test_within_the_budget_the_likeliest_level2_sleepers_are_staged_one_at_a_time(clock):
+    hot, warm, small, idle = (stages(FakeEngine(n)) for n in ("hot", "warm", "small", "idle"))
+    s = scheduler(hot, warm, small, idle, clock=clock)
+    s.weights.update(hot=8.0, warm=4.0, small=2.0, idle=1.0)
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=10.0)  # host.page_cache_budget_gb: 10
+    demand(s, "hot", 10, clock), demand(s, "warm", 5, clock), demand(s, "small", 1, clock)
+    s.stage_ahead(clock.now)
+    assert [e.name for e in (hot, warm, small, idle) if e.stager.running] == ["hot"], "the likeliest first, alone"
+    await settle(hot)
+    s.stage_ahead(clock.now)
+    assert not warm.stager.running, "warm does not fit beside hot (8 + 4 > 10)"
+    assert small.stager.running, "small does (8 + 2)"
+    await settle(small)
+    s.stage_ahead(clock.now)
+    assert not any(e.stager.running for e in (hot, warm, small, idle)), "idle was never asked for: not staged"
+    assert [e.name for e in (hot, warm, small, idle) if s.is_staged(e)] == ["hot", "small"]
+
+
+async def test_nothing_is_staged_ahead_without_a_budget_or_while_a_wake_reads_the_disk(clock):
+    hot, other = stages(FakeEngine("hot")), stages(FakeEngine("other", level=2))
+    s = scheduler(hot, other, clock=clock)
+    s.weights.update(hot=8.0, other=1.0)
+    demand(s, "hot", 10, clock)
+    s.stage_ahead(clock.now)
+    assert not hot.stager.running, "host.page_cache_budget_gb unset: nothing ahead of need"
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=10.0)  # host.page_cache_budget_gb: 10
+    s.doing["other"] = ("wake", clock.now, 5.0)
+    s.stage_ahead(clock.now)
+    assert not hot.stager.running, "a wake's reload has the disk"
+    del s.doing["other"]
+    s.stage_ahead(clock.now)
+    assert hot.stager.running
+    await settle(hot)
+
+
+async def test_a_sleeper_whose_stage_failed_is_not_staged_again_ahead_of_its_next_wake(clock):
+    broken = stages(FakeEngine("broken"), {"files": 0, "bytes": 0, "read_bytes": 0, "seconds": 0.0, "resident_before": 1.0,
+                                           "reason": "ShardedStateLoader does not read checkpoint files vLLM's default way"})
+    s = scheduler(broken, clock=clock)
+    s.weights["broken"] = 1.0
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=10.0)  # host.page_cache_budget_gb: 10
+    demand(s, "broken", 3, clock)
+    s.stage_ahead(clock.now)
+    await settle(broken)
+    assert not broken.stager.staged and "ShardedStateLoader" in broken.stager.failure
+    s.stage_ahead(clock.now)
+    assert not broken.stager.running and broken.client.calls == 1
+
+
+async def test_a_level1_sleeper_or_an_engine_without_the_extension_is_never_staged(clock):
+    level1 = stages(FakeEngine("level1", level=1))
+    plain = FakeEngine("plain")  # no worker extension: its stager is off
+    s = scheduler(level1, plain, clock=clock)
+    s.weights.update(level1=1.0, plain=1.0)
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=10.0)  # host.page_cache_budget_gb: 10
+    demand(s, "level1", 3, clock), demand(s, "plain", 3, clock)
+    s.making_room["plain"] = ([], clock.now)
+    s.stage_ahead(clock.now)
+    assert not level1.stager.running and not plain.stager.running and plain.state is State.SLEEPING
+
+
+async def test_the_scheduler_predicts_a_staged_targets_wake_from_the_staged_estimate(clock):
+    a, b = awake("a", clock), stages(FakeEngine("b"))
+    s = scheduler(a, b, clock=clock)
+    s.weights["b"] = 2.0
+    s.costs.observe_wake("b", 2, 10.0, reload_s=8.0, cached=False)
+    s.costs.observe_wake("b", 2, 3.0, reload_s=0.5, staged=True, cached=True)
+    assert s.costs.wake_s("b", 2, staged=s.is_staged(b)) == pytest.approx(10.0), "not staged yet"
+    s.making_room["b"] = (["a"], clock.now)
+    s.stage_ahead(clock.now)
+    await settle(b)
+    assert s.costs.wake_s("b", 2, staged=s.is_staged(b)) == pytest.approx(3.0)
+
+
+async def test_a_failed_stage_for_a_target_is_not_retried_while_its_room_is_made_but_is_for_the_next_room(clock):
+    a = awake("a", clock)
+    b = stages(FakeEngine("b"), {"files": 0, "bytes": 0, "read_bytes": 0, "seconds": 0.0, "resident_before": 1.0,
+                                 "reason": "no weight files"})
+    s = scheduler(a, b, clock=clock)
+    s.making_room["b"] = (["a"], clock.now)
+    s.stage_ahead(clock.now)
+    await settle(b)
+    for _ in range(3):  # the loop goes round while a drains and sleeps: the stage's end pokes it
+        s.stage_ahead(clock.now)
+    assert b.client.calls == 1, "the wake's own stage step is the retry"
+    del s.making_room["b"]
+    s.stage_ahead(clock.now)
+    clock.now += 60
+    s.making_room["b"] = (["a"], clock.now)
+    s.stage_ahead(clock.now)
+    await settle(b)
+    assert b.client.calls == 2
+
+
+def test_a_model_only_ever_woken_staged_is_predicted_from_that_not_from_its_boot():
+    costs = WakeCosts({"m": 4.0})
+    costs.observe_boot("m", 40.0)
+    costs.observe_wake("m", 2, 3.0, reload_s=1.0, staged=True, cached=True)
+    assert costs.wake_s("m", 2) == pytest.approx(3.0), "every room made for it staged it in time"
+
+
+async def test_parking_at_level2_costs_less_where_the_page_cache_budget_will_keep_the_checkpoint_staged(clock):
+    victim = stages(awake("victim", clock, sleep_level=2))
+    s = scheduler(victim, clock=clock)
+    s.weights.update(victim=2.0, other=2.0)
+    s.costs.observe_wake("victim", 2, 10.0, reload_s=8.0, cached=False)
+    s.costs.observe_wake("other", 2, 3.0, reload_s=1.0, cached=True)  # the page cache's rate, host-wide: 0.5 s/GB
+    demand(s, "victim", 5, clock)
+    without = s.expected_cost(victim, "park", clock.now)
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=4.0)
+    with_budget = s.expected_cost(victim, "park", clock.now)
+    assert with_budget < without / 2, (with_budget, without)
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=1.0)
+    assert s.expected_cost(victim, "park", clock.now) == pytest.approx(without), "2 GB does not fit a 1 GB budget"
