@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from config import RosterError, parse_roster
+from config.diff import model_change, router_side
 from config.schema import Gate
 from engines.gate.canary import Canary
 from engines.gate.promotion import Baseline, canaries, wake_canary
@@ -84,3 +85,12 @@ def test_the_baseline_verdict_names_the_short_canary_and_refuses_one_that_answer
     assert v.canary == "full" and v.canary_tokens == 64
     empty = baseline_verdict(FULL, None, Gate(), canary(16, None, text=""))
     assert not empty.passed and empty.reason == "the cold-boot 16-token wake canary produced no output"
+
+
+def test_changing_the_wake_canary_in_a_reload_restarts_the_engine_for_new_baselines():
+    def spec(wake: int):
+        return parse_roster(f"models: [{{name: a, model: /m/a, gate: {{wake_max_tokens: {wake}}}}}]\n", "r.yaml", {}).models[0]
+
+    change = model_change(spec(16), spec(8))
+    assert change is not None and change.restart and change.fields == ("gate.wake_max_tokens",)
+    assert router_side(spec(16), spec(8)).gate.wake_max_tokens == 16, "judged by the canary it recorded until then"
