@@ -79,6 +79,12 @@ class Gate(Section):
     enabled: bool = Field(True, description="Run the canary at cold boot (baseline) and after every wake.")
     prompt: NonEmptyStr = Field(DEFAULT_GATE_PROMPT, description="The canary prompt (temperature 0, ignore_eos).")
     max_tokens: int = Field(64, ge=1, le=4096, description="Tokens the canary decodes; more drafts, steadier numbers.")
+    wake_max_tokens: Optional[int] = Field(
+        16, ge=1, le=4096, description="Tokens of the canary after a wake that moved no weights from disk (from the "
+        "KV-only rung or Level 1): a lost draft, garbage KV pages and numeric drift show in the first tokens, and it is "
+        "judged against its own cold-boot baseline of this length (the first boot runs one canary more to record it). "
+        "At most max_tokens (left unwritten, it is cut to max_tokens); null: the full canary after every wake. "
+        "Level-2 wakes and restarts always run the full canary. Why 16: docs/gate.md.")
     min_acceptance_ratio: float = Field(
         0.5, ge=0, le=1, description="Refuse when MAL_after-1 < ratio * (MAL_baseline-1)."
     )
@@ -100,6 +106,24 @@ class Gate(Section):
     on_midlife: Literal["log", "restart"] = Field("log", description="On a collapse while serving: log it, or restart when idle.")
     midlife_window_s: float = Field(60, gt=0, description="Sliding window of the acceptance watch while serving.")
     midlife_min_drafts: int = Field(200, ge=1, description="Drafts the window needs before it judges.")
+
+    @field_validator("wake_max_tokens")
+    @classmethod
+    def _wake_canary_within_the_full_one(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
+        # Runs only when written (pydantic leaves defaults alone), so a roster with max_tokens below 16
+        # that never names this key keeps working: the default is cut to max_tokens (`wake_tokens`).
+        full = info.data.get("max_tokens")
+        if value is not None and full is not None and value > full:
+            raise ValueError(f"{value} is more than max_tokens ({full}): the wake canary is the start of the full one; "
+                             f"lower it to {full} or less, or null for the full canary after every wake")
+        return value
+
+    @property
+    def wake_tokens(self) -> Optional[int]:
+        """The short wake canary's length; None when a wake runs the full canary (null, or no shorter)."""
+        if not self.enabled or self.wake_max_tokens is None or self.wake_max_tokens >= self.max_tokens:
+            return None
+        return self.wake_max_tokens
 
 
 class ModelSpec(Section):

@@ -313,7 +313,7 @@ class Engine:
         await self._wake_steps(level)
         await self.host.after_wake(self.client, self.process, level)
         self._enter(State.VERIFYING)
-        verdict = await self._judged_canary()
+        verdict = await self._judged_canary(level)
         if verdict.passed:
             self.gate.promoted()
             self._enter(State.AWAKE)
@@ -366,11 +366,12 @@ class Engine:
 
     # -- the promotion gate ------------------------------------------------------------------
 
-    async def _judged_canary(self) -> Verdict:
-        """The gate step (engines.gate.record): the first canary on a cold engine is its baseline, every later one is judged against it."""
+    async def _judged_canary(self, woke_from: Optional[int] = None) -> Verdict:
+        """The gate step (engines.gate.record): the first canary on a cold engine is its baseline, every later one
+        is judged against it. `woke_from`: the level of the wake before it (None: a boot)."""
         each = self.swap.timeouts.gate
         verdict = self.gate.judged(await self._step(
-            "gate", lambda _: self.gate.run(self.client, self.served_name, self.served_names, self.has_draft, each),
+            "gate", lambda _: self.gate.run(self.client, self.served_name, self.served_names, self.has_draft, each, woke_from),
             timeout=each * self.gate.canaries))
         if verdict.result == "allowed":
             log.error("engine %s: PROMOTED DESPITE A REFUSED GATE (gate.on_fail: allow): %s", self.name, verdict.reason)

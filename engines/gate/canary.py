@@ -102,13 +102,15 @@ def answer_spec_counts(payload: bytes) -> Optional[tuple[int, int]]:
 
 
 async def run_canary(client: VLLMClient, model: str, gate: Gate, has_draft: bool, timeout: float,
-                     logprobs: bool = False) -> Canary:
+                     logprobs: bool = False, max_tokens: Optional[int] = None) -> Canary:
     """One canary generation and its acceptance: the answer's own numbers when it carries them (decided per
     answer), else the counter deltas around it, for which nothing else may run on the engine. `logprobs`:
-    ask for each generated token's logprob too (`"logprobs": 0` is the sampled token's alone)."""
+    ask for each generated token's logprob too (`"logprobs": 0` is the sampled token's alone). `max_tokens`:
+    the short wake canary's length (gate.wake_max_tokens) instead of gate.max_tokens."""
     started = time.monotonic()
     before = read_counters(await client.metrics(timeout=timeout))
-    body = {"model": model, "prompt": gate.prompt, "max_tokens": gate.max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {"model": model, "prompt": gate.prompt, "max_tokens": max_tokens or gate.max_tokens, "temperature": 0,
+            "ignore_eos": True}
     if logprobs:
         body["logprobs"] = 0
     answer = await client.completion(body, timeout=timeout)

@@ -23,6 +23,7 @@ class GateRecord:
         self.config = config
         self.baseline: Optional[Canary] = None  # from the first cold boot; kept across restarts
         self.lora_baseline: Optional[Canary] = None  # gate.lora_canary's, recorded with `baseline`
+        self.wake_baseline: Optional[Canary] = None  # the short wake canary's (gate.wake_max_tokens), likewise
         self.logprob_spread: Optional[float] = None  # between the two cold-boot canaries of `baseline`
         self.last_verdict: Optional[Verdict] = None
         self.observed_mal: Optional[float] = None  # the last canary's, or the window's while serving
@@ -39,13 +40,15 @@ class GateRecord:
         return canaries(self.config, first=self.baseline is None)
 
     async def run(self, client: VLLMClient, served_name: str, served_names: frozenset[str], has_draft: bool,
-                  timeout: float) -> Verdict:
+                  timeout: float, woke_from: Optional[int] = None) -> Verdict:
         """The canaries of one gate step: the first passed one on a cold engine is its baseline, every
-        later one is judged against it. `timeout`: each canary's."""
-        baseline = Baseline(self.baseline, self.lora_baseline) if self.baseline is not None else None
-        verdict, recorded = await run_gate(client, served_name, served_names, self.config, has_draft, baseline, timeout)
+        later one is judged against it. `timeout`: each canary's. `woke_from`: the level of the wake it
+        follows (None: a boot), which decides whether the short wake canary runs."""
+        baseline = Baseline(self.baseline, self.lora_baseline, self.wake_baseline) if self.baseline is not None else None
+        verdict, recorded = await run_gate(client, served_name, served_names, self.config, has_draft, baseline, timeout,
+                                           woke_from)
         if recorded is not None:
-            self.baseline, self.lora_baseline = recorded
+            self.baseline, self.lora_baseline, self.wake_baseline = recorded
             self.logprob_spread = verdict.logprob_drift  # the baseline's replay against it
         return verdict
 
@@ -103,6 +106,7 @@ class GateRecord:
         """Another model or other flags: the next boot records a new baseline (the last verdict stays
         shown until then)."""
         self.config = config
-        self.baseline = self.lora_baseline = self.logprob_spread = self.observed_mal = self.observed_mal_source = None
+        self.baseline = self.lora_baseline = self.wake_baseline = None
+        self.logprob_spread = self.observed_mal = self.observed_mal_source = None
         self.midlife = MidlifeWatch(config)
         self.needs_restart = None

@@ -36,6 +36,10 @@ class Verdict:
     logprob_drift: Optional[float] = None
     logprob_drift_largest: Optional[float] = None
     logprob_tokens: Optional[int] = None
+    # Which canary was judged: "full" (gate.max_tokens) or "wake" (gate.wake_max_tokens, after a wake
+    # that moved no weights from disk), and the tokens it decoded; None when no canary ran.
+    canary: Optional[str] = None
+    canary_tokens: Optional[int] = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -135,6 +139,8 @@ def judge(baseline: Canary, observed: Canary, gate: Gate) -> Verdict:
         output_match=output_match,
         seconds=observed.seconds,
         acceptance_source=observed.source,
+        canary="full",
+        canary_tokens=observed.tokens,
         **_drift_fields(drift),
     )
 
@@ -213,10 +219,11 @@ def _from(canary: Canary) -> str:
     return {FROM_ANSWER: " (from the canary's own answer)", FROM_COUNTERS: " (from the engine's counters)"}.get(canary.source or "", "")
 
 
-def baseline_verdict(canary: Canary, replay: Optional[Canary], gate: Gate) -> Verdict:
+def baseline_verdict(canary: Canary, replay: Optional[Canary], gate: Gate, wake: Optional[Canary] = None) -> Verdict:
     """The cold-boot canary becomes the baseline. `replay`, a second canary right after it, measures the
     engine's own spread: a baseline it cannot reproduce within gate.max_logprob_drift would refuse every
-    healthy wake (and cold-restart it each time), so the boot is refused instead, with the numbers."""
+    healthy wake (and cold-restart it each time), so the boot is refused instead, with the numbers.
+    `wake`: the short wake canary's baseline (gate.wake_max_tokens), recorded beside it."""
     if canary.mal is None:
         reason = f"baseline recorded: {canary.tokens} tokens (no draft model)"
     else:
@@ -233,6 +240,18 @@ def baseline_verdict(canary: Canary, replay: Optional[Canary], gate: Gate) -> Ve
                        f"own spread {drift.mean:.2g} (docs/gate.md)")
         else:
             reason += f"; its own logprob spread {describe(drift)}"
+    if problem is None and wake is not None:
+        problem, reason = _wake_baseline(wake, reason)
+    seconds = canary.seconds + sum(c.seconds for c in (replay, wake) if c is not None)
     return Verdict(passed=problem is None, result="baseline", reason=problem or reason, baseline_mal=canary.mal,
-                   observed_mal=canary.mal, output_match=True, seconds=canary.seconds + (replay.seconds if replay else 0.0),
-                   acceptance_source=canary.source, **_drift_fields(drift))
+                   observed_mal=canary.mal, output_match=True, seconds=seconds, acceptance_source=canary.source,
+                   canary="full", canary_tokens=canary.tokens, **_drift_fields(drift))
+
+
+def _wake_baseline(wake: Canary, reason: str) -> tuple[Optional[str], str]:
+    """The short wake canary's cold-boot run: it must have answered, and its numbers join the reason."""
+    if not wake.text.strip():
+        return f"the cold-boot {wake.tokens}-token wake canary produced no output", reason
+    if wake.mal is None:
+        return None, f"{reason}; {wake.tokens}-token wake canary recorded"
+    return None, f"{reason}; {wake.tokens}-token wake canary: mean acceptance length {wake.mal:.2f} over {wake.drafts:g} drafts"

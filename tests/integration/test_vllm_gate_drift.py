@@ -8,7 +8,9 @@ its checkpoint and so would itself undo the stand-in fault (measured: bench/logp
 The stand-in is the worker extension's test method `hotswap_perturb_target`, called straight on
 the sleeping engine's port: it scales the final norm weight, so every logit scales and no argmax
 moves (engines/vllm_worker/extension.py). On CPU sleep itself is bookkeeping; the wake's endpoints, the
-canary, the logprobs, the refusal and the restart are real.
+canary, the logprobs, the refusal and the restart are real. A Level-1 wake moves no weights from disk,
+so its gate runs the short wake canary (gate.wake_max_tokens, 16 tokens) against its own cold-boot
+baseline; the restart after a refusal runs the full one (GATE_TOKENS).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from config.schema import Gate
 from tests.integration.harness import BOOT_TIMEOUT_S, REPORT, http
 from tests.integration.live_router import LiveRouter
 from tests.integration.test_router_vllm import GATE_TOKENS, RESTART_TIMEOUT_S, SPEC, ask, counters, delta
@@ -29,6 +32,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 WAKES = int(os.environ.get("HOTSWAP_VLLM_DRIFT_WAKES", "50"))
 PERTURB = 1.5  # mean drift 0.46 on this model (bench/logprob_drift.py), tokens and acceptance unchanged
 FULL = 3.0
+WAKE_TOKENS = Gate().wake_max_tokens  # the short canary a Level-1 wake runs (the roster leaves the default)
 
 
 def roster() -> dict[str, Any]:
@@ -57,18 +61,21 @@ def test_healthy_level1_wakes_are_all_promoted_and_their_logprob_drift_is_measur
     spread, limit = engine["logprob_drift"]["spread"], engine["logprob_drift"]["max"]
     assert spread is not None and spread <= limit, engine["logprob_drift"]
     before = counters(router, SPEC)
-    drifts, tokens = [], set()
+    drifts, tokens, seconds = [], set(), []
     for _ in range(WAKES):
         park(router)
         assert ask(router, SPEC) == reference
         verdict = router.engine(SPEC)["last_verdict"]
         assert verdict["result"] == "passed" and verdict["observed_mal"] == pytest.approx(FULL), verdict
+        assert verdict["canary"] == "wake" and verdict["reason"].startswith(f"{WAKE_TOKENS}-token wake canary: "), verdict
         drifts.append(verdict["logprob_drift"])
+        seconds.append(verdict["seconds"])
         tokens.add(verdict["logprob_tokens"])
     assert delta(counters(router, SPEC), before) == {"passed": WAKES}, "no false refusal, no restart"
-    assert tokens == {GATE_TOKENS}, "every wake compared all of the canary's tokens: they were identical"
+    assert tokens == {WAKE_TOKENS}, "every wake compared all of the short canary's tokens: they were identical"
     REPORT["drift_healthy_level1"] = {
-        "wakes": WAKES, "refused": 0, "boot_spread": spread, "threshold": limit,
+        "wakes": WAKES, "refused": 0, "boot_spread": spread, "threshold": limit, "canary_tokens": WAKE_TOKENS,
+        "canary_s": {"median": statistics.median(seconds), "max": max(seconds)},
         "drift": {"min": min(drifts), "median": statistics.median(drifts), "max": max(drifts),
                   "exactly_zero": sum(d == 0 for d in drifts)},
     }
@@ -85,12 +92,14 @@ def test_a_target_perturbed_while_asleep_is_refused_for_its_drift_and_the_cold_r
     assert ask(router, SPEC, timeout=RESTART_TIMEOUT_S) == reference, "answered, correctly, by the restarted engine"
     engine = router.engine(SPEC)
     refused = next(v for v in engine["verdicts"] if v["result"] == "refused")
-    assert refused["reason"].startswith("logprob drift ") and f"over {GATE_TOKENS} tokens, tokens identical" in refused["reason"]
+    assert refused["reason"].startswith(f"{WAKE_TOKENS}-token wake canary: logprob drift "), refused
+    assert f"over {WAKE_TOKENS} tokens, tokens identical" in refused["reason"], "caught by the short canary after the Level-1 wake"
     assert refused["output_match"] is True and refused["observed_mal"] == pytest.approx(FULL), \
         "the tokens and the acceptance were the baseline's: only the numbers moved"
     assert refused["logprob_drift"] > engine["logprob_drift"]["max"]
     assert engine["state"] == "awake" and engine["pid"] != engine0["pid"], "a new engine process"
     assert engine["last_verdict"]["result"] == "passed" and engine["last_verdict"]["logprob_drift"] <= engine["logprob_drift"]["max"]
+    assert (engine["last_verdict"]["canary"], engine["last_verdict"]["logprob_tokens"]) == ("full", GATE_TOKENS), "a restart runs the full canary"
     assert delta(counters(router, SPEC), before) == {"refused": 1, "passed": 1, "restart_gate": 1}
     assert router.rpc(SPEC, "hotswap_target_digest") == [digest0], "the checkpoint's weights again"
     REPORT["drift_perturbed"] = {"scale": PERTURB, "refused_drift": refused["logprob_drift"],
