@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 
+from engines.vllm_worker.page_cache import drop
 from tests.integration.harness import REPORT, Background, VllmServer, http, metric_samples, poll
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -205,19 +206,6 @@ def test_the_host_memory_rpcs_answer_on_cpu_and_say_why_they_have_nothing_to_rep
     assert mal == pytest.approx(FULL), "the engine serves on after the calls"
 
 
-def _drop(paths: list[str]) -> None:
-    """The checkpoint's pages out of the page cache (dirty pages never go, so synced first; advisory)."""
-    import os
-
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def test_the_stage_reads_the_files_vllms_loader_reads_into_the_page_cache(spec_engine: VllmServer, tiny_models) -> None:
     import os
 
@@ -227,7 +215,8 @@ def test_the_stage_reads_the_files_vllms_loader_reads_into_the_page_cache(spec_e
     assert sorted(found["files"]) == files, "the target's weight files, as vLLM's loader lists them (the draft is the same)"
 
     def dropped() -> bool:
-        _drop(files)
+        for path in files:
+            drop(path)
         return engine.rpc("hotswap_weights_residency")[0][0]["resident"] < 0.5
 
     poll(dropped, 30, "the checkpoint's pages dropped", interval=0.2)
