@@ -26,6 +26,9 @@ def render(status: dict[str, Any]) -> str:
                      f"free {d['free']:.2f}  ({held})")
     host = place["host"]
     lines.append(f"host RAM held for sleep: {host['level1_gb']:.2f} of {host['ram_budget_gb']:.2f} GB (host.ram_budget_gb)")
+    if host.get("page_cache_budget_gb"):
+        lines.append(f"page cache staged ahead: {host['staged_gb']:.2f} of {host['page_cache_budget_gb']:.2f} GB "
+                     "(host.page_cache_budget_gb)")
     rows = [("MODEL", "STATE", "FOR", "LEVEL", "GPUS", "SHARE", "WAKE~", "IN-FLIGHT", "QUEUED", "MAL base/obs", "DRIFT last/limit",
              "RESTARTS", "LAST VERDICT")]
     for e in status["engines"]:
@@ -33,7 +36,8 @@ def render(status: dict[str, Any]) -> str:
         mal = "-" if e["baseline_mal"] is None else f"{e['baseline_mal']:.2f}/{e['observed_mal'] or 0:.2f}"
         state = e["state"] + (f" ({e['action']})" if e["action"] else "")
         state += " (leaving the roster)" if e.get("retiring") else " (restart pending: roster)" if e.get("roster_change_pending") else ""
-        rows.append((e["name"] + (" [pin]" if e["pin"] else ""), state, f"{e['for_s']:.0f}s", "-" if e["sleep_level"] is None else f"{e['sleep_level']}{' (KV)' if e['sleep_level'] == 0 else ''}",
+        state += " (woken ahead)" if e.get("woken_ahead") else ""
+        rows.append((e["name"] + (" [pin]" if e["pin"] else ""), state, f"{e['for_s']:.0f}s", _level(e),
                      ",".join(map(str, e["devices"])), f"{e['gpu_share']:g}", f"{e['wake_estimate_s']:.1f}s",
                      str(e["in_flight"]), str(e["queued"]), mal, _drift(e.get("logprob_drift") or {}), str(e["restarts"]),
                      verdict.get("result", "-")))
@@ -56,6 +60,10 @@ def render(status: dict[str, Any]) -> str:
                                if v and k != "unchanged") or "no changes")
         lines.append(f"  last reload ({reload['trigger']}) at {at}: {reload['result']}: {what}")
     lines += host_memory_lines(status["engines"])
+    ahead = place.get("wake_ahead") or []
+    if ahead:  # newest first
+        lines.append("  woken ahead: " + ", ".join(f"{w['engine']} from level {w['from_level']} {w['ago_s']:.0f}s ago: {w['outcome']}"
+                                                   for w in ahead[:5]))
     for e in status["engines"]:
         if e["failure"]:
             lines.append(f"  {e['name']} failed: {e['failure']}")
@@ -84,6 +92,17 @@ def host_memory_lines(engines: list[dict[str, Any]]) -> list[str]:
             line += f"; not at level 1: {host['not_level1_because']}"
         lines.append(line)
     return lines
+
+
+def _level(e: dict[str, Any]) -> str:
+    """`2 (staged)`: its sleep level, and whether its checkpoint is in the page cache for its next reload."""
+    level = e["sleep_level"]
+    if level is None:
+        return "-"
+    staging = e.get("staging") or {}
+    note = " (KV)" if level == 0 else " (staging)" if level == 2 and staging.get("running") else \
+        " (staged)" if level == 2 and staging.get("staged") else ""
+    return f"{level}{note}"
 
 
 def _drift(drift: dict[str, Any]) -> str:

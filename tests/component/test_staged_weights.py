@@ -98,6 +98,13 @@ async def test_within_the_page_cache_budget_a_parked_model_is_staged_ahead_of_it
                               r"\(ahead\)", router.log())) and json.loads(get(sim + "/sim/state"))["disk"]["resident"]
 
     await eventually(staged_ahead, timeout=10, what="b staged in the background")
+    status = await router.status()
+    assert status["placement"]["host"]["staged_gb"] == 2.0 and status["placement"]["host"]["page_cache_budget_gb"] == 4
+    from router.cli.status import render
+
+    page = render(status)  # what `hotswap status` prints of it
+    assert "page cache staged ahead: 2.00 of 4.00 GB (host.page_cache_budget_gb)" in page
+    assert re.search(r"^  b +sleeping +\S+ +2 \(staged\)", page, re.M), page
     assert await ask(c, "b")
     swap = (await router.status())["last_swap"]
     assert swap["to"] == "b" and swap["phases"]["reload_weights"] < COLD_S / 2, swap["phases"]

@@ -177,6 +177,37 @@ def test_an_answer_with_the_right_keys_and_the_wrong_contents_is_an_error_not_a_
     assert run.stderr.startswith(f"hotswap {command}: {url}/admin/{command}: not a hotswap router's"), run.stderr
 
 
+def test_status_tells_a_staged_level2_sleeper_the_page_cache_it_fills_and_what_was_woken_ahead():
+    """An operator reading `hotswap status` at 3 a.m. sees which parked checkpoint is already in the
+    page cache (its wake reads RAM), how much of host.page_cache_budget_gb staging holds, and which
+    engines the router woke before anyone asked, with the outcome."""
+    from router.cli import status
+
+    def engine(name, state, level, staging, woken_ahead=None):
+        return {"name": name, "state": state, "action": None, "pin": False, "for_s": 3.0, "sleep_level": level,
+                "devices": [0], "gpu_share": 0.4, "wake_estimate_s": 1.0, "in_flight": 0, "queued": 0,
+                "baseline_mal": None, "observed_mal": None, "restarts": 0, "last_verdict": None, "failure": None,
+                "staging": staging, "woken_ahead": woken_ahead}
+
+    off = {"enabled": True, "staged": False, "running": False}
+    page = status.render({
+        "ready": True, "booted": True, "last_swap": None, "swaps": [],
+        "placement": {"devices": [], "host": {"ram_budget_gb": 64, "level1_gb": 12, "page_cache_budget_gb": 96.0,
+                                              "staged_gb": 54.0},
+                      "wake_ahead": [{"engine": "phi", "from_level": 1, "ago_s": 42.4, "chance": 0.8, "outcome": "used"},
+                                     {"engine": "qwen", "from_level": 2, "ago_s": 90.0, "chance": 0.3, "outcome": "unused"}]},
+        "engines": [engine("gemma", "sleeping", 2, {**off, "staged": True}), engine("qwen", "sleeping", 2, {**off, "running": True}),
+                    engine("mixtral", "sleeping", 2, off), engine("small", "sleeping", 0, off),
+                    engine("phi", "awake", None, off, {"engine": "phi", "outcome": "pending"})]})
+    rows = {line.split()[0]: line for line in page.splitlines() if line.startswith("  ") and line.split()[0] in
+            ("gemma", "qwen", "mixtral", "small", "phi")}
+    assert "page cache staged ahead: 54.00 of 96.00 GB (host.page_cache_budget_gb)" in page
+    assert "2 (staged)" in rows["gemma"] and "2 (staging)" in rows["qwen"]
+    assert "2 (" not in rows["mixtral"] and "0 (KV)" in rows["small"]
+    assert "awake (woken ahead)" in rows["phi"]
+    assert "woken ahead: phi from level 1 42s ago: used, qwen from level 2 90s ago: unused" in page
+
+
 def test_status_and_activity_say_the_unit_of_every_number_and_one_word_for_sleeping():
     from router.cli import activity, status
 
