@@ -13,7 +13,10 @@ each, in parallel), times `--time-scale`:
   Level-1 sleep   weights out to pinned host RAM at 25 GB/s     (sim step sleep_level1)
   Level-1 wake    weights back at 50 GB/s                       (wake)
   Level-2 sleep   0.3 s: the weights are only dropped           (sleep_level2)
-  Level-2 wake    reload from the page cache at 6 GB/s          (reload_weights; the draft's too)
+  Level-2 wake    the reload reads the page cache at 6 GB/s when the checkpoint is resident there,
+                  else the disk at --disk-gb-per-s (the sims' disk model, engines/sim/page_cache.py:
+                  one page cache for the host, LRU within --page-cache-gb; a stage makes a checkpoint
+                  resident); the draft's reload 6 GB/s
   cold boot       20 s (process, CUDA graphs) + the weights from disk at --disk-gb-per-s
   decode          each model's tokens/s (`MODELS`), with a draft accepting 2.6 tokens a step
 
@@ -88,8 +91,11 @@ class Model:
         """Real seconds of each sim step."""
         w = self.per_gpu_gb
         return {"sleep_level1": w / L1_OUT_GB_S, "sleep_level2": LEVEL2_SLEEP_S, "wake": w / L1_BACK_GB_S,
-                "wake_weights": 0.05, "reload_weights": w / PAGE_CACHE_GB_S,
-                "reload_draft": w * DRAFT_SHARE / PAGE_CACHE_GB_S, "wake_kv_cache": 0.1}
+                "wake_weights": 0.05, "reload_draft": w * DRAFT_SHARE / PAGE_CACHE_GB_S, "wake_kv_cache": 0.1}
+
+    def reload_s(self, gb_s: float) -> float:
+        """reload_weights of the whole checkpoint (the sims' disk model: engines/sim/page_cache.py)."""
+        return self.weights_gb / gb_s
 
     def boot_s(self, disk_gb_s: float) -> float:
         return BOOT_FIXED_S + self.per_gpu_gb / disk_gb_s
@@ -149,9 +155,18 @@ def older_tree(scheduler: Any, scale: float) -> None:
     scheduler.reuse_horizon_s *= scale
 
 
-def roster(port: int, args: argparse.Namespace, ledger: Path, arm: str = "hotswap") -> str:
+def host_keys(args: argparse.Namespace) -> str:
+    """host: the RAM budget, and the page cache staging may fill where the tree running has the key."""
+    from config.sections import Host
+
+    staged = f", page_cache_budget_gb: {args.page_cache_budget_gb:g}" if "page_cache_budget_gb" in Host.model_fields else ""
+    return f"host: {{ram_budget_gb: {args.ram_budget_gb:g}{staged}}}"
+
+
+def roster(port: int, args: argparse.Namespace, tmp: Path, arm: str = "hotswap") -> str:
     scale = args.time_scale
-    env = {"HOTSWAP_SIM_GPU_LEDGER": str(ledger), "HOTSWAP_SIM_GPU_MEMORY_GB": f"0={GPU_GB:g},1={GPU_GB:g}",
+    env = {"HOTSWAP_SIM_GPU_LEDGER": str(tmp / f"ledger-{arm}.json"), "HOTSWAP_SIM_GPU_MEMORY_GB": f"0={GPU_GB:g},1={GPU_GB:g}",
+           "HOTSWAP_SIM_PAGE_CACHE": str(tmp / f"page-cache-{arm}.json"), "HOTSWAP_SIM_PAGE_CACHE_GB": f"{args.page_cache_gb:g}",
            "PYTHONPATH": str(h.REPO)}  # every arm meets this tree's simulator
     lines = [
         "# written by bench/wake_trace.py",
@@ -160,7 +175,7 @@ def roster(port: int, args: argparse.Namespace, ledger: Path, arm: str = "hotswa
         f"drain_timeout_s: {DRAIN_S * scale:g}{policy_keys(scale)}{', wake_ahead: false' if arm == 'no-ahead' else ''}}}",
         f"queue: {{max_wait_s: {MAX_WAIT_S * scale:g}, max_waiting: 4096}}",
         f"gpus: [{{index: 0, memory_gb: {GPU_GB:g}}}, {{index: 1, memory_gb: {GPU_GB:g}}}]",
-        f"host: {{ram_budget_gb: {args.ram_budget_gb:g}}}",
+        host_keys(args),
         "defaults:",
         f"  launcher: [{json.dumps(sys.executable)}, -m, engines.sim, serve]",
         f"  env: {json.dumps(env)}",
@@ -169,7 +184,8 @@ def roster(port: int, args: argparse.Namespace, ledger: Path, arm: str = "hotswa
     for m in MODELS.values():
         flags = ["--gpu-memory-utilization", f"{m.share:g}", "--sim-boot-s", f"{m.boot_s(args.disk_gb_per_s) * scale:.4f}",
                  "--sim-token-rate", f"{m.tok_s / scale:g}", "--sim-acceptance", f"{ACCEPTANCE:g}",
-                 "--max-model-len", "131072"]
+                 "--max-model-len", "131072", "--sim-weights-gb", f"{m.weights_gb:g}",
+                 "--sim-disk-gb-per-s", f"{args.disk_gb_per_s / scale:g}", "--sim-page-cache-gb-per-s", f"{PAGE_CACHE_GB_S / scale:g}"]
         for step, s in m.steps().items():
             flags += ["--sim-step-delay", f"{step}={s * scale:.4f}"]
         lines += [f"  - name: {m.name}", f"    model: bench/{m.name}", f"    weights_gb: {m.weights_gb:g}",
@@ -202,7 +218,7 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
     import aiohttp
 
     scale = args.time_scale
-    text = roster(h.free_port(), args, tmp / f"ledger-{arm}.json", arm)
+    text = roster(h.free_port(), args, tmp, arm)
     (tmp / f"roster-{arm}.yaml").write_text(text)
     deadline = time.monotonic() + args.max_seconds
 
@@ -314,20 +330,21 @@ def report(results: dict[str, Result], header: dict, trace: list[Req], args: arg
         f"{len(measured)} requests over {minutes:.1f} minutes measured; time scale {args.time_scale:g}. "
         f"Waits are real seconds to the first token (embeddings: to the answer), over the {len(ok)} requests "
         "answered 200 in every arm. Floor (wall): " + ", ".join(f"{a} {r.floor_s * 1e3:.1f} ms" for a, r in results.items()) + ".",
-        "", "| model | GPUs | share | weights GB | L1 sleep / wake s | L2 wake s | boot s | tok/s | requests |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|",
+        "", "| model | GPUs | share | weights GB | L1 sleep / wake s | L2 wake s, staged / cold | boot s | tok/s | requests |",
+        "|---|---|---:|---:|---|---|---:|---:|---:|",
     ]
     for m in MODELS.values():
         st = m.steps()
-        l2 = st["wake_weights"] + st["reload_weights"] + st["wake_kv_cache"] + (st["reload_draft"] if m.kind == "chat" else 0)
+        rest = st["wake_weights"] + st["wake_kv_cache"] + (st["reload_draft"] if m.kind == "chat" else 0)
         n = sum(1 for r in trace if r.model == m.name and r.i in measured)
         lines.append(f"| {m.name} | {','.join(map(str, m.devices))} | {m.share:g} | {m.weights_gb:g} | "
-                     f"{st['sleep_level1']:.2f} / {st['wake']:.2f} | {l2:.2f} | {m.boot_s(args.disk_gb_per_s):.0f} | "
-                     f"{m.tok_s:g} | {n} |")
+                     f"{st['sleep_level1']:.2f} / {st['wake']:.2f} | {rest + m.reload_s(PAGE_CACHE_GB_S):.1f} / "
+                     f"{rest + m.reload_s(args.disk_gb_per_s):.1f} | {m.boot_s(args.disk_gb_per_s):.0f} | {m.tok_s:g} | {n} |")
     lines += [
-        "", f"Host RAM budget {args.ram_budget_gb:g} GB (`sleep_level: auto`), disk {args.disk_gb_per_s:g} GB/s for a "
-        f"cold boot, `min_active_s` {MIN_ACTIVE_S:g}, `max_hold_s` {MAX_HOLD_S:g}, `drain_timeout_s` {DRAIN_S:g}, "
-        "the gate on (a 64-token canary after every wake; the embedder's off).", "",
+        "", f"Host RAM budget {args.ram_budget_gb:g} GB (`sleep_level: auto`); a page cache of {args.page_cache_gb:g} GB "
+        f"(`host.page_cache_budget_gb` {args.page_cache_budget_gb:g} where the arm's tree has it); disk "
+        f"{args.disk_gb_per_s:g} GB/s cold; `min_active_s` {MIN_ACTIVE_S:g}, `max_hold_s` {MAX_HOLD_S:g}, "
+        f"`drain_timeout_s` {DRAIN_S:g}; the gate on (its canary after every wake; the embedder's off).", "",
         f"| arm | mean s | p50 s | p90 s | p99 s | within {WITHIN_S:g} s | wakes/min | wakes L1 / L2 / boot | parks | "
         "demotions | stops | errors | send lag p99 ms |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
@@ -382,6 +399,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--time-scale", type=float, default=0.1, help="wall seconds per real second (default %(default)s)")
     p.add_argument("--ram-budget-gb", type=float, default=160.0, help="host.ram_budget_gb (default %(default)s)")
     p.add_argument("--disk-gb-per-s", type=float, default=2.0, help="a cold read from disk (default %(default)s)")
+    p.add_argument("--page-cache-gb", type=float, default=128.0,
+                   help="the host's page cache: the sims evict the least recently read checkpoint past it (default %(default)s)")
+    p.add_argument("--page-cache-budget-gb", type=float, default=96.0,
+                   help="host.page_cache_budget_gb: what the router may stage ahead (default %(default)s)")
     p.add_argument("--arms", default="hotswap,lru", help=f"comma-separated, of {', '.join(ARMS)} (default %(default)s)")
     p.add_argument("--ab-src", default=None, help="the tree the `before` arm runs (a checkout of the code before)")
     p.add_argument("--max-seconds", type=float, default=900.0, help="cap on each arm's run, wall (default %(default)s)")
@@ -402,7 +423,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.no_docs = a.no_docs or not a.write_docs
     # What a child gets again: everything but the arms, the docs and the session's own flags.
     a.passthrough = ["--trace", str(a.trace), "--time-scale", f"{a.time_scale!r}", "--ram-budget-gb", f"{a.ram_budget_gb!r}",
-                     "--disk-gb-per-s", f"{a.disk_gb_per_s!r}", "--max-seconds", f"{a.max_seconds!r}", "--no-docs"]
+                     "--disk-gb-per-s", f"{a.disk_gb_per_s!r}", "--page-cache-gb", f"{a.page_cache_gb!r}",
+                     "--page-cache-budget-gb", f"{a.page_cache_budget_gb!r}", "--max-seconds", f"{a.max_seconds!r}", "--no-docs"]
     if a.minutes is not None and a.minutes <= a.warmup_minutes:
         p.error("--minutes must be more than --warmup-minutes")
     if a.minutes is not None:

@@ -98,11 +98,21 @@ def test_the_wake_bench_roster_serves_every_model_of_the_trace_on_two_gpus_at_h2
 
     header, reqs = wake_trace.load_trace(TRACE, None)
     assert {r.model for r in reqs} == set(wake_trace.MODELS) == set(MODELS)
-    args = argparse.Namespace(time_scale=0.1, ram_budget_gb=160.0, disk_gb_per_s=2.0)
-    roster = parse_roster(wake_trace.roster(18080, args, tmp_path / "ledger.json"), "<wake bench>")
+    args = argparse.Namespace(time_scale=0.1, ram_budget_gb=64.0, disk_gb_per_s=2.0, page_cache_gb=128.0,
+                              page_cache_budget_gb=96.0)
+    roster = parse_roster(wake_trace.roster(18080, args, tmp_path), "<wake bench>")
     shares = sum(m.gpu_share * len(m.devices) for m in roster.models)
     assert {d for m in roster.models for d in m.devices} == {0, 1} and 2.7 <= shares <= 3.0
     assert roster.swap.demand_tau_s == pytest.approx(30.0) and roster.swap.reuse_horizon_s == pytest.approx(6.0), \
         "the policy's time constants scale with the trace"
-    big = wake_trace.MODELS["llama-70b"].steps()
-    assert big["reload_weights"] == pytest.approx(70 / 6.0) and big["wake"] == pytest.approx(70 / 50.0)
+    assert roster.host.page_cache_budget_gb == 96.0
+    big = wake_trace.MODELS["llama-70b"]
+    assert big.reload_s(wake_trace.PAGE_CACHE_GB_S) == pytest.approx(70 / 6.0) and big.steps()["wake"] == pytest.approx(70 / 50.0)
+    spec = next(m for m in roster.models if m.name == "llama-70b")
+    sim = dict(zip(spec.args[::2], spec.args[1::2]))
+    # the sims' disk model, in wall time: 10x faster at time scale 0.1
+    assert (sim["--sim-weights-gb"], sim["--sim-disk-gb-per-s"], sim["--sim-page-cache-gb-per-s"]) == ("70", "20", "60")
+    assert "reload_weights" not in " ".join(spec.args), "the reload's time is the disk model's, not a fixed delay"
+    engine_env = roster.models[0].env
+    assert engine_env["HOTSWAP_SIM_PAGE_CACHE"] == str(tmp_path / "page-cache-hotswap.json")
+    assert engine_env["HOTSWAP_SIM_PAGE_CACHE_GB"] == "128"
