@@ -40,10 +40,12 @@ class Recorder:
     def __init__(self, inner: Any):
         self.inner = inner
         self.wakes: list[Any] = []
+        self.ended: list[float] = []  # time.monotonic() at each of `wakes`' end
         self.evictions: dict[str, int] = {}
 
     def swap_done(self, record: Any) -> None:
         self.wakes.append(record)
+        self.ended.append(time.monotonic())
         self.inner.swap_done(record)
 
     def evicted(self, engine: Any, reason: str) -> None:
@@ -52,6 +54,14 @@ class Recorder:
 
     def __getattr__(self, name: str) -> Any:  # events a newer scheduler sends that this bench does not count
         return getattr(self.inner, name)
+
+    def spans(self) -> dict[str, list[tuple[float, float, dict[str, float]]]]:
+        """Per model, its successful wakes as (start, end, phases) in time.monotonic(), in order of their end."""
+        out: dict[str, list[tuple[float, float, dict[str, float]]]] = {}
+        for rec, end in zip(self.wakes, self.ended):
+            if rec.result == "ok":
+                out.setdefault(rec.to_model, []).append((end - rec.seconds, end, dict(rec.phases)))
+        return out
 
     def phase_seconds(self, time_scale: float) -> dict[str, float]:
         """Real-time seconds the successful wakes spent in each phase, summed (the parks made for them too)."""

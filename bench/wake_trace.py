@@ -210,7 +210,27 @@ class Result:
     wake_s: dict[str, float] = field(default_factory=dict)
     evictions: dict[str, int] = field(default_factory=dict)
     phase_s: dict[str, float] = field(default_factory=dict)  # real seconds in each phase, over every wake
+    parts: dict[int, dict[str, float]] = field(default_factory=dict)  # request -> its wait's parts (`wait_parts`)
     wall_s: float = 0.0
+
+
+PARTS = ("held", "drain", "wake", "after")
+
+
+def wait_parts(sent: float, first: float, spans: list[tuple[float, float, dict[str, float]]]) -> dict[str, float]:
+    """Where one request's wait went, wall seconds: `held` before the wake it waited for began (busy engines
+    held the room it needed until `max_hold_s`, or another wake on its GPU went first), `drain` (its
+    victims' in-flight requests finishing), `wake` (the victims' sleep and the wake's own steps, the gate
+    too), `after` (from promotion to its first token). The wake it waited for: the last of its model's
+    to end before its first token, if it ended after the request was sent; else it waited for none and
+    the whole wait is `after`."""
+    ended = [sp for sp in spans if sp[1] <= first + 1e-3]
+    if not ended or ended[-1][1] < sent:
+        return {"after": first - sent}
+    start, end, phases = ended[-1]
+    waking = end - max(start, sent)
+    drain = min(waking, max(0.0, phases.get("drain", 0.0) - max(0.0, sent - start)))
+    return {"held": max(0.0, start - sent), "drain": drain, "wake": waking - drain, "after": max(0.0, first - end)}
 
 
 async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Path) -> Result:
@@ -241,19 +261,19 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
             else:
                 path, body = "/v1/completions", {"model": r.model, "prompt": "Wake", "max_tokens": r.tokens,
                                                  "temperature": 0, "ignore_eos": True, "stream": True}
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
             try:
                 async with client.post(run.base_url + path, json=body) as resp:
                     if resp.status != 200 or r.kind == "embeddings":
                         data = await resp.read()
-                        return resp.status, time.perf_counter() - t0, "" if resp.status == 200 else data[:200].decode(errors="replace")
+                        return resp.status, time.monotonic() - t0, "" if resp.status == 200 else data[:200].decode(errors="replace")
                     first = await resp.content.readuntil(b"\n\n")  # the first token's event
-                    ttft = time.perf_counter() - t0
+                    ttft = time.monotonic() - t0
                     tail = first[-64:]
                     while chunk := await resp.content.read(1 << 16):
                         tail = (tail + chunk)[-64:]
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                return 0, time.perf_counter() - t0, repr(exc)
+                return 0, time.monotonic() - t0, repr(exc)
             if b"[DONE]" not in tail:
                 return 0, ttft, f"the stream ended without [DONE]: ...{tail.decode(errors='replace')!r}"
             return 200, ttft, ""
@@ -268,18 +288,27 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
         run.scheduler.demand = type(run.scheduler.demand)(run.scheduler.demand.tau_s)  # the calibration is not demand
         res.floor_s = h.percentile(floors, 0.5)
 
+        sent: dict[int, tuple[float, float]] = {}  # request -> (sent, first token), time.monotonic()
+
         async def one(r: Req) -> None:
+            at = time.monotonic()
             status, lat, err = await send(r)
             if status != 200:
                 res.errors.append(f"#{r.i} {r.model}: {status} {err}")
                 return
             res.waits[r.i] = max(0.0, lat - res.floor_s) / scale
+            sent[r.i] = (at, at + lat)
 
         print(f"  {arm}: booted; replaying {len(trace)} requests", flush=True)
         res.lag_s, res.wall_s = await at_arrival_times([(r.t, lambda r=r: one(r)) for r in trace], scale, deadline, arm)
     res.wakes, res.wake_s = run.recorder.wake_kinds(scale)
     res.evictions = dict(run.recorder.evictions)
     res.phase_s = run.recorder.phase_seconds(scale)
+    spans = run.recorder.spans()
+    for i, wait in res.waits.items():
+        if wait > WITHIN_S:
+            at, first = sent[i]
+            res.parts[i] = {k: v / scale for k, v in wait_parts(at, first, spans.get(trace[i].model, [])).items()}
     return res
 
 
@@ -297,6 +326,7 @@ def run_child(arm: str, args: argparse.Namespace, tmp: Path) -> Result:
         raise Failed(f"{arm}: the arm's process exited {proc.returncode}; its router log is {tmp / f'router-{arm}.log'}")
     data = json.loads(out.read_text())
     data["waits"] = {int(k): v for k, v in data["waits"].items()}
+    data["parts"] = {int(k): v for k, v in data["parts"].items()}
     return Result(**data)
 
 
@@ -376,6 +406,17 @@ def report(results: dict[str, Result], header: dict, trace: list[Req], args: arg
     for a, res in results.items():
         n = max(1, sum(res.wakes.values()))
         lines.append(f"| {a} | {sum(res.wakes.values())} | " + " | ".join(f"{res.phase_s.get(p, 0) / n:.2f}" for p in phases) + " |")
+    lines += ["", f"Where the waits over {WITHIN_S:g} s went (`wait_parts`): mean real seconds per such request, of the "
+              "requests counted above: `held` before the wake it waited for began (busy engines kept the room until "
+              "`max_hold_s`, or another wake on its GPU went first), `drain` (its victims' requests finishing), `wake` "
+              "(the victims' sleep and the wake's steps, the gate included), `after` (promotion to its first token; "
+              "all of a wait that no wake of its model ended in):", "",
+              f"| arm | waits over {WITHIN_S:g} s | mean s | " + " | ".join(PARTS) + " |", "|---|---:|---:|" + "---:|" * len(PARTS)]
+    for a, res in results.items():
+        long = [i for i in ok if i in res.parts]
+        n = max(1, len(long))
+        means = [sum(res.parts[i].get(p, 0.0) for i in long) / n for p in PARTS]
+        lines.append(f"| {a} | {len(long)} | {sum(res.waits[i] for i in long) / n:.1f} | " + " | ".join(f"{m:.1f}" for m in means) + " |")
     lines += ["", "Mean wait per model (s):", "", "| model | requests | " + " | ".join(results) + " |",
               "|---|---:|" + "---:|" * len(results)]
     for name in MODELS:

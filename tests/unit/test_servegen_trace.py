@@ -116,3 +116,24 @@ def test_the_wake_bench_roster_serves_every_model_of_the_trace_on_two_gpus_at_h2
     engine_env = roster.models[0].env
     assert engine_env["HOTSWAP_SIM_PAGE_CACHE"] == str(tmp_path / "page-cache-hotswap.json")
     assert engine_env["HOTSWAP_SIM_PAGE_CACHE_GB"] == "128"
+
+
+def test_a_long_wait_is_split_into_the_hold_the_victims_drain_the_wake_and_after_promotion():
+    """bench/wake_trace.py's `wait_parts`: a request for a parked model arrives while busy engines hold
+    the room; 10 s later its wake begins, whose victims drain for 3 s and whose steps take 5 s; its first
+    token comes 0.5 s after promotion. One sent during that drain was held for none of it; one whose
+    model no wake ended for waited only after promotion (behind its engine's other requests)."""
+    import sys
+
+    sys.path.insert(0, str(TRACES.parent))
+    try:
+        import wake_trace
+    finally:
+        sys.path.remove(str(TRACES.parent))
+
+    spans = [(0.0, 4.0, {"drain": 0.0}), (110.0, 118.0, {"drain": 3.0, "sleep": 1.0, "reload_weights": 4.0})]
+    parts = wake_trace.wait_parts(100.0, 118.5, spans)
+    assert parts == pytest.approx({"held": 10.0, "drain": 3.0, "wake": 5.0, "after": 0.5})
+    assert sum(parts.values()) == pytest.approx(18.5), "the parts are the whole wait"
+    assert wake_trace.wait_parts(111.0, 118.5, spans) == pytest.approx({"held": 0.0, "drain": 2.0, "wake": 5.0, "after": 0.5})
+    assert wake_trace.wait_parts(50.0, 60.0, spans) == {"after": 10.0}, "the last wake ended before it was sent"
