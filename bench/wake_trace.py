@@ -438,7 +438,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the trace's first minutes are replayed but not counted: the router's demand estimate starts "
                         "empty, as no running router's does (default %(default)s)")
     p.add_argument("--time-scale", type=float, default=0.1, help="wall seconds per real second (default %(default)s)")
-    p.add_argument("--ram-budget-gb", type=float, default=160.0, help="host.ram_budget_gb (default %(default)s)")
+    p.add_argument("--ram-budget-gb", type=float, default=64.0,
+                   help="host.ram_budget_gb (default %(default)s: fewer than the sleepers' weights, so many park at Level 2 "
+                        "and the disk, the page cache and staging are in the wait)")
     p.add_argument("--disk-gb-per-s", type=float, default=2.0, help="a cold read from disk (default %(default)s)")
     p.add_argument("--page-cache-gb", type=float, default=128.0,
                    help="the host's page cache: the sims evict the least recently read checkpoint past it (default %(default)s)")
