@@ -15,8 +15,11 @@ in /proc/PID/status) from the sleep until it is released. The weights are a Llam
 tensors (vLLM's fused qkv and gate_up, bf16) scaled to the checkpoint's size, so the rounding
 costs what it would on tensors of those proportions. `--sim-host-bytes-per-gb N` turns it on and
 scales what is really allocated: N real bytes per GB of weights (1e9: one byte per byte; unset: not
-modelled, nothing allocated). The router measures real bytes, so a test of its accounting runs at
-1e9 with a checkpoint of a few MB; a demo of big models runs at a smaller N.
+modelled, nothing allocated). What `hotswap_host_memory` reports is the modelled bytes (the real
+ones × 1e9 / N): what the extension would report on the GPU host modelled, so a bench of 70B
+checkpoints at N = 1e6 is accounted against host.ram_budget_gb as that host would be, while /proc
+sees (and a test of the router's `proc` source measures) the real, scaled-down bytes. A test of the
+accounting runs at 1e9 with a checkpoint of a few MB, where the two agree.
 
 Reported as the worker extension reports (engines/vllm_worker/extension.py `hotswap_host_memory`,
 `hotswap_empty_host_cache`), through POST /collective_rpc (routes_dev.py).
@@ -54,6 +57,7 @@ class HostModel:
     def __init__(self, weights_gb: float, bytes_per_gb: float):
         self.weights_gb = weights_gb
         self.tensors = tensor_bytes(weights_gb, bytes_per_gb)
+        self.modelled_per_real = 1e9 / bytes_per_gb
         self.active: list[mmap.mmap] = []  # the backup of a Level-1 sleep
         self.cached: dict[int, list[mmap.mmap]] = {}  # block size -> freed blocks kept for reuse
 
@@ -92,9 +96,10 @@ class HostModel:
         return self.active_bytes + sum(len(b) for blocks in self.cached.values() for b in blocks)
 
     def stats(self) -> dict[str, Any]:
-        """What `hotswap_host_memory` answers on a CUDA worker (torch.cuda.host_memory_stats' current bytes)."""
-        return {"available": True, "allocated_bytes": self.allocated, "active_bytes": self.active_bytes,
-                "cached_bytes": self.allocated - self.active_bytes}
+        """What `hotswap_host_memory` answers on a CUDA worker (torch.cuda.host_memory_stats' current bytes),
+        in modelled bytes."""
+        allocated, active = (round(n * self.modelled_per_real) for n in (self.allocated, self.active_bytes))
+        return {"available": True, "allocated_bytes": allocated, "active_bytes": active, "cached_bytes": allocated - active}
 
     def _block(self, size: int) -> mmap.mmap:
         reuse = self.cached.get(size)

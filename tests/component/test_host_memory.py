@@ -113,6 +113,26 @@ async def test_a_speculative_sleeper_is_measured_by_its_worker_extension_and_its
     assert 'hotswap_engine_host_memory_bytes{group="",model="spec"} 0.0' in metrics, metrics
 
 
+async def test_a_big_checkpoint_simulated_at_a_smaller_scale_is_counted_at_its_modelled_size(start_router, tmp_path):
+    """A bench of 40 GB checkpoints cannot allocate 40 GB per sleeper: at 1e6 real bytes per GB the sim
+    holds 40-odd MB, but its extension reports the host it models (the 40 GB copy, each tensor rounded up
+    to a power of two: 67 GB on the sim's tensor proportions), so host.ram_budget_gb=100 holds that one
+    Level-1 copy and the next sleeper goes to Level 2."""
+    scaled = ("--sim-host-bytes-per-gb", "1e6", "--sim-weights-gb", "40", SHARE, "0.6")
+    a, b, c = (sim_model(n, default=n == "c", args=scaled, weights_gb=40) for n in ("a", "b", "c"))
+    router = await start_router(roster_dict(a, b, c, **FULL_PARKS, host={"ram_budget_gb": 100}))
+    c_ = client(router)
+    assert await ask(c_, "a") and await ask(c_, "b")
+    host = (await router.engine("a"))["host_memory"]
+    assert host["source"] == "extension" and 40 <= host["measured_gb"] <= 80, host
+    assert sim_shmem((await router.engine("a"))["pid"]) < 90e6, "what is really allocated is the scaled-down copy"
+    assert await ask(c_, "c")
+    b_ = await router.engine("b")
+    assert b_["sleep_level"] == 2, b_
+    assert re.search(r"parking b at level 2 \(room for c; level 2: host RAM for level 1: .* over host\.ram_budget_gb=100",
+                     router.log()), router.log()
+
+
 async def test_hotswap_status_shows_each_engines_measured_host_memory(start_router, tmp_path):
     import subprocess
     import sys
