@@ -10,7 +10,9 @@ summing to about 2.9 GPUs, from a 70B (fp8) down to an embedder. Every step the 
 costs what it costs on an H200 host, per GPU (an engine on two GPUs moves half its weights on
 each, in parallel), times `--time-scale`:
 
-  Level-1 sleep   weights out to pinned host RAM at 25 GB/s     (sim step sleep_level1)
+  Level-1 sleep   weights out to pinned host RAM at 25 GB/s     (sim step sleep_level1; the copy is
+                  counted against --ram-budget-gb at its modelled size: engines/sim/host_memory.py,
+                  1e6 real bytes per GB)
   Level-1 wake    weights back at 50 GB/s                       (wake)
   Level-2 sleep   0.3 s: the weights are only dropped           (sleep_level2)
   Level-2 wake    the reload reads the page cache at 6 GB/s when the checkpoint is resident there,
@@ -184,7 +186,7 @@ def roster(port: int, args: argparse.Namespace, tmp: Path, arm: str = "hotswap")
     for m in MODELS.values():
         flags = ["--gpu-memory-utilization", f"{m.share:g}", "--sim-boot-s", f"{m.boot_s(args.disk_gb_per_s) * scale:.4f}",
                  "--sim-token-rate", f"{m.tok_s / scale:g}", "--sim-acceptance", f"{ACCEPTANCE:g}",
-                 "--max-model-len", "131072", "--sim-weights-gb", f"{m.weights_gb:g}",
+                 "--max-model-len", "131072", "--sim-weights-gb", f"{m.weights_gb:g}", "--sim-host-bytes-per-gb", "1e6",
                  "--sim-disk-gb-per-s", f"{args.disk_gb_per_s / scale:g}", "--sim-page-cache-gb-per-s", f"{PAGE_CACHE_GB_S / scale:g}"]
         for step, s in m.steps().items():
             flags += ["--sim-step-delay", f"{step}={s * scale:.4f}"]
