@@ -109,7 +109,12 @@ class HostMemory:
         self.reset(spec)
 
     def reset(self, spec: ModelSpec) -> None:
-        """A new process (a boot), or none (a stop): nothing held for sleep, nothing known of its sources."""
+        """A new process (a boot), or none (a stop): nothing held for sleep, nothing known of its sources,
+        but what its last Level-1 sleep held, while its roster entry is the same: that is the checkpoint's
+        and the flags', not the process's. Forgotten, a copy measured over host.ram_budget_gb would be
+        parked at Level 1 again by estimate after every cold boot, measured, and stopped again."""
+        kept = self.level1 if getattr(self, "spec", None) == spec else None
+        self.spec = spec
         self.name = spec.name
         # The router composes --worker-extension-cls for a draft it reloads and a checkpoint it stages (engines.process).
         self.expects_extension = loads_extension(spec)
@@ -122,7 +127,7 @@ class HostMemory:
         self.after = "boot"  # what the last measurement followed: "level-1 sleep", "level-1 wake", ...
         self.at: Optional[float] = None  # time.time() of it
         self.shared: Optional[int] = None  # PROC: the tree's shared memory then
-        self.level1: Optional[int] = None  # held right after its last Level-1 sleep: what the next one costs
+        self.level1: Optional[int] = kept  # held right after its last Level-1 sleep: what the next one costs
         self.level1_copy = False  # it may hold a Level-1 copy (asleep there, or cached since its wake)
         self.released: Optional[int] = None  # what the last emptying of the host cache gave back
         self.release_ok: Optional[bool] = None  # whether that emptying worked (None: not tried since boot)

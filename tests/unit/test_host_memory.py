@@ -85,3 +85,19 @@ async def test_a_measurement_that_fails_on_an_unexpected_answer_is_logged_with_i
         host.problem
     [record, *_] = [r for r in caplog.records if "measuring its host memory" in r.getMessage()]
     assert record.exc_info is not None and "counted by estimate" in record.getMessage()
+
+
+def test_a_measured_level1_copy_outlives_a_cold_restart_of_the_same_entry_and_not_a_changed_one():
+    """mixtral's Level-1 copy measured 71 GB against host.ram_budget_gb=64 and it was stopped; booted cold
+    again, it must not be parked at Level 1 by its 63 GB estimate, measured and stopped once more (seen on
+    the trace bench: four times in one replay). A changed roster entry (other flags) is measured anew."""
+    from config.schema import ModelSpec
+    from engines.memory.host import HostMemory
+
+    spec = ModelSpec(name="mixtral", model="/m", weights_gb=47)
+    host = HostMemory(spec)
+    host.level1 = 71_310_000_000
+    host.reset(spec)  # the stop, then the boot
+    assert host.level1_gb == 71.31 and host.held is None, "what it holds is the new process's; what a sleep costs is not"
+    host.reset(ModelSpec(name="mixtral", model="/m", weights_gb=47, args=["--max-model-len", "8192"]))
+    assert host.level1_gb is None
