@@ -127,7 +127,8 @@ async def test_the_sleep_level_is_chosen_by_the_host_ram_budget(start_router, tm
     assert levels == {"a": ("sleeping", 1, 0.02), "b": ("sleeping", 2, 0.02), "c": ("awake", None, 0.02)}, \
         "a took the budget at Level 1; b, parked next, did not fit in host RAM and went to Level 2"
     a = (await router.engine("a"))["host_memory"]
-    assert (await router.status())["placement"]["host"] == {"ram_budget_gb": 0.05, "level1_gb": pytest.approx(a["measured_gb"], abs=1e-4)}
+    assert (await router.status())["placement"]["host"] == {"ram_budget_gb": 0.05, "level1_gb": pytest.approx(a["measured_gb"], abs=1e-4),
+                                                            "page_cache_budget_gb": 0.0, "staged_gb": 0.0}
     assert await ask(client(router), "a")
     assert (await sim_steps(router, "a"))[-2:] == ["wake", "reset_prefix_cache"], "a Level-1 wake: no reload, no draft step"
     assert (await router.engine("c"))["sleep_level"] == 1, "a's host copy went back to the GPU and its cache was emptied: " \
