@@ -36,8 +36,7 @@ def placement_status(router: Router) -> dict[str, Any]:
             "host": {"ram_budget_gb": round(scheduler.capacity.ram_budget_gb, 4),
                      "level1_gb": round(scheduler.level1_gb(), 4),
                      "page_cache_budget_gb": scheduler.capacity.page_cache_gb,
-                     "staged_gb": round(sum(scheduler.weights.get(e.name) or 0.0 for e in scheduler.engines
-                                            if e.stager.staged and e.sleep_level == 2), 4)}}
+                     "staged_gb": round(scheduler.staged_gb(), 4)}}
 
 
 def engine_status(router: Router, e: Engine) -> dict[str, Any]:

@@ -30,6 +30,10 @@ class Staging(SchedulerState):
         """Its checkpoint is in the page cache (as far as the router knows) or being read there now."""
         return engine.stager.staged or engine.stager.running
 
+    def staged_gb(self) -> float:
+        """The Level-2 sleepers' checkpoints in the page cache now (as far as the router knows), in GB."""
+        return sum(self.weights.get(e.name) or 0.0 for e in self.engines if e.stager.staged and e.sleep_level == 2)
+
     def stage_ahead(self, now: float) -> None:
         """Begin the stages that should run now (no awaiting: each is a task of its engine's stager;
         its end pokes the loop). Called by the loop after each round of decisions."""
