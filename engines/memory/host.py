@@ -106,6 +106,8 @@ class HostMemory:
     bookkeeping is plain data (the scheduler reads it); the async methods do the measuring."""
 
     def __init__(self, spec: ModelSpec):
+        self.spec: Optional[ModelSpec] = None
+        self.level1: Optional[int] = None
         self.reset(spec)
 
     def reset(self, spec: ModelSpec) -> None:
@@ -113,7 +115,7 @@ class HostMemory:
         but what its last Level-1 sleep held, while its roster entry is the same: that is the checkpoint's
         and the flags', not the process's. Forgotten, a copy measured over host.ram_budget_gb would be
         parked at Level 1 again by estimate after every cold boot, measured, and stopped again."""
-        kept = self.level1 if getattr(self, "spec", None) == spec else None
+        kept = self.level1 if self.spec == spec else None
         self.spec = spec
         self.name = spec.name
         # The router composes --worker-extension-cls for a draft it reloads and a checkpoint it stages (engines.process).
