@@ -14,6 +14,19 @@ FIELDS = {"t", "client", "model", "kind", "prompt_tokens", "output_tokens"}
 DAY_S = 86400
 
 
+@pytest.fixture(scope="module", name="wake_trace")
+def wake_trace_module():
+    """bench/wake_trace.py, imported as the bench runs it (bench/ on sys.path, for its `harness`)."""
+    import sys
+
+    sys.path.insert(0, str(TRACES.parent))
+    try:
+        import wake_trace
+    finally:
+        sys.path.remove(str(TRACES.parent))
+    return wake_trace
+
+
 @pytest.fixture(scope="module")
 def trace():
     lines = TRACE.read_text().splitlines()
@@ -83,17 +96,11 @@ def test_the_readme_records_the_stretch_the_commit_and_the_command(trace):
     assert f"{header['requests']} requests" in readme
 
 
-def test_the_wake_bench_roster_serves_every_model_of_the_trace_on_two_gpus_at_h200_costs(tmp_path):
+def test_the_wake_bench_roster_serves_every_model_of_the_trace_on_two_gpus_at_h200_costs(tmp_path, wake_trace):
     """bench/wake_trace.py's roster is one hotswap accepts, places every model of the trace on two GPUs
     with about 2.9 GPUs' worth of shares, and prices each step as an H200 host takes it."""
     import argparse
-    import sys
 
-    sys.path.insert(0, str(TRACES.parent))
-    try:
-        import wake_trace
-    finally:
-        sys.path.remove(str(TRACES.parent))
     from config import parse_roster
 
     header, reqs = wake_trace.load_trace(TRACE, None)
@@ -118,19 +125,11 @@ def test_the_wake_bench_roster_serves_every_model_of_the_trace_on_two_gpus_at_h2
     assert engine_env["HOTSWAP_SIM_PAGE_CACHE_GB"] == "128"
 
 
-def test_a_long_wait_is_split_into_the_hold_the_victims_drain_the_wake_and_after_promotion():
+def test_a_long_wait_is_split_into_the_hold_the_victims_drain_the_wake_and_after_promotion(wake_trace):
     """bench/wake_trace.py's `wait_parts`: a request for a parked model arrives while busy engines hold
     the room; 10 s later its wake begins, whose victims drain for 3 s and whose steps take 5 s; its first
     token comes 0.5 s after promotion. One sent during that drain was held for none of it; one whose
     model no wake ended for waited only after promotion (behind its engine's other requests)."""
-    import sys
-
-    sys.path.insert(0, str(TRACES.parent))
-    try:
-        import wake_trace
-    finally:
-        sys.path.remove(str(TRACES.parent))
-
     spans = [(0.0, 4.0, {"drain": 0.0}), (110.0, 118.0, {"drain": 3.0, "sleep": 1.0, "reload_weights": 4.0})]
     parts = wake_trace.wait_parts(100.0, 118.5, spans)
     assert parts == pytest.approx({"held": 10.0, "drain": 3.0, "wake": 5.0, "after": 0.5})
