@@ -3,7 +3,7 @@
 A wake a request waits for costs it the wake and the canary. When a device has room nobody waits
 for, or room held only by idle engines nobody has asked for within `reuse_horizon_s` (no demand),
 the parked engine most likely to be asked for next is woken then, so its next request finds it awake. What it may cost is bounded
-by the numbers: the chance it is asked for within `reuse_horizon_s` times the wake it saves must
+by the numbers: the chance it is asked for within `reuse_horizon_s` times the waiting it saves must
 beat what the idle engines parked for it are expected to cost (the same `expected_cost` victims are
 ranked by) plus, should it go unused, the sleep that gives its room back.
 
@@ -62,7 +62,7 @@ class WakeAhead(Actions):
                     and self.demand.rate(e.name, now) > 0 and clear(e)]
         for target in sorted(sleepers, key=lambda e: -self.demand.rate(e.name, now)):
             chance = self._reuse(target, now)
-            saved = chance * self.costs.wake_s(target.name, target.sleep_level)
+            saved = chance * self.waited(target, self.costs.wake_s(target.name, target.sleep_level), now)
             unused = (1 - chance) * self.costs.sleep_s(target.name)  # giving the room back, should nobody come
             if saved <= unused:
                 continue

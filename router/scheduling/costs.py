@@ -1,11 +1,12 @@
 """What moving an engine out of the way costs, and the level it would sleep at.
 
 The cost part of `Scheduler` (see `router.scheduling.state`): an engine's expected cost is the waiting its
-absence is likely to cause (predicted wake seconds × likelihood of reuse, from
-`router.scheduling.estimates`); `sleep_level: auto` picks Level 1 while the host-RAM budget holds what
-the engines hold for sleep (measured after every sleep and wake, `engines.memory.host`; estimated until
-then), and makes RAM for a more valuable engine by demoting a Level-1 sleeper. A Level-2 wake is priced
-staged when it will likely be (its checkpoint within host.page_cache_budget_gb: `staged_next`).
+absence is likely to cause: the likelihood it is asked for again (from `router.scheduling.estimates`)
+times the waiting its predicted wake makes (`waited`: every request that arrives while the wake runs
+waits for it too). `sleep_level: auto` picks Level 1 while the host-RAM budget holds what the engines
+hold for sleep (measured after every sleep and wake, `engines.memory.host`; estimated until then), and
+makes RAM for a more valuable engine by demoting a Level-1 sleeper. A Level-2 wake is priced staged
+when it will likely be (its checkpoint within host.page_cache_budget_gb: `staged_next`).
 
 The KV tier (level 0, engines/ladder.py) is not a level `_choose_level` picks: it frees less, so
 whether it is enough depends on the waiter. The scheduler offers it beside the full park as a
@@ -195,11 +196,19 @@ class Costs(SchedulerState):
         """Expected seconds of waiting that keeping `engine` at Level 1 saves: over a Level-2 wake
         when it can pass through the GPU to Level 2 (`passes`), else over the cold boot a stop costs."""
         instead = self.costs.wake_s(engine.name, 2, self.staged_next(engine)) if passes else self.costs.boot_s(engine.name)
-        return self._reuse(engine, now) * max(instead - self.costs.wake_s(engine.name, 1), 0.0)
+        return self._reuse(engine, now) * max(self.waited(engine, instead, now)
+                                              - self.waited(engine, self.costs.wake_s(engine.name, 1), now), 0.0)
 
     def _reuse(self, engine: Engine, now: float) -> float:
         """How likely `engine` is to be asked for within reuse_horizon_s."""
         return 1.0 - math.exp(-self.demand.rate(engine.name, now) * self.reuse_horizon_s)
+
+    def waited(self, engine: Engine, seconds: float, now: float, asking: int = 1) -> float:
+        """Seconds of waiting that `seconds` before `engine` can answer cost once `asking` requests ask for
+        it: those wait them all, and each one its demand sends meanwhile waits half of them on average.
+        A 50 s boot of a model asked for once every 5 s costs its requests 300 s, not 50."""
+        seconds = max(seconds, 0.0)
+        return seconds * (asking + self.demand.rate(engine.name, now) * seconds / 2)
 
     def blocked_by_boot(self, engine: Engine, now: float) -> float:
         """Expected seconds the others on its devices wait behind a cold boot of `engine`: a boot has its
@@ -219,23 +228,24 @@ class Costs(SchedulerState):
 
     def expected_cost(self, engine: Engine, action: str, now: float) -> float:
         """Seconds of waiting that moving `engine` out of the way is expected to cost later:
-        its predicted wake (or, stopped, the boot beyond its wake) times the chance it is needed
-        again soon; a cold boot also counts what it makes the others on its devices wait. "kv_park": a
+        the waiting its predicted wake makes (or, stopped, its boot beyond its wake) times the chance it
+        is needed again soon; a cold boot also counts what it makes the others on its devices wait. "kv_park": a
         KV park's wake; "deepen": a KV-parked engine's wake from the rung below beyond its KV wake. Ties
         go to the least recently used."""
         if action == "stop":  # an awake engine's (a `sleep_level: 0` one that cannot be KV-parked): the whole boot
             level = engine.sleep_level
             wake = 0.0 if level is None else self.costs.wake_s(engine.name, level, level == 2 and engine.stager.staged)
-            extra = self.costs.boot_s(engine.name) - wake + self.blocked_by_boot(engine, now)
+            extra = self.waited(engine, self.costs.boot_s(engine.name), now) - self.waited(engine, wake, now) \
+                + self.blocked_by_boot(engine, now)
         elif action == "kv_park":
-            extra = self.costs.wake_s(engine.name, KV_PARKED)
+            extra = self.waited(engine, self.costs.wake_s(engine.name, KV_PARKED), now)
         elif action == "deepen":
             level = self.deeper_level(engine, now)
-            extra = self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine)) \
-                - self.costs.wake_s(engine.name, KV_PARKED)
+            extra = self.waited(engine, self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine)), now) \
+                - self.waited(engine, self.costs.wake_s(engine.name, KV_PARKED), now)
         else:
             level, _ = self._choose_level(engine, now)
-            extra = self.costs.boot_s(engine.name) + self.blocked_by_boot(engine, now) if level is None \
-                else self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine))
+            extra = self.waited(engine, self.costs.boot_s(engine.name), now) + self.blocked_by_boot(engine, now) \
+                if level is None else self.waited(engine, self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine)), now)
         recency = 1e-9 / (1.0 + max(0.0, now - self.demand.last(engine.name)))  # a tie-break only
         return self._reuse(engine, now) * max(extra, 0.0) + recency

@@ -237,12 +237,13 @@ class Scheduler(WakeAhead):
             tiers.insert(0, [v for v in now_idle if not v.engine.spec.default])
         chosen = next((c for c in (placement.cheapest(ledger, target, tier, forced) for tier in tiers) if c is not None), None)
         # Parks that become possible soon (min_active_s, max_hold_s) may beat what is possible now:
-        # stopping sleepers turns their next wake into a cold boot, while a wait costs its waiters.
+        # stopping sleepers turns their next wake into a cold boot, while a wait costs its waiters and
+        # whoever asks for the target meanwhile.
         later = placement.cheapest(ledger, target, [v for v in candidates if v.action == "park"], forced)
         later_wait = max((v.ready_in for v in later or ()), default=0.0)
+        held = self.waited(target, later_wait, now, asking=self.queued(target))
         if chosen is not None and not (later and later_wait > 0 and any(v.action == "stop" for v in chosen)
-                                       and later_wait * self.queued(target) + sum(v.cost for v in later)
-                                       < sum(v.cost for v in chosen)):
+                                       and held + sum(v.cost for v in later) < sum(v.cost for v in chosen)):
             return forced + chosen, None
         return None, later_wait if later else min(waits, default=None)
 

@@ -4,6 +4,7 @@ processes, no sleeps. Each test is a scenario the real loop meets."""
 from __future__ import annotations
 
 import asyncio
+import math
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -404,6 +405,29 @@ async def test_a_sleeper_someone_asks_for_is_not_stopped_when_waiting_a_moment_f
     assert kinds in ([("park", "a")], [("park", "b")]), "then one park, and no sleeper stopped"
 
 
+async def test_a_sleeper_in_a_burst_is_not_stopped_when_its_own_requests_would_wait_out_its_boot(clock):
+    # Stopping the sleeper fits t now; parking b fits it in 10 s, for three queued requests: 30 s of waiting.
+    # The sleeper's next request alone would wait 19 s more for a boot than for its wake: cheaper, if
+    # only one came. Its burst (30 requests in the last second, 0.1/s) sends about one more every 10 s
+    # while the boot runs: 39 s in all.
+    gpus = {0: 100.0}  # its residual of 2 GB is 0.02
+    a = FakeEngine("a", State.AWAKE, share=0.54, since=clock.now - 2, sleep_residual_gb=2)
+    b = FakeEngine("b", State.AWAKE, share=0.40, since=clock.now - 2, sleep_residual_gb=2)
+    sleeper = FakeEngine("s", share=0.3, sleep_residual_gb=2)
+    t = FakeEngine("t", share=0.05, sleep_residual_gb=2)
+    s = scheduler(a, b, sleeper, t, clock=clock, gpus=gpus, min_active_s=12)
+    s.costs.observe_boot("s", 20.0)
+    s.costs.observe_wake("s", 2, 1.0)
+    for _ in range(30):
+        s.demand.arrived("s", clock.now - 1)
+    for _ in range(3):
+        wait_for(s, t, clock.now)
+    assert s.decide(clock.now) == Plan(wait_s=pytest.approx(10)), "the burst's boot would cost its requests more than the wait"
+    s.demand = type(s.demand)(s.demand.tau_s)
+    s.demand.arrived("s", clock.now - 1)
+    assert actions(s.decide(clock.now)) == [("stop", "s")], "one request's 19 s beats 30 s of waiting"
+
+
 async def test_a_sleeper_nobody_asks_for_is_stopped_at_once_rather_than_making_a_request_wait(clock):
     gpus = {0: 100.0}
     a = FakeEngine("a", State.AWAKE, share=0.55, since=clock.now - 2, sleep_residual_gb=2)
@@ -759,8 +783,12 @@ async def test_stopping_a_sleeper_is_priced_with_the_wait_its_cold_boot_makes_it
         for _ in range(10):
             s.demand.arrived(name, clock.now - 1)
     alone = s.expected_cost(sleeper, "stop", clock.now)
-    assert alone == pytest.approx(s._reuse(sleeper, clock.now) * 49.0, rel=1e-3), "a busy GPU elsewhere waits for nothing"
+    rate = s.demand.rate("sleeper", clock.now)
+    assert alone == pytest.approx(s._reuse(sleeper, clock.now) * (49.0 + rate * (50.0 ** 2 - 1.0) / 2), rel=1e-3), \
+        "a busy GPU elsewhere waits for nothing: the boot beyond the wake, for the asker and those arriving during it"
     for _ in range(10):
         s.demand.arrived("neighbour", clock.now - 1)
     shared = s.expected_cost(sleeper, "stop", clock.now)
-    assert shared > alone * 1.3, "its boot holds GPU 0 alone for 50 s: the neighbour's next wake waits behind it"
+    behind = 1.0 - math.exp(-s.demand.rate("neighbour", clock.now) * 50.0)
+    assert shared - alone == pytest.approx(s._reuse(sleeper, clock.now) * behind * 25.0, rel=1e-3), \
+        "its boot holds GPU 0 alone for 50 s: the neighbour's next wake waits behind it, half of it on average"
