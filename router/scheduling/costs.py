@@ -232,9 +232,9 @@ class Costs(SchedulerState):
         is needed again soon; a cold boot also counts what it makes the others on its devices wait. "kv_park": a
         KV park's wake; "deepen": a KV-parked engine's wake from the rung below beyond its KV wake. Ties
         go to the least recently used."""
-        if action == "stop":  # an awake engine's (a `sleep_level: 0` one that cannot be KV-parked): the whole boot
+        if action == "stop":  # a sleeper's: the boot beyond the wake it would have had; an awake one's: the whole boot
             level = engine.sleep_level
-            wake = 0.0 if level is None else self.costs.wake_s(engine.name, level, level == 2 and engine.stager.staged)
+            wake = 0.0 if level is None else self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine))
             extra = self.waited(engine, self.costs.boot_s(engine.name), now) - self.waited(engine, wake, now) \
                 + self.blocked_by_boot(engine, now)
         elif action == "kv_park":

@@ -204,3 +204,24 @@ async def test_parking_at_level2_costs_less_where_the_page_cache_budget_will_kee
     assert with_budget < without / 2, (with_budget, without)
     s.capacity = dataclasses.replace(s.capacity, page_cache_gb=1.0)
     assert s.expected_cost(victim, "park", clock.now) == pytest.approx(without), "2 GB does not fit a 1 GB budget"
+
+
+async def test_stopping_a_level2_sleeper_the_budget_keeps_staged_costs_its_boot_beyond_a_staged_wake(clock):
+    # Just woken and parked again, its checkpoint is not staged this moment, but the staging ahead will
+    # stage it: not stopping it leaves a staged wake (1 s), not a cold-disk one as slow as the boot.
+    sleeper = stages(FakeEngine("sleeper", share=0.3))
+    s = scheduler(sleeper, clock=clock)
+    s.weights.update(sleeper=2.0)
+    s.costs.observe_boot("sleeper", 10.0)
+    s.costs.observe_wake("sleeper", 2, 9.0, reload_s=8.0, cached=False)
+    s.costs.observe_wake("sleeper", 2, 1.0, reload_s=0.5, staged=True, cached=True)
+    demand(s, "sleeper", 5, clock)
+    assert not sleeper.stager.staged
+    reuse = s._reuse(sleeper, clock.now)
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=4.0)
+    assert s.expected_cost(sleeper, "stop", clock.now) == pytest.approx(
+        reuse * (s.waited(sleeper, 10.0, clock.now) - s.waited(sleeper, 1.0, clock.now)), rel=1e-3)
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=1.0)
+    assert s.expected_cost(sleeper, "stop", clock.now) == pytest.approx(
+        reuse * (s.waited(sleeper, 10.0, clock.now) - s.waited(sleeper, 9.0, clock.now)), rel=1e-3), \
+        "2 GB does not fit a 1 GB budget: its next wake reads the disk"
