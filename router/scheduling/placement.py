@@ -68,6 +68,7 @@ class Victim:
     busy: bool = False  # it is serving requests (parked only when no idle choice exists)
     ready_in: float = 0.0  # seconds until it may be moved (min_active_s, max_hold_s); 0: now
     level: Optional[int] = None  # the rung it goes to, when the offer fixes it (a KV park: 0); None: chosen at the move
+    why: str = ""  # for a stop: the costs it was chosen by, for the log
 
 
 class Ledger:

@@ -17,6 +17,7 @@ engine it concerns: that engine is FAILED, its waiters get a 503, the others car
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Optional
 
 from engines.engine import Engine, State
@@ -242,8 +243,14 @@ class Scheduler(WakeAhead):
         later = placement.cheapest(ledger, target, [v for v in candidates if v.action == "park"], forced)
         later_wait = max((v.ready_in for v in later or ()), default=0.0)
         held = self.waited(target, later_wait, now, asking=self.queued(target))
-        if chosen is not None and not (later and later_wait > 0 and any(v.action == "stop" for v in chosen)
+        stops = chosen is not None and any(v.action == "stop" for v in chosen)
+        if chosen is not None and not (stops and later and later_wait > 0
                                        and held + sum(v.cost for v in later) < sum(v.cost for v in chosen)):
+            if stops:  # the numbers an operator needs to see why a sleeper lost its process
+                why = f"expected to cost {sum(v.cost for v in chosen):.1f} s of waiting" + (
+                    f", against {held + sum(v.cost for v in later):.1f} s for waiting {later_wait:.1f} s to park "
+                    + ", ".join(v.engine.name for v in later) if later and later_wait > 0 else "")
+                chosen = [dataclasses.replace(v, why=why) if v.action == "stop" else v for v in chosen]
             return forced + chosen, None
         return None, later_wait if later else min(waits, default=None)
 
@@ -287,7 +294,7 @@ class Scheduler(WakeAhead):
     def _move(self, victim: Victim, why: str, ledger: Ledger, now: float) -> list[Decision]:
         engine = victim.engine
         if victim.action == "stop":
-            return [Decision("stop", engine, why)]
+            return [Decision("stop", engine, f"{why} ({victim.why})" if victim.why else why)]
         if victim.action == "deepen":
             return [Decision("deepen", engine, f"{why}; its weights' room, down to level {victim.level}", victim.level)]
         if victim.level == KV_PARKED:

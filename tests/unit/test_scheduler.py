@@ -425,7 +425,10 @@ async def test_a_sleeper_in_a_burst_is_not_stopped_when_its_own_requests_would_w
     assert s.decide(clock.now) == Plan(wait_s=pytest.approx(10)), "the burst's boot would cost its requests more than the wait"
     s.demand = type(s.demand)(s.demand.tau_s)
     s.demand.arrived("s", clock.now - 1)
-    assert actions(s.decide(clock.now)) == [("stop", "s")], "one request's 19 s beats 30 s of waiting"
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("stop", "s")], "one request's 19 s, at its 18% chance, beats 30 s of waiting"
+    assert "(expected to cost 3.6 s of waiting, against 30.0 s for waiting 10.0 s to park " in plan.decisions[0].why, \
+        "the log says what the stop was weighed against"
 
 
 async def test_a_sleeper_nobody_asks_for_is_stopped_at_once_rather_than_making_a_request_wait(clock):
