@@ -145,9 +145,9 @@ class Actions(Costs, RosterChanges, Staging):
     async def _park(self, engine: Engine, why: str, level: int) -> None:
         log.info("parking %s at level %d (%s)", engine.name, level, why)
         self.events.evicted(engine, _reason(why))
-        started = time.monotonic()
+        started, serving = time.monotonic(), engine.in_flight > 0
         await engine.sleep(level)
-        self.costs.observe_sleep(engine.name, time.monotonic() - started)
+        self.costs.observe_sleep(engine.name, time.monotonic() - started, engine.last_phases.get("drain") if serving else None)
         self._log_host_memory(engine, level)
         # KV-parked, what its processes hold is its weights besides its residual: not a residual to keep.
         if self.capacity.nvml and level != KV_PARKED:

@@ -28,6 +28,7 @@ class WakeCosts:
         self.boot: dict[str, float] = {}
         self.wake: dict[tuple[str, int], float] = {}  # Level 2: the wakes that did not find their checkpoint staged
         self.sleep: dict[str, float] = {}
+        self.drain: dict[str, float] = {}  # the drains of its parks that had requests in flight
         self.level1_prior: dict[str, float] = {}  # a Level-2 wake without its reloads (and its stage)
         self.kv_prior: dict[str, float] = {}  # a Level-2 wake without its weights' steps: the KV re-allocation, reset and gate
         self.gate: dict[str, float] = {}  # the gate step of its boots
@@ -64,12 +65,21 @@ class WakeCosts:
         if level == 2 and reload_s + weights_s > 0:
             self.kv_prior[name] = _ewma(self.kv_prior.get(name), max(seconds - reload_s - weights_s - stage_s, 0.0))
 
-    def observe_sleep(self, name: str, seconds: float) -> None:
+    def observe_sleep(self, name: str, seconds: float, busy_drain_s: Optional[float] = None) -> None:
+        """`busy_drain_s`: the drain before it, when the park found requests in flight."""
         self.sleep[name] = _ewma(self.sleep.get(name), seconds)
+        if busy_drain_s is not None:
+            self.drain[name] = _ewma(self.drain.get(name), busy_drain_s)
+
+    def drain_s(self, name: str, bound: float) -> float:
+        """How long parking `name` while it serves makes a waiter wait for its requests to finish: as
+        measured, else `bound` (swap.drain_timeout_s: no drain lasts longer)."""
+        return self.drain.get(name, bound)
 
     def forget(self, name: str) -> None:
         self.boot.pop(name, None)
         self.sleep.pop(name, None)
+        self.drain.pop(name, None)
         self.level1_prior.pop(name, None)
         self.kv_prior.pop(name, None)
         self.gate.pop(name, None)

@@ -237,21 +237,23 @@ class Scheduler(WakeAhead):
         if not self.queued(target):  # a boot nobody asked for parks the roster's defaults last: they are meant to stay awake
             tiers.insert(0, [v for v in now_idle if not v.engine.spec.default])
         chosen = next((c for c in (placement.cheapest(ledger, target, tier, forced) for tier in tiers) if c is not None), None)
-        # Parks that become possible soon (min_active_s, max_hold_s) may beat what is possible now:
-        # stopping sleepers turns their next wake into a cold boot, while a wait costs its waiters and
-        # whoever asks for the target meanwhile.
+        # Parks of busy engines, now or soon (min_active_s, max_hold_s), may beat stopping idle sleepers:
+        # a stop turns a sleeper's next wake into a cold boot, while waiting for a park (and for its
+        # requests to drain) costs the waiters and whoever asks for the target meanwhile.
         later = placement.cheapest(ledger, target, [v for v in candidates if v.action == "park"], forced)
         later_wait = max((v.ready_in for v in later or ()), default=0.0)
-        held = self.waited(target, later_wait, now, asking=self.queued(target))
+        drain = max((self.costs.drain_s(v.engine.name, self.swap.drain_timeout_s) for v in later or () if v.busy), default=0.0)
+        held = self.waited(target, later_wait + drain, now, asking=self.queued(target))
         stops = chosen is not None and any(v.action == "stop" for v in chosen)
-        if chosen is not None and not (stops and later and later_wait > 0
-                                       and held + sum(v.cost for v in later) < sum(v.cost for v in chosen)):
+        if chosen is not None and not (stops and later and held + sum(v.cost for v in later) < sum(v.cost for v in chosen)):
             if stops:  # the numbers an operator needs to see why a sleeper lost its process
                 why = f"expected to cost {sum(v.cost for v in chosen):.1f} s of waiting" + (
-                    f", against {held + sum(v.cost for v in later):.1f} s for waiting {later_wait:.1f} s to park "
-                    + ", ".join(v.engine.name for v in later) if later and later_wait > 0 else "")
+                    f", against {held + sum(v.cost for v in later):.1f} s for waiting {later_wait + drain:.1f} s to park "
+                    + ", ".join(v.engine.name for v in later) if later else "")
                 chosen = [dataclasses.replace(v, why=why) if v.action == "stop" else v for v in chosen]
             return forced + chosen, None
+        if later and not later_wait:  # busy engines whose hold is over: their drain beats the stops
+            return forced + later, None
         return None, later_wait if later else min(waits, default=None)
 
     def _park_offers(self, ledger: Ledger, engine: Engine, now: float, busy: bool, ready_in: float,

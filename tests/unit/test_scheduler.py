@@ -431,6 +431,31 @@ async def test_a_sleeper_in_a_burst_is_not_stopped_when_its_own_requests_would_w
         "the log says what the stop was weighed against"
 
 
+async def test_once_a_waiter_has_waited_max_hold_a_busy_engine_is_parked_rather_than_a_burst_sleeper_stopped(clock):
+    # As above, but a and b are serving, and t's waiters have waited max_hold_s: parking b is possible
+    # now, at the cost of its drain (measured: 2 s) for three requests, against the burst's 39 s boot.
+    gpus = {0: 100.0}
+    a = FakeEngine("a", State.AWAKE, share=0.54, since=clock.now - 100, sleep_residual_gb=2)
+    b = FakeEngine("b", State.AWAKE, share=0.40, since=clock.now - 100, sleep_residual_gb=2)
+    a.in_flight = b.in_flight = 1
+    sleeper = FakeEngine("s", share=0.3, sleep_residual_gb=2)
+    t = FakeEngine("t", share=0.05, sleep_residual_gb=2)
+    s = scheduler(a, b, sleeper, t, clock=clock, gpus=gpus, drain_timeout_s=30)
+    s.costs.observe_boot("s", 20.0)
+    s.costs.observe_wake("s", 2, 1.0)
+    for name in ("a", "b"):
+        s.costs.observe_sleep(name, 3.0, busy_drain_s=2.0)
+    for _ in range(30):
+        s.demand.arrived("s", clock.now - 1)
+    for _ in range(3):
+        wait_for(s, t, clock.now - 30)
+    assert actions(s.decide(clock.now)) in ([("park", "a")], [("park", "b")]), "a 2 s drain beats a burst's cold boot"
+    s.costs.drain.clear()
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("stop", "s")], "never measured, a drain may last drain_timeout_s: 90 s for three waiters"
+    assert "for waiting 30.0 s to park" in plan.decisions[0].why
+
+
 async def test_a_sleeper_nobody_asks_for_is_stopped_at_once_rather_than_making_a_request_wait(clock):
     gpus = {0: 100.0}
     a = FakeEngine("a", State.AWAKE, share=0.55, since=clock.now - 2, sleep_residual_gb=2)
