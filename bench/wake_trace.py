@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import contention  # bench/contention.py: the waiting no policy avoids
 import harness as h  # bench/harness.py: the run session, report helpers
 from replay import Failed, at_arrival_times, first_errors, lru_cost, running_router  # bench/replay.py: the in-process router
 
@@ -419,6 +420,16 @@ def report(results: dict[str, Result], header: dict, trace: list[Req], args: arg
         n = max(1, len(long))
         means = [sum(res.parts[i].get(p, 0.0) for i in long) / n for p in PARTS]
         lines.append(f"| {a} | {len(long)} | {sum(res.waits[i] for i in long) / n:.1f} | " + " | ".join(f"{m:.1f}" for m in means) + " |")
+    stuck = contention.blocked(trace, MODELS, sorted(ok))
+    clear = sorted(b.clear_s for b in stuck)
+    if stuck:
+        lines += ["", f"What no policy avoids (`bench/contention.py`): {len(stuck)} of these {len(ok)} requests "
+                  f"({len(stuck) / len(ok):.1%}) arrive while other models' streams on their GPU (at the trace's own "
+                  "lengths, nobody waiting) leave no room for their model's share: each of them, or one of those "
+                  f"streams (cut, or its model's next request waiting for a wake), waits; the streams end in median "
+                  f"{h.percentile(clear, 0.5):.1f} s, p90 {h.percentile(clear, 0.9):.1f} s, before any wake. By GPU: "
+                  + ", ".join(f"{d}: {sum(1 for b in stuck if d in MODELS[trace[b.request].model].devices)}"
+                              for d in sorted({d for m in MODELS.values() for d in m.devices})) + "."]
     lines += ["", "Mean wait per model (s):", "", "| model | requests | " + " | ".join(results) + " |",
               "|---|---:|" + "---:|" * len(results)]
     for name in MODELS:

@@ -136,3 +136,18 @@ def test_a_long_wait_is_split_into_the_hold_the_victims_drain_the_wake_and_after
     assert sum(parts.values()) == pytest.approx(18.5), "the parts are the whole wait"
     assert wake_trace.wait_parts(111.0, 118.5, spans) == pytest.approx({"held": 0.0, "drain": 2.0, "wake": 5.0, "after": 0.5})
     assert wake_trace.wait_parts(50.0, 60.0, spans) == {"after": 10.0}, "the last wake ended before it was sent"
+
+
+def test_a_request_arriving_while_other_models_streams_fill_its_gpu_is_counted_blocked_until_they_end(wake_trace):
+    m = wake_trace.Model
+    models = {"a": m("a", (0,), 0.6, 1, 10), "b": m("b", (0,), 0.6, 1, 10), "c": m("c", (1,), 0.6, 1, 10),
+              "small": m("small", (0,), 0.3, 1, 10)}
+    r = wake_trace.Req
+    trace = [r(0, 0.0, "a", "chat", 100),  # a streams until 10 s
+             r(1, 5.0, "b", "chat", 10),  # b does not fit beside it: blocked until 10 s
+             r(2, 5.0, "c", "chat", 10),  # another GPU
+             r(3, 6.0, "a", "chat", 10),  # its own model's stream is no obstacle
+             r(4, 7.0, "small", "chat", 10),  # 0.6 + 0.3 fits
+             r(5, 20.0, "b", "chat", 10)]  # the stream has ended
+    got = wake_trace.contention.blocked(trace, models, range(len(trace)))
+    assert [(b.request, round(b.clear_s, 6)) for b in got] == [(1, 5.0)]
