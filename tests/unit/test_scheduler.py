@@ -456,6 +456,28 @@ async def test_once_a_waiter_has_waited_max_hold_a_busy_engine_is_parked_rather_
     assert "for waiting 30.0 s to park" in plan.decisions[0].why
 
 
+async def test_a_sleeper_whose_own_requests_wait_is_not_stopped_to_make_room_for_another_model_while_room_can_come(clock):
+    gpus = {0: 100.0}
+    a = FakeEngine("a", State.AWAKE, share=0.55, since=clock.now - 2, sleep_residual_gb=2)  # fresh: min_active_s
+    waiting = FakeEngine("waiting", share=0.3, sleep_residual_gb=2)
+    t = FakeEngine("t", share=0.45, sleep_residual_gb=2)
+    s = scheduler(a, waiting, t, clock=clock, gpus=gpus, min_active_s=5)
+    wait_for(s, t, clock.now - 1)  # the older waiter: t's room is looked for first
+    wait_for(s, waiting, clock.now)
+    # 0.55 + 0.45 leaves nothing for waiting's 0.02 residual: t fits now only if waiting is stopped.
+    assert actions(s.decide(clock.now)) == [("wake", "waiting")], \
+        "not stopped (its waiter would wait out a cold boot for t's sake): woken, as it fits beside a"
+
+
+async def test_two_waiting_sleepers_each_in_the_others_way_do_not_wait_for_each_other_forever(clock):
+    gpus = {0: 100.0}
+    first, second = FakeEngine("first", share=0.99, sleep_residual_gb=2), FakeEngine("second", share=0.99, sleep_residual_gb=2)
+    s = scheduler(first, second, clock=clock, gpus=gpus)
+    wait_for(s, first, clock.now - 1)
+    wait_for(s, second, clock.now)
+    assert actions(s.decide(clock.now)) == [("stop", "second")], "nothing else will ever make room: the older waiter's model goes first"
+
+
 async def test_a_sleeper_nobody_asks_for_is_stopped_at_once_rather_than_making_a_request_wait(clock):
     gpus = {0: 100.0}
     a = FakeEngine("a", State.AWAKE, share=0.55, since=clock.now - 2, sleep_residual_gb=2)
