@@ -72,7 +72,7 @@ LEVEL2_SLEEP_S, BOOT_FIXED_S = 0.3, 20.0
 DRAFT_SHARE = 0.02  # a draft (EAGLE head or small model) as a share of its target's weights
 ACCEPTANCE = 2.6
 # The roster's time constants (real seconds), scaled like the trace.
-MIN_ACTIVE_S, MAX_HOLD_S, MAX_WAIT_S, DRAIN_S = 5.0, 30.0, 300.0, 30.0
+MIN_ACTIVE_S, MAX_WAIT_S, DRAIN_S = 5.0, 300.0, 30.0
 CALIBRATION_REQUESTS = 20
 WITHIN_S = 2.0
 
@@ -174,7 +174,7 @@ def roster(port: int, args: argparse.Namespace, tmp: Path, arm: str = "hotswap")
     lines = [
         "# written by bench/wake_trace.py",
         f"listen: {{host: 127.0.0.1, port: {port}}}",
-        f"swap: {{min_active_s: {MIN_ACTIVE_S * scale:g}, max_hold_s: {MAX_HOLD_S * scale:g}, "
+        f"swap: {{min_active_s: {MIN_ACTIVE_S * scale:g}, max_hold_s: {args.max_hold_s * scale:g}, "
         f"drain_timeout_s: {DRAIN_S * scale:g}{policy_keys(scale)}{', wake_ahead: false' if arm == 'no-ahead' else ''}}}",
         f"queue: {{max_wait_s: {MAX_WAIT_S * scale:g}, max_waiting: 4096}}",
         f"gpus: [{{index: 0, memory_gb: {GPU_GB:g}}}, {{index: 1, memory_gb: {GPU_GB:g}}}]",
@@ -376,7 +376,7 @@ def report(results: dict[str, Result], header: dict, trace: list[Req], args: arg
     lines += [
         "", f"Host RAM budget {args.ram_budget_gb:g} GB (`sleep_level: auto`); a page cache of {args.page_cache_gb:g} GB "
         f"(`host.page_cache_budget_gb` {args.page_cache_budget_gb:g} where the arm's tree has it); disk "
-        f"{args.disk_gb_per_s:g} GB/s cold; `min_active_s` {MIN_ACTIVE_S:g}, `max_hold_s` {MAX_HOLD_S:g}, "
+        f"{args.disk_gb_per_s:g} GB/s cold; `min_active_s` {MIN_ACTIVE_S:g}, `max_hold_s` {args.max_hold_s:g}, "
         f"`drain_timeout_s` {DRAIN_S:g}; the gate on (its canary after every wake; the embedder's off).", "",
         f"| arm | mean s | p50 s | p90 s | p99 s | within {WITHIN_S:g} s | wakes/min | wakes L1 / L2 / boot | parks | "
         "demotions | stops | errors | send lag p99 ms |",
@@ -454,6 +454,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ram-budget-gb", type=float, default=64.0,
                    help="host.ram_budget_gb (default %(default)s: fewer than the sleepers' weights, so many park at Level 2 "
                         "and the disk, the page cache and staging are in the wait)")
+    p.add_argument("--max-hold-s", type=float, default=30.0,
+                   help="swap.max_hold_s, real seconds: how long a waiter lets busy engines keep the room (default 30)")
     p.add_argument("--disk-gb-per-s", type=float, default=2.0, help="a cold read from disk (default %(default)s)")
     p.add_argument("--page-cache-gb", type=float, default=128.0,
                    help="the host's page cache: the sims evict the least recently read checkpoint past it (default %(default)s)")
@@ -480,7 +482,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # What a child gets again: everything but the arms, the docs and the session's own flags.
     a.passthrough = ["--trace", str(a.trace), "--time-scale", f"{a.time_scale!r}", "--ram-budget-gb", f"{a.ram_budget_gb!r}",
                      "--disk-gb-per-s", f"{a.disk_gb_per_s!r}", "--page-cache-gb", f"{a.page_cache_gb!r}",
-                     "--page-cache-budget-gb", f"{a.page_cache_budget_gb!r}", "--max-seconds", f"{a.max_seconds!r}", "--no-docs"]
+                     "--page-cache-budget-gb", f"{a.page_cache_budget_gb!r}", "--max-seconds", f"{a.max_seconds!r}",
+                     "--max-hold-s", f"{a.max_hold_s!r}", "--no-docs"]
     if a.minutes is not None and a.minutes <= a.warmup_minutes:
         p.error("--minutes must be more than --warmup-minutes")
     if a.minutes is not None:
