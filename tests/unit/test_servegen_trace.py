@@ -99,8 +99,6 @@ def test_the_readme_records_the_stretch_the_commit_and_the_command(trace):
 def test_the_wake_bench_roster_serves_every_model_of_the_trace_on_two_gpus_at_h200_costs(tmp_path, wake_trace):
     """bench/wake_trace.py's roster is one hotswap accepts, places every model of the trace on two GPUs
     with about 2.9 GPUs' worth of shares, and prices each step as an H200 host takes it."""
-    import argparse
-
     from config import parse_roster
 
     header, reqs = wake_trace.load_trace(TRACE, None)
