@@ -219,6 +219,10 @@ class Costs(SchedulerState):
         return sum((1.0 - math.exp(-self.demand.rate(other.name, now) * boot)) * boot / 2 for other in self.engines
                    if other is not engine and not other.spec.pin and mine & set(other.spec.devices))
 
+    def _next_wake_s(self, engine: Engine, level: Optional[int]) -> float:
+        """Its predicted wake from `level` (None: a boot), staged where its next one likely will be."""
+        return self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine))
+
     def deeper_level(self, engine: Engine, now: float) -> Optional[int]:
         """The rung a KV-parked `engine` goes down to when its weights' room is needed: what a full park
         would choose now (Level 1 while host RAM holds it as it is, else 2); None: neither (a stop)."""
@@ -234,18 +238,17 @@ class Costs(SchedulerState):
         go to the least recently used."""
         if action == "stop":  # a sleeper's: the boot beyond the wake it would have had; an awake one's: the whole boot
             level = engine.sleep_level
-            wake = 0.0 if level is None else self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine))
+            wake = 0.0 if level is None else self._next_wake_s(engine, level)
             extra = self.waited(engine, self.costs.boot_s(engine.name), now) - self.waited(engine, wake, now) \
                 + self.blocked_by_boot(engine, now)
         elif action == "kv_park":
             extra = self.waited(engine, self.costs.wake_s(engine.name, KV_PARKED), now)
         elif action == "deepen":
-            level = self.deeper_level(engine, now)
-            extra = self.waited(engine, self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine)), now) \
+            extra = self.waited(engine, self._next_wake_s(engine, self.deeper_level(engine, now)), now) \
                 - self.waited(engine, self.costs.wake_s(engine.name, KV_PARKED), now)
         else:
             level, _ = self._choose_level(engine, now)
-            extra = self.waited(engine, self.costs.boot_s(engine.name), now) + self.blocked_by_boot(engine, now) \
-                if level is None else self.waited(engine, self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine)), now)
+            extra = self.waited(engine, self._next_wake_s(engine, level), now) \
+                + (self.blocked_by_boot(engine, now) if level is None else 0.0)
         recency = 1e-9 / (1.0 + max(0.0, now - self.demand.last(engine.name)))  # a tie-break only
         return self._reuse(engine, now) * max(extra, 0.0) + recency

@@ -209,8 +209,8 @@ class Scheduler(WakeAhead):
         waits: list[float] = []
         forced, candidates, blocked = [], [], False
         # A sleeper with waiters of its own is a target itself: stopping it makes them wait out a boot.
-        # It is offered only when nothing else on these GPUs is awake or on its way, so will ever make room.
-        spare_targets = any(e is not target and not e.spec.pin and set(e.spec.devices) & set(target.spec.devices)
+        # It is offered only when nothing else on these GPUs is awake or on its way: no park will ever make the room.
+        room_can_come = any(e is not target and not e.spec.pin and set(e.spec.devices) & set(target.spec.devices)
                             and e.state not in (State.SLEEPING, State.COLD, State.FAILED) for e in self.engines)
         for engine in self.engines:
             if engine is target or engine.spec.pin:
@@ -224,7 +224,7 @@ class Scheduler(WakeAhead):
                     candidates.append(Victim(engine, "park", ledger.parked_frees(engine), self.cost(engine, "park", now),
                                              False, max(ready_in, 0.01)))
                 continue
-            if engine.state is State.SLEEPING and not (spare_targets and self.waiting[engine.name]):
+            if engine.state is State.SLEEPING and not (room_can_come and self.waiting[engine.name]):
                 candidates += self._sleeper_offers(ledger, engine, now)
             elif engine.state is State.AWAKE:
                 ready_in = self._evictable_in(engine, oldest, now)
