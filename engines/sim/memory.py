@@ -15,18 +15,18 @@ its residual: its share less those is the KV cache, freed. Booting or waking che
 
 Every access purges holders whose process is gone (exited, crashed, SIGKILLed, or a
 zombie nobody reaped), so a dead engine never leaks memory and no cleanup hook is needed.
-Processes share the file through an exclusive `fcntl.flock` around read-modify-write.
+Processes share the file through an exclusive `fcntl.flock` around read-modify-write (shared_file.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from engines.sim import shared_file
 
 LEDGER_ENV = "HOTSWAP_SIM_GPU_LEDGER"
 MEMORY_ENV = "HOTSWAP_SIM_GPU_MEMORY_GB"
@@ -162,30 +162,18 @@ class Ledger:
         return gib(self.sizes_gb.get(device, DEFAULT_DEVICE_GB))
 
     @contextlib.contextmanager
-    def _locked(self, write: bool) -> Iterator[dict]:
-        """The live holders, under the file lock; written back when `write`."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            with os.fdopen(os.dup(fd), "r+") as f:
-                text = f.read()
-                holders = json.loads(text).get("holders", {}) if text.strip() else {}
-                live = {k: h for k, h in holders.items() if _alive(int(k), h.get("start"))}
-                yield live
-                if write or live.keys() != holders.keys():
-                    f.seek(0)
-                    f.truncate()
-                    json.dump({"holders": live}, f, sort_keys=True)
-                    f.flush()
-        finally:
-            os.close(fd)  # releases the lock
+    def _locked(self) -> Iterator[dict]:
+        """The live holders, under the file lock (shared_file): the dead are purged as it is read."""
+        with shared_file.locked(self.path, "holders") as holders:
+            for pid in [k for k, h in holders.items() if not _alive(int(k), h.get("start"))]:
+                del holders[pid]
+            yield holders
 
     def set(self, pid: int, amounts: dict[int, int], *, check: bool, **info) -> None:
         """Make `pid` hold `amounts` (bytes per device, in CUDA_VISIBLE_DEVICES order), with
         `info` (model, state, share) beside it. With `check`, raise OutOfMemory (changing
         nothing) when a device where the holding grows has less free than is asked."""
-        with self._locked(write=True) as holders:
+        with self._locked() as holders:
             key = str(pid)
             mine = {int(d): b for d, b in holders.get(key, {}).get("bytes", {}).items()}
             if check:
@@ -208,18 +196,18 @@ class Ledger:
             }
 
     def release(self, pid: int) -> None:
-        with self._locked(write=True) as holders:
+        with self._locked() as holders:
             holders.pop(str(pid), None)
 
     def held(self, pid: int) -> dict[int, int]:
         """Bytes `pid` holds per device."""
-        with self._locked(write=False) as holders:
+        with self._locked() as holders:
             return {int(d): b for d, b in holders.get(str(pid), {}).get("bytes", {}).items()}
 
     def snapshot(self) -> dict:
         """The whole ledger in GB: per device total/used/free (devices anyone holds, plus the
         configured ones), and per holder pid its model, state and GB per device."""
-        with self._locked(write=False) as holders:
+        with self._locked() as holders:
             used: dict[int, int] = {}
             for h in holders.values():
                 for d, b in h["bytes"].items():

@@ -12,7 +12,7 @@ H200 host's measured reload from RAM) is a read of resident pages. The engine's 
   reads waits for it.
 
 The page cache is the host's: with `HOTSWAP_SIM_PAGE_CACHE=/path/cache.json` every sim on the host
-shares one (a JSON file under `flock`, as the GPU ledger in memory.py), holding checkpoints by their
+shares one (a JSON file under `flock`, shared_file.py, as the GPU ledger in memory.py), holding checkpoints by their
 MODEL path (two engines of one checkpoint share its pages), each with the time it was last read; over
 `HOTSWAP_SIM_PAGE_CACHE_GB` (unset: unbounded) the least recently read are evicted. Without the file,
 the cache is this process's own.
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import json
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from engines.sim import shared_file
 
 CACHE_ENV = "HOTSWAP_SIM_PAGE_CACHE"
 CAPACITY_ENV = "HOTSWAP_SIM_PAGE_CACHE_GB"
@@ -53,20 +53,8 @@ class PageCache:
         if self.path is None:
             yield self._own
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            with os.fdopen(os.dup(fd), "r+") as f:
-                text = f.read()
-                entries = json.loads(text).get("resident", {}) if text.strip() else {}
-                yield entries
-                f.seek(0)
-                f.truncate()
-                json.dump({"resident": entries}, f, sort_keys=True)
-                f.flush()
-        finally:
-            os.close(fd)
+        with shared_file.locked(self.path, "resident") as entries:
+            yield entries
 
     def resident(self, key: str) -> bool:
         with self._locked() as entries:
