@@ -2,25 +2,11 @@
 memory-aware LRU router, side by side in one run.
 
     .venv/bin/python bench/wake_trace.py [--trace bench/traces/servegen-d1-7.jsonl] [--minutes M]
-        [--time-scale S] [--arms hotswap,lru,before --ab-src TREE] [--write-docs]
+        [--time-scale S] [--arms hotswap,lru,before --ab-src TREE] [--reps N] [--write-docs]
 
-The trace is ServeGen-derived (bench/traces/README.md): bursty per-application arrivals, ten models.
-The roster (`MODELS`) puts them on two GPUs of 141 GB, their `--gpu-memory-utilization` shares
-summing to about 2.9 GPUs, from a 70B (fp8) down to an embedder. Every step the router drives
-costs what it costs on an H200 host, per GPU (an engine on two GPUs moves half its weights on
-each, in parallel), times `--time-scale`:
-
-  Level-1 sleep   weights out to pinned host RAM at 25 GB/s     (sim step sleep_level1; the copy is
-                  counted against --ram-budget-gb at its modelled size: engines/sim/host_memory.py,
-                  1e6 real bytes per GB)
-  Level-1 wake    weights back at 50 GB/s                       (wake)
-  Level-2 sleep   0.3 s: the weights are only dropped           (sleep_level2)
-  Level-2 wake    the reload reads the page cache at 6 GB/s when the checkpoint is resident there,
-                  else the disk at --disk-gb-per-s (the sims' disk model, engines/sim/page_cache.py:
-                  one page cache for the host, LRU within --page-cache-gb; a stage makes a checkpoint
-                  resident); the draft's reload 6 GB/s
-  cold boot       20 s (process, CUDA graphs) + the weights from disk at --disk-gb-per-s
-  decode          each model's tokens/s (`MODELS`), with a draft accepting 2.6 tokens a step
+The trace is ServeGen-derived (bench/traces/README.md): bursty per-application arrivals, ten models,
+on the roster bench/wake_roster.py writes (two GPUs of 141 GB, every step at an H200 host's cost,
+times `--time-scale`).
 
 The arms, each a fresh router (in its own child process, so `before` imports another tree) on
 fresh simulated engines (always this tree's `engines.sim`, so every arm meets the same engines):
@@ -45,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import logging
 import math
@@ -55,153 +40,18 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import contention  # bench/contention.py: the waiting no policy avoids
 import harness as h  # bench/harness.py: the run session, report helpers
+from wake_roster import (DRAIN_S, MAX_WAIT_S, MIN_ACTIVE_S, MODELS, PAGE_CACHE_GB_S, TRACE, Model, Req,  # noqa: F401 (Model: tests)
+                         load_trace, older_tree, policy_keys, roster)
 from replay import Failed, at_arrival_times, first_errors, lru_cost, running_router  # bench/replay.py: the in-process router
 
 SECTION = "## The wait for a parked model on a production trace (issue 32)"
 ARMS = ("hotswap", "no-ahead", "lru", "before")
-GPU_GB = 141.0
-TRACE = h.REPO / "bench" / "traces" / "servegen-d1-7.jsonl"
-
-# An H200 host, in real seconds (issue 32).
-L1_OUT_GB_S, L1_BACK_GB_S, PAGE_CACHE_GB_S = 25.0, 50.0, 6.0
-LEVEL2_SLEEP_S, BOOT_FIXED_S = 0.3, 20.0
-DRAFT_SHARE = 0.02  # a draft (EAGLE head or small model) as a share of its target's weights
-ACCEPTANCE = 2.6
-# The roster's time constants (real seconds), scaled like the trace.
-MIN_ACTIVE_S, MAX_WAIT_S, DRAIN_S = 5.0, 300.0, 30.0
 CALIBRATION_REQUESTS = 20
 WITHIN_S = 2.0
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    devices: tuple[int, ...]
-    share: float  # --gpu-memory-utilization, on each of its devices
-    weights_gb: float  # the whole checkpoint (spread over its devices)
-    tok_s: float  # decode tokens/s of one request
-    kind: str = "chat"
-
-    @property
-    def per_gpu_gb(self) -> float:
-        return self.weights_gb / len(self.devices)
-
-    def steps(self) -> dict[str, float]:
-        """Real seconds of each sim step."""
-        w = self.per_gpu_gb
-        return {"sleep_level1": w / L1_OUT_GB_S, "sleep_level2": LEVEL2_SLEEP_S, "wake": w / L1_BACK_GB_S,
-                "wake_weights": 0.05, "reload_draft": w * DRAFT_SHARE / PAGE_CACHE_GB_S, "wake_kv_cache": 0.1}
-
-    def reload_s(self, gb_s: float) -> float:
-        """reload_weights of the whole checkpoint (the sims' disk model: engines/sim/page_cache.py)."""
-        return self.weights_gb / gb_s
-
-    def boot_s(self, disk_gb_s: float) -> float:
-        return BOOT_FIXED_S + self.per_gpu_gb / disk_gb_s
-
-
-# Shares sum to 2.8 GPUs over two, laid out as an operator would by the trace's popularity: GPU 0
-# holds the hot set awake together (the 70B, the two most asked-for small models, the embedder),
-# GPU 1 the long tail, 1.8 GPUs' worth taking turns. The 70B and the Mixtral in fp8, the rest bf16.
-MODELS = {m.name: m for m in (
-    Model("llama-70b", (0,), 0.60, 70, 35),
-    Model("qwen-32b", (1,), 0.55, 64, 60),
-    Model("mixtral-8x7b", (1,), 0.40, 47, 70),
-    Model("gemma-27b", (1,), 0.45, 54, 65),
-    Model("llama-13b", (1,), 0.25, 26, 90),
-    Model("mistral-7b", (0,), 0.15, 14.5, 120),
-    Model("llama-8b", (0,), 0.15, 16, 115),
-    Model("qwen-7b", (1,), 0.15, 15, 120),
-    Model("phi-3-mini", (0,), 0.08, 7.6, 160),
-    Model("bge-large", (0,), 0.02, 0.7, 1000, kind="embeddings"),
-)}
-
-
-@dataclass(frozen=True)
-class Req:
-    i: int
-    t: float
-    model: str
-    kind: str
-    tokens: int
-
-
-def load_trace(path: Path, minutes: Optional[float]) -> tuple[dict, list[Req]]:
-    with path.open() as f:
-        header = json.loads(f.readline())["header"]
-        rows = [json.loads(line) for line in f if line.strip()]
-    unknown = sorted({r["model"] for r in rows} - set(MODELS))
-    if unknown:
-        raise SystemExit(f"{path}: models not in this bench's roster: {', '.join(unknown)}")
-    cut = math.inf if minutes is None else minutes * 60
-    reqs = [Req(i, r["t"], r["model"], r["kind"], max(1, r["output_tokens"])) for i, r in enumerate(x for x in rows if x["t"] < cut)]
-    return header, reqs
-
-
-def policy_keys(scale: float) -> str:
-    """The scheduler's own time constants as roster keys, scaled, where the tree running has them (a tree
-    from before they were keys gets them set on its instance instead: `older_tree`)."""
-    from config.schema import Swap
-
-    fields = Swap.model_fields
-    return "".join(f", {key}: {fields[key].default * scale:g}" for key in ("demand_tau_s", "reuse_horizon_s") if key in fields)
-
-
-def older_tree(scheduler: Any, scale: float) -> None:
-    """A tree from before the policy's time constants were roster keys: scale them on the instance."""
-    old = importlib.import_module("router.scheduling")  # that tree's names, which this one no longer exports
-    scheduler.demand = old.Demand(old.DEMAND_TAU_S * scale)
-    scheduler.reuse_horizon_s *= scale
-
-
-def host_keys(args: argparse.Namespace) -> str:
-    """host: the RAM budget, and the page cache staging may fill where the tree running has the key."""
-    from config.sections import Host
-
-    staged = f", page_cache_budget_gb: {args.page_cache_budget_gb:g}" if "page_cache_budget_gb" in Host.model_fields else ""
-    return f"host: {{ram_budget_gb: {args.ram_budget_gb:g}{staged}}}"
-
-
-def roster(port: int, args: argparse.Namespace, tmp: Path, arm: str = "hotswap") -> str:
-    scale = args.time_scale
-    env = {"HOTSWAP_SIM_GPU_LEDGER": str(tmp / f"ledger-{arm}.json"), "HOTSWAP_SIM_GPU_MEMORY_GB": f"0={GPU_GB:g},1={GPU_GB:g}",
-           "HOTSWAP_SIM_PAGE_CACHE": str(tmp / f"page-cache-{arm}.json"), "HOTSWAP_SIM_PAGE_CACHE_GB": f"{args.page_cache_gb:g}",
-           "PYTHONPATH": str(h.REPO)}  # every arm meets this tree's simulator
-    lines = [
-        "# written by bench/wake_trace.py",
-        f"listen: {{host: 127.0.0.1, port: {port}}}",
-        f"swap: {{min_active_s: {MIN_ACTIVE_S * scale:g}, max_hold_s: {args.max_hold_s * scale:g}, "
-        f"drain_timeout_s: {DRAIN_S * scale:g}{policy_keys(scale)}{', wake_ahead: false' if arm == 'no-ahead' else ''}}}",
-        f"queue: {{max_wait_s: {MAX_WAIT_S * scale:g}, max_waiting: 4096}}",
-        f"gpus: [{{index: 0, memory_gb: {GPU_GB:g}}}, {{index: 1, memory_gb: {GPU_GB:g}}}]",
-        host_keys(args),
-        "defaults:",
-        f"  launcher: [{json.dumps(sys.executable)}, -m, engines.sim, serve]",
-        f"  env: {json.dumps(env)}",
-        "models:",
-    ]
-    for m in MODELS.values():
-        flags = ["--gpu-memory-utilization", f"{m.share:g}", "--sim-boot-s", f"{m.boot_s(args.disk_gb_per_s) * scale:.4f}",
-                 "--sim-token-rate", f"{m.tok_s / scale:g}", "--sim-acceptance", f"{ACCEPTANCE:g}",
-                 "--max-model-len", "131072", "--sim-weights-gb", f"{m.weights_gb:g}", "--sim-host-bytes-per-gb", "1e6",
-                 "--sim-disk-gb-per-s", f"{args.disk_gb_per_s / scale:g}", "--sim-page-cache-gb-per-s", f"{PAGE_CACHE_GB_S / scale:g}"]
-        for step, s in m.steps().items():
-            flags += ["--sim-step-delay", f"{step}={s * scale:.4f}"]
-        lines += [f"  - name: {m.name}", f"    model: bench/{m.name}", f"    weights_gb: {m.weights_gb:g}",
-                  f"    devices: {list(m.devices)}", f"    args: {json.dumps(flags)}"]
-        if m.kind == "chat":
-            lines.append(f"    speculative: {{method: draft_model, model: bench/{m.name}-draft, num_speculative_tokens: 3}}")
-        else:  # the canary is a generation; an embedder's check would be a pooling request
-            lines.append("    gate: {enabled: false}")
-        if m.name == "llama-8b":
-            lines.append("    default: true")
-    return "\n".join(lines) + "\n"
-
-
 @dataclass
 class Result:
     arm: str
@@ -337,16 +187,42 @@ def run_child(arm: str, args: argparse.Namespace, tmp: Path) -> Result:
 # report
 # ---------------------------------------------------------------------------------------------
 
+def waits_stats(xs: list[float]) -> dict[str, float]:
+    return {"mean": sum(xs) / len(xs) if xs else math.nan, "p50": h.percentile(xs, 0.5), "p90": h.percentile(xs, 0.9),
+            "p99": h.percentile(xs, 0.99), "within": sum(1 for x in xs if x <= WITHIN_S) / len(xs) if xs else math.nan}
+
+
 def summary(xs: list[float], minutes: float, res: Result) -> dict[str, float]:
     """`minutes`: the whole replay's (warm-up too), which every wake of `res` falls in."""
     wakes = sum(res.wakes.get(k, 0) for k in ("level1", "level2"))
-    return {"mean": sum(xs) / len(xs) if xs else math.nan, "p50": h.percentile(xs, 0.5), "p90": h.percentile(xs, 0.9),
-            "p99": h.percentile(xs, 0.99), "within": sum(1 for x in xs if x <= WITHIN_S) / len(xs) if xs else math.nan,
-            "wakes_min": wakes / minutes}
+    return {**waits_stats(xs), "wakes_min": wakes / minutes}
 
 
-def report(results: dict[str, Result], header: dict, trace: list[Req], args: argparse.Namespace, started: str,
+def pooled(rounds: list[dict[str, Result]], measured: set[int]) -> dict[str, dict[str, float]]:
+    """Each arm's waits over every round: in each round, of the requests answered 200 in all its arms."""
+    oks = [[i for i in sorted(measured) if all(i in res.waits for res in results.values())] for results in rounds]
+    return {a: waits_stats([results[a].waits[i] for results, ok in zip(rounds, oks) for i in ok]) for a in rounds[0]}
+
+
+def verdict(stats: dict[str, dict[str, float]]) -> str:
+    """hotswap's numbers against the issue's targets (and `before` and LRU, where they ran)."""
+    hs = stats["hotswap"]
+    verdicts = [f"within {WITHIN_S:g} s: {hs['within']:.0%} (target ≥ 90%)", f"p99 {hs['p99']:.1f} s (target ≤ 15 s)"]
+    if "before" in stats:
+        b = stats["before"]
+        verdicts += [f"mean ÷ before {hs['mean'] / b['mean']:.2f}× (target ≤ 0.5×)",
+                     f"p99 ÷ before {hs['p99'] / b['p99']:.2f}× (target ≤ 0.6×)"]
+    if "lru" in stats:
+        lru = stats["lru"]
+        worse = [k for k in ("mean", "p50", "p90", "p99") if hs[k] > lru[k] + 0.005]
+        verdicts.append("never worse than LRU at mean, p50, p90, p99" if not worse else f"WORSE than LRU at {', '.join(worse)}")
+    return "; ".join(verdicts)
+
+
+def report(rounds: list[dict[str, Result]], header: dict, trace: list[Req], args: argparse.Namespace, started: str,
            elapsed: float, load_start: str) -> str:
+    """The section: every table of the first round; with --reps, each round's numbers and the verdict pooled."""
+    results = rounds[0]
     start = trace[0].t + args.warmup_minutes * 60
     measured = {r.i for r in trace if r.t >= start}
     ok = {i for i in measured if all(i in res.waits for res in results.values())}
@@ -389,19 +265,20 @@ def report(results: dict[str, Result], header: dict, trace: list[Req], args: arg
                      f"{s['wakes_min']:.1f} | {w.get('level1', 0)} / {w.get('level2', 0)} / {w.get('boot', 0)} | {parks} | "
                      f"{ev.get('demote', 0)} | {ev.get('stop', 0)} | {len(res.errors)} | "
                      f"{h.percentile(res.lag_s, 0.99) * 1e3 / args.time_scale:.0f} |")
-    if "hotswap" in stats:
-        hs = stats["hotswap"]
-        verdicts = [f"within {WITHIN_S:g} s: {hs['within']:.0%} (target ≥ 90%)", f"p99 {hs['p99']:.1f} s (target ≤ 15 s)"]
-        if "before" in stats:
-            b = stats["before"]
-            verdicts += [f"mean ÷ before {hs['mean'] / b['mean']:.2f}× (target ≤ 0.5×)",
-                         f"p99 ÷ before {hs['p99'] / b['p99']:.2f}× (target ≤ 0.6×)"]
-        if "lru" in stats:
-            lru = stats["lru"]
-            worse = [k for k in ("mean", "p50", "p90", "p99") if hs[k] > lru[k] + 0.005]
-            verdicts.append("never worse than LRU at mean, p50, p90, p99" if not worse
-                            else f"WORSE than LRU at {', '.join(worse)}")
-        lines += ["", "**hotswap: " + "; ".join(verdicts) + ".**"]
+    verdict_stats = stats
+    if len(rounds) > 1:
+        verdict_stats = pooled(rounds, measured)
+        lines += ["", f"That is round 1 of {len(rounds)} (`--reps`; each round runs the arms in a rotated order, as the "
+                  "machine drifts; every table below is round 1's). Each round's mean / p90 / p99 / within "
+                  f"{WITHIN_S:g} s, and all rounds pooled:", "",
+                  "| arm | " + " | ".join(f"round {k + 1}" for k in range(len(rounds))) + " | pooled |",
+                  "|---|" + "---|" * (len(rounds) + 1)]
+        for a in results:
+            cells = [pooled([r], measured)[a] for r in rounds] + [verdict_stats[a]]
+            lines.append(f"| {a} | " + " | ".join(f"{c['mean']:.2f} / {c['p90']:.1f} / {c['p99']:.1f} / {c['within']:.0%}"
+                                                  for c in cells) + " |")
+    if "hotswap" in verdict_stats:
+        lines += ["", f"**hotswap{' (pooled)' if len(rounds) > 1 else ''}: {verdict(verdict_stats)}.**"]
     phases = sorted({p for res in results.values() for p in res.phase_s}, key=lambda p: -max(r.phase_s.get(p, 0) for r in results.values()))
     lines += ["", "Where the wakes' time went: real seconds per wake in each phase (the victims' drain and sleep included), "
               "over every successful wake or boot of the replay:", "",
@@ -462,6 +339,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--page-cache-budget-gb", type=float, default=96.0,
                    help="host.page_cache_budget_gb: what the router may stage ahead (default %(default)s)")
     p.add_argument("--arms", default="hotswap,lru", help=f"comma-separated, of {', '.join(ARMS)} (default %(default)s)")
+    p.add_argument("--reps", type=int, default=1, help="run the arms this many rounds, each in a rotated order, and "
+                   "pool their waits for the verdict (default 1)")
     p.add_argument("--ab-src", default=None, help="the tree the `before` arm runs (a checkout of the code before)")
     p.add_argument("--max-seconds", type=float, default=900.0, help="cap on each arm's run, wall (default %(default)s)")
     p.add_argument("--write-docs", action="store_true", help="write the section into --docs (default: print only)")
@@ -515,21 +394,27 @@ def main(argv: list[str]) -> int:
         span = trace[-1].t - trace[0].t
         print(f"bench: {len(trace)} requests over {span:.0f} s real = {span * args.time_scale:.0f} s wall per arm; "
               f"arms {', '.join(args.arms)}; logs in {run.tmp}", flush=True)
-        results = {}
+        rounds: list[dict[str, Result]] = []
         try:
-            for arm in args.arms:
-                print(f"bench: {arm}", flush=True)
-                results[arm] = run_child(arm, args, run.tmp)
-                start = trace[0].t + args.warmup_minutes * 60
-                counted = [w for i, w in results[arm].waits.items() if trace[i].t >= start]
-                s = summary(counted, span / 60, results[arm])
-                print(f"  {arm}: mean {s['mean']:.2f} s, p50 {s['p50']:.2f}, p90 {s['p90']:.2f}, p99 {s['p99']:.1f}, "
-                      f"within {WITHIN_S:g} s {s['within']:.0%}, {len(results[arm].errors)} errors", flush=True)
+            for k in range(args.reps):
+                order = args.arms[k % len(args.arms):] + args.arms[:k % len(args.arms)]
+                tmp = run.tmp if args.reps == 1 else run.tmp / f"round-{k + 1}"
+                tmp.mkdir(exist_ok=True)
+                results = {}
+                for arm in order:
+                    print(f"bench: {arm}" + (f" (round {k + 1} of {args.reps})" if args.reps > 1 else ""), flush=True)
+                    results[arm] = run_child(arm, args, tmp)
+                    start = trace[0].t + args.warmup_minutes * 60
+                    counted = [w for i, w in results[arm].waits.items() if trace[i].t >= start]
+                    s = summary(counted, span / 60, results[arm])
+                    print(f"  {arm}: mean {s['mean']:.2f} s, p50 {s['p50']:.2f}, p90 {s['p90']:.2f}, p99 {s['p99']:.1f}, "
+                          f"within {WITHIN_S:g} s {s['within']:.0%}, {len(results[arm].errors)} errors", flush=True)
+                rounds.append({arm: results[arm] for arm in args.arms})
         except Failed as exc:
             keep = "" if args.keep_logs else " (they are removed on exit: run with --keep-logs to read them)"
             print(f"bench: {exc}{keep}", file=sys.stderr)
             return 1
-        text = report(results, header, trace, args, run.started, time.monotonic() - run.t0, run.load_start)
+        text = report(rounds, header, trace, args, run.started, time.monotonic() - run.t0, run.load_start)
         run.publish(text, SECTION)
         return 0
     return 130

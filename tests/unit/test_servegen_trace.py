@@ -149,3 +149,14 @@ def test_a_request_arriving_while_other_models_streams_fill_its_gpu_is_counted_b
              r(5, 20.0, "b", "chat", 10)]  # the stream has ended
     got = wake_trace.contention.blocked(trace, models, range(len(trace)))
     assert [(b.request, round(b.clear_s, 6)) for b in got] == [(1, 5.0)]
+
+
+def test_rounds_are_pooled_per_arm_over_the_requests_each_round_answered_in_every_arm(wake_trace):
+    result = wake_trace.Result
+    first = {"hotswap": result("hotswap", waits={0: 1.0, 1: 3.0}), "lru": result("lru", waits={0: 2.0, 1: 4.0})}
+    second = {"hotswap": result("hotswap", waits={0: 5.0, 1: 7.0}), "lru": result("lru", waits={0: 6.0})}  # lru lost 1
+    got = wake_trace.pooled([first, second], {0, 1})
+    assert (got["hotswap"]["mean"], got["lru"]["mean"]) == (3.0, 4.0), "round 2 counts request 0 only"
+    assert got["hotswap"]["within"] == pytest.approx(1 / 3)
+    text = wake_trace.verdict(got)
+    assert "within 2 s: 33%" in text and "never worse than LRU" in text, text
