@@ -195,7 +195,7 @@ class Costs(SchedulerState):
     def _level1_value(self, engine: Engine, now: float, passes: bool) -> float:
         """Expected seconds of waiting that keeping `engine` at Level 1 saves: over a Level-2 wake
         when it can pass through the GPU to Level 2 (`passes`), else over the cold boot a stop costs."""
-        instead = self.costs.wake_s(engine.name, 2, self.staged_next(engine)) if passes else self.costs.boot_s(engine.name)
+        instead = self._next_wake_s(engine, 2 if passes else None)
         return self._reuse(engine, now) * max(self.waited(engine, instead, now)
                                               - self.waited(engine, self.costs.wake_s(engine.name, 1), now), 0.0)
 

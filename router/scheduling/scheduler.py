@@ -247,12 +247,13 @@ class Scheduler(WakeAhead):
         later = placement.cheapest(ledger, target, [v for v in candidates if v.action == "park"], forced)
         later_wait = max((v.ready_in for v in later or ()), default=0.0)
         drain = max((self.costs.drain_s(v.engine.name, self.swap.drain_timeout_s) for v in later or () if v.busy), default=0.0)
-        held = self.waited(target, later_wait + drain, now, asking=self.queued(target))
+        waiting_cost = self.waited(target, later_wait + drain, now, asking=self.queued(target)) + sum(v.cost for v in later or ())
         stops = chosen is not None and any(v.action == "stop" for v in chosen)
-        if chosen is not None and not (stops and later and held + sum(v.cost for v in later) < sum(v.cost for v in chosen)):
+        chosen_cost = sum(v.cost for v in chosen or ())
+        if chosen is not None and not (stops and later and waiting_cost < chosen_cost):
             if stops:  # the numbers an operator needs to see why a sleeper lost its process
-                why = f"expected to cost {sum(v.cost for v in chosen):.1f} s of waiting" + (
-                    f", against {held + sum(v.cost for v in later):.1f} s for waiting {later_wait + drain:.1f} s to park "
+                why = f"expected to cost {chosen_cost:.1f} s of waiting" + (
+                    f", against {waiting_cost:.1f} s for waiting {later_wait + drain:.1f} s to park "
                     + ", ".join(v.engine.name for v in later) if later else "")
                 chosen = [dataclasses.replace(v, why=why) if v.action == "stop" else v for v in chosen]
             return forced + chosen, None
