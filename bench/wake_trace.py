@@ -44,8 +44,8 @@ from typing import Any
 
 import contention  # bench/contention.py: the waiting no policy avoids
 import harness as h  # bench/harness.py: the run session, report helpers
-from wake_roster import (DRAIN_S, MAX_WAIT_S, MIN_ACTIVE_S, MODELS, PAGE_CACHE_GB_S, TRACE, Model, Req,  # noqa: F401 (Model: tests)
-                         load_trace, older_tree, policy_keys, roster)
+from wake_roster import (DRAIN_S, MAX_WAIT_S, MIN_ACTIVE_S, MODELS, PAGE_CACHE_GB_S, TRACE, Req, load_trace, older_tree,
+                         policy_keys, roster)
 from replay import Failed, at_arrival_times, first_errors, lru_cost, running_router  # bench/replay.py: the in-process router
 
 SECTION = "## The wait for a parked model on a production trace (issue 32)"
@@ -273,8 +273,9 @@ def report(rounds: list[dict[str, Result]], header: dict, trace: list[Req], args
                   f"{WITHIN_S:g} s, and all rounds pooled:", "",
                   "| arm | " + " | ".join(f"round {k + 1}" for k in range(len(rounds))) + " | pooled |",
                   "|---|" + "---|" * (len(rounds) + 1)]
+        per_round = [pooled([r], measured) for r in rounds]
         for a in results:
-            cells = [pooled([r], measured)[a] for r in rounds] + [verdict_stats[a]]
+            cells = [r[a] for r in per_round] + [verdict_stats[a]]
             lines.append(f"| {a} | " + " | ".join(f"{c['mean']:.2f} / {c['p90']:.1f} / {c['p99']:.1f} / {c['within']:.0%}"
                                                   for c in cells) + " |")
     if "hotswap" in verdict_stats:
@@ -363,6 +364,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      "--disk-gb-per-s", f"{a.disk_gb_per_s!r}", "--page-cache-gb", f"{a.page_cache_gb!r}",
                      "--page-cache-budget-gb", f"{a.page_cache_budget_gb!r}", "--max-seconds", f"{a.max_seconds!r}",
                      "--max-hold-s", f"{a.max_hold_s!r}", "--no-docs"]
+    if a.reps < 1:
+        p.error("--reps must be at least 1")
     if a.minutes is not None and a.minutes <= a.warmup_minutes:
         p.error("--minutes must be more than --warmup-minutes")
     if a.minutes is not None:

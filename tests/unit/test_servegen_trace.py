@@ -2,6 +2,7 @@
 wake-latency bench reads, and was drawn from days 1-7 only: days 8-14 are kept for an independent check."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,6 @@ DAY_S = 86400
 @pytest.fixture(scope="module", name="wake_trace")
 def wake_trace_module():
     """bench/wake_trace.py, imported as the bench runs it (bench/ on sys.path, for its `harness`)."""
-    import sys
-
     sys.path.insert(0, str(TRACES.parent))
     try:
         import wake_trace
@@ -137,7 +136,7 @@ def test_a_long_wait_is_split_into_the_hold_the_victims_drain_the_wake_and_after
 
 
 def test_a_request_arriving_while_other_models_streams_fill_its_gpu_is_counted_blocked_until_they_end(wake_trace):
-    m = wake_trace.Model
+    m = sys.modules["wake_roster"].Model  # the bench's own module, imported with it
     models = {"a": m("a", (0,), 0.6, 1, 10), "b": m("b", (0,), 0.6, 1, 10), "c": m("c", (1,), 0.6, 1, 10),
               "small": m("small", (0,), 0.3, 1, 10)}
     r = wake_trace.Req
