@@ -16,7 +16,7 @@ from config.schema import ModelSpec, Roster, Section
 
 ENGINE_KEYS = ("model", "url", "tls_ca_file", "port", "command", "launcher", "args", "env", "speculative", "devices", "draft_restore")
 CANARY_KEYS = ("enabled", "prompt", "max_tokens", "wake_max_tokens", "lora_canary")  # gate keys that make the canary another one
-SECTIONS = ("auth", "queue", "swap", "gpus", "host", "node", "listen", "activity")  # router-wide
+SECTIONS = ("auth", "queue", "swap", "gpus", "host", "node", "listen", "activity", "virtual_models")  # router-wide
 # Keys bound or opened once at start (None: the whole section): a change needs a router restart. Every
 # other key of a section is read where it is used, so it changes in place.
 RESTART_KEYS: dict[str, Optional[tuple[str, ...]]] = {"listen": None, "activity": None, "node": ("agent_port",)}

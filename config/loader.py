@@ -25,9 +25,10 @@ from pydantic import BaseModel, ValidationError
 
 from config.merge import Path_, blame, format_field, merge_defaults
 from config.placement_check import check_placement
+from config.virtual import VirtualModel, check_virtual_models
 from config.schema import IDENTITY_KEYS, Activity, Auth, Gpu, Host, Listen, ModelDefaults, ModelSpec, Node, Queue, Roster, Swap
 SECTIONS: dict[str, type[BaseModel]] = {"listen": Listen, "auth": Auth, "queue": Queue, "swap": Swap, "host": Host, "node": Node, "activity": Activity}
-TOP_LEVEL_KEYS = (*SECTIONS, "gpus", "defaults", "models")
+TOP_LEVEL_KEYS = (*SECTIONS, "gpus", "defaults", "models", "virtual_models")
 SECRET_PATHS = (("auth", "admin_key"), ("auth", "api_keys"), ("auth", "keys", int, "key"), ("node", "agent_key"))
 ARGV_KEYS = ("args", "launcher", "command")
 # Scalars YAML would turn into something else than a string; in an argv list they keep their spelling.
@@ -206,13 +207,16 @@ class _Loader:
             self.report(("models",), "needs at least one model (a list of mappings with `name:`)", at_key="models" in data)
             return None
         models = [self.validate_entry(entry, defaults, i) for i, entry in enumerate(raw_models)]
-        self.check_across(raw_models, defaults, sections["listen"])
+        owners = self.check_across(raw_models, defaults, sections["listen"])
+        virtual = self.validate_virtual(data.get("virtual_models"))
+        members = {n: m.name for m in models if m is not None for n in m.names}
+        check_virtual_models(self.report, data.get("virtual_models"), owners, members)
         self.check_agent(sections["listen"], sections["node"])
         whole_gpus = gpus is not None and len(gpus) == len(data["gpus"])  # a broken entry would make indexes look unknown
         check_placement(self.report, raw_models, defaults, sorted({g.index for g in gpus}) if whole_gpus else None)
         if self.issues:
             return None
-        roster = Roster(source=self.source, models=models, gpus=gpus, **sections)
+        roster = Roster(source=self.source, models=models, virtual_models=virtual, gpus=gpus, **sections)
         for model in roster.models:
             model._from_env = frozenset(self.from_env)
         roster._located = Locations(self.value_marks, defaults, raw_models)
@@ -268,8 +272,8 @@ class _Loader:
 
         return self.validate_model(ModelSpec, merge_defaults(defaults, entry), path, lambda loc: blame(entry, defaults, index, loc))
 
-    def check_across(self, entries: list[Any], defaults: dict[str, Any], listen: Optional[Listen]) -> None:
-        """Names, ports and group defaults must be unique across models.
+    def check_across(self, entries: list[Any], defaults: dict[str, Any], listen: Optional[Listen]) -> dict[str, Path_]:
+        """Names, ports and group defaults must be unique across models; returns where each name and alias was written.
 
         Runs on the raw entries, so a clash is reported even beside a model's other errors.
         """
@@ -297,6 +301,15 @@ class _Loader:
             group = merged.get("group")
             if merged.get("default") is True and isinstance(group, str):
                 claim(group_default, group, (*base, "default"), "group '{key}' already has its default model at {other}")
+        return owners
+
+    def validate_virtual(self, value: Any) -> list[VirtualModel]:
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            self.report(("virtual_models",), "must be a list of {name: N, models: [...], pick: awake | first | balance}")
+            return []
+        return [v for i, entry in enumerate(value) if (v := self.validate_model(VirtualModel, entry, ("virtual_models", i)))]
 
     def check_agent(self, listen: Optional[Listen], node: Optional[Node]) -> None:
         if listen is not None and node is not None and (problem := exposed_agent(listen.host, node)):

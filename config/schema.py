@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from config.names import ModelName
+from config.virtual import VirtualModel
 from config.argv import (
     DEFAULT_LAUNCHER,
     GPU_SHARE_FLAG,
@@ -59,17 +61,6 @@ def _output_check(value: str) -> str:
     raise ValueError("must be 'exact', 'off' or 'prefix:N' (N characters, N >= 1)")
 
 
-def _one_word(name: str) -> str:
-    # The agent protocol (`<key> <model> backup`) and the front's routing rule carry a name as one word.
-    bad = next((c for c in name if c.isspace() or not c.isprintable()), None)
-    if bad is not None:
-        raise ValueError(f"{name!r} has {'a space' if bad == ' ' else repr(bad)} at position {name.index(bad)}: names and "
-                         "aliases are one word, without whitespace or control characters (HAProxy's agent-send line and "
-                         "the front's routing rule cannot carry them)")
-    return name
-
-
-ModelName = Annotated[str, Field(min_length=1), AfterValidator(_one_word)]
 _Scalar = Union[str, float, bool]
 ArgvItem = Annotated[str, BeforeValidator(arg_text, json_schema_input_type=_Scalar)]
 Argv = Annotated[list[ArgvItem], BeforeValidator(split_argv, json_schema_input_type=Union[str, list[_Scalar]])]
@@ -365,6 +356,7 @@ class RosterFile(Section):
     activity: Activity = Field(default_factory=Activity)
     defaults: ModelDefaults = Field(default_factory=ModelDefaults)  # type: ignore[valid-type]
     models: list[ModelSpec] = Field(min_length=1)
+    virtual_models: list[VirtualModel] = Field(default_factory=list, description="Names that stand for any of several models.")
 
 
 class Roster(Section):
@@ -380,6 +372,7 @@ class Roster(Section):
     node: Node = Node()
     activity: Activity = Activity()
     models: list[ModelSpec]
+    virtual_models: list[VirtualModel] = []
     _located: Optional[Callable[[tuple[Any, ...]], tuple[str, int, int]]] = PrivateAttr(None)  # config.loader.Locations
 
     def locate(self, path: tuple[Any, ...]) -> Optional[tuple[str, int, int]]:

@@ -19,7 +19,7 @@ def node(agent_key=None, **engines: State) -> SimpleNamespace:
     costs.observe_wake("dear", 2, 9.0)
     by_name = {name: SimpleNamespace(name=name, state=state, retiring=False, sleep_level=2 if name == "dear" else 1)
                for name, state in engines.items()}
-    return SimpleNamespace(by_name=by_name, draining=False, placement=SimpleNamespace(costs=costs),
+    return SimpleNamespace(by_name=by_name, virtuals=(), draining=False, placement=SimpleNamespace(costs=costs),
                            roster=SimpleNamespace(node=SimpleNamespace(agent_key=agent_key)))
 
 
