@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable, ContextManager, Optional
 
 CUT_GRACE_S = 5.0  # a cut request gives its lease back within a loop turn or two; not a limit it should meet
@@ -25,15 +26,33 @@ class Leases:
         self._idle.set()
         self._cuts: dict[object, Callable[[str], None]] = {}  # how to end each running request early
         self._cutting: Optional[str] = None  # why, while they are being cut
+        # Little's law over the engine's life: the mean time a lease is held is the leases' time
+        # held (the count integrated over time) over the leases given back. No per-request clock.
+        self._held_s = 0.0
+        self._given_back = 0
+        self._counted_at = time.monotonic()
 
     def take(self) -> None:
+        self._count_time()
         self.count += 1
         self._idle.clear()
 
     def give_back(self) -> None:
+        self._count_time()
         self.count -= 1
+        self._given_back += 1
         if self.count == 0:
             self._idle.set()
+
+    def _count_time(self) -> None:
+        now = time.monotonic()
+        self._held_s += self.count * (now - self._counted_at)
+        self._counted_at = now
+
+    @property
+    def mean_held_s(self) -> Optional[float]:
+        """The mean seconds a request has held its lease (None until one has been given back)."""
+        return self._held_s / self._given_back if self._given_back else None
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no lease is held (True), or `timeout` (False)."""

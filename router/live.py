@@ -25,6 +25,7 @@ from router.keys import EVERYTHING, Grant, KeyTable
 from router.metrics import Metrics
 from router.scheduling import Events, History, Scheduler, SwapRecord, capacity, devices_view, level1_weights
 from router.tasks import spawn
+from router.virtuals import Virtuals
 
 log = logging.getLogger("hotswap")
 
@@ -74,6 +75,7 @@ class Router(Observer, Events):
         for name in self.engines:
             self.history.state(name, State.COLD.value)
         self.by_name: dict[str, Engine] = {n: self.engines[m.name] for m in roster.models for n in m.names}
+        self.virtuals = Virtuals(roster.virtual_models, self.by_name)
         self.keys = KeyTable(roster.auth)
         self.placement = Scheduler(list(self.engines.values()), roster.swap, roster.queue, capacity(roster),
                                    weights=level1_weights(roster.models), observer=self)
@@ -100,9 +102,16 @@ class Router(Observer, Events):
             raise self.unknown_model(model, grant)
         return engine
 
+    def pick_member(self, virtual: str, grant: Grant = EVERYTHING) -> Engine:
+        """The member engine a request for virtual model `virtual` goes to now, if `grant` may use the name."""
+        if not grant.may_use([virtual]):
+            raise self.unknown_model(virtual, grant)
+        return self.virtuals.pick(virtual, self.placement)
+
     def usable_names(self, grant: Grant) -> str:
-        """The roster names and aliases `grant` may use, for messages that list them."""
-        return ", ".join(sorted(n for n, e in self.by_name.items() if grant.may_use(e.spec.names))) or "none"
+        """The roster names, aliases and virtual names `grant` may use, for messages that list them."""
+        names = [n for n, e in self.by_name.items() if grant.may_use(e.spec.names)] + self.virtuals.names(grant)
+        return ", ".join(sorted(names)) or "none"
 
     def unknown_model(self, model: str, grant: Grant) -> APIError:
         known = self.usable_names(grant)

@@ -24,6 +24,7 @@ from router.keys import KeyTable
 from router.live import Router
 from router.scheduling import capacity, level1_weights
 from router.tasks import spawn
+from router.virtuals import Virtuals
 
 log = logging.getLogger("hotswap")
 
@@ -109,6 +110,7 @@ def apply(router: Router, new: Roster, changes: RosterDiff, weights: dict[str, O
     joining = {spec.name: router.new_engine(spec) for spec in changes.added}
     engines = {**router.engines, **joining}
     by_name = {n: engines[m.name] for m in new.models for n in m.names}
+    virtuals = Virtuals(new.virtual_models, by_name)
     # Then the switch, in plain assignments and bookkeeping.
     router.roster = new.model_copy(update={"listen": router.roster.listen})
     router.keys = keys
@@ -133,5 +135,6 @@ def apply(router: Router, new: Roster, changes: RosterDiff, weights: dict[str, O
         if name not in restarting:
             scheduler.pending_spec.pop(name, None)
     router.by_name = by_name
+    router.virtuals = virtuals
     scheduler.weights.update(weights)
     scheduler.poke()

@@ -61,6 +61,8 @@ def reply(router: "Router", line: str) -> str:
         first = "<key> <model>" if key else "<model>"
         return f"down #expected '{first}' or '{first} backup'"
     engine = router.by_name.get(words[0])
+    if engine is None and words[0] in router.virtuals:  # the member a request for it would go to now
+        engine = router.virtuals.pick(words[0], router.placement)
     if engine is None or engine.retiring:
         return NOT_SERVED
     if router.draining:

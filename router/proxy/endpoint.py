@@ -69,6 +69,8 @@ def resolve(router, model: Any, grant: Grant) -> tuple[Engine, str]:
         raise APIError(400, "'model' must be a non-empty string naming a model from GET /v1/models.", "missing_model", param="model")
     if model in router.by_name:
         return router.lookup(model, grant), model
+    if model in router.virtuals:  # the member it picks answers, under its own name
+        return router.pick_member(model, grant), model
     for candidate in router.engines.values():  # a LoRA adapter (or other served name) an engine reported
         if model in candidate.other_names and not candidate.retiring and grant.allows(candidate, model):
             return candidate, model
@@ -281,12 +283,13 @@ class Walk:
 
 def _engine_for(request: web.Request, router, body: dict[str, Any], route: routes.Route) -> tuple[Engine, str]:
     model = body.get("model")
-    if model is None and route.creates_response:
-        # A follow-up without a model continues where its conversation lives, under the name it was started with.
+    if route.creates_response and (model is None or model in router.virtuals):
+        # A follow-up without a model continues where its conversation lives, under the name it was started with;
+        # one by a virtual name, on the member that holds the conversation (another member never saw it).
         previous = body.get("previous_response_id")
         pin = request.app[RESPONSE_IDS_KEY].pin(previous) if isinstance(previous, str) else None
         engine = _usable(router, pin, grant_of(request))
-        if engine is not None and pin is not None:
+        if engine is not None and pin is not None and (model is None or router.virtuals.reaches(grant_of(request), model, engine)):
             return engine, pin.model
     return resolve(router, model, grant_of(request))
 
@@ -295,7 +298,9 @@ def _usable(router, pin: Optional[Pin], grant: Grant) -> Optional[Engine]:
     """The engine a response was pinned to, unless it has left the roster or `grant` may not use it
     under the name the response was created with (the same check as resolution's)."""
     engine = router.engines.get(pin.engine) if pin is not None else None
-    if engine is None or pin is None or engine.retiring or not grant.allows(engine, pin.model):
+    if engine is None or pin is None or engine.retiring:
+        return None
+    if not (grant.allows(engine, pin.model) or router.virtuals.reaches(grant, pin.model, engine)):
         return None
     return engine
 

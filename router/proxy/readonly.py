@@ -16,7 +16,7 @@ DRAINING_RETRY_AFTER_S = 5  # what the scheduler tells refused requests while sh
 
 
 def _model_cards(router: Router, grant: Grant) -> list[dict]:
-    """Every name `grant` may use: roster names and aliases, then the engines' LoRA adapters."""
+    """Every name `grant` may use: roster names and aliases, the virtual models, then the engines' LoRA adapters."""
     scheduler = router.placement
     now = scheduler.clock()
     where = node_card(router.roster)
@@ -31,6 +31,11 @@ def _model_cards(router: Router, grant: Grant) -> list[dict]:
     # word for an adapter's base model; an alias is another name of the same engine, so it says `alias_of`.
     cards = [card(name, engine, engine.spec.model or engine.name, alias_of=None if name == engine.name else engine.name)
              for name, engine in router.by_name.items() if grant.allows(engine, name)]
+    # A virtual model's card is its member's of the moment (state, wake estimate): what a request now would meet.
+    for name in router.virtuals.names(grant):
+        picked = router.virtuals.pick(name, scheduler)
+        cards.append({**card(name, picked, name), "members": [e.name for e in router.virtuals.members(name)],
+                      "picks": picked.name, "group": None})
     # An adapter's parent is its engine's roster name: the name clients use (vLLM's card says the served name).
     return cards + [card(name, engine, root, parent=engine.name) for name, engine, root in router.adapters()
                     if grant.allows(engine, name)]

@@ -1,0 +1,86 @@
+"""The roster's virtual models made live: each virtual name with its member engines, and which
+member serves a request for it now, from what the scheduler knows: who is awake, how loaded, and
+how long a wake of each of the others would take.
+
+A member that is awake costs nothing to use; a parked one costs its wake (`Scheduler.predicted_wait`,
+the `wake_estimate_s` of /v1/models, which counts the park that makes its room). So `awake` and
+`balance` wake a member only when that is the shorter wait, and `first` is the operator's own order.
+
+A key that may use a virtual name reaches its members through it, whatever the key's globs say of
+the members' own names: "any good 8B chat model" is what the key was given, not the 8Bs themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+from config.argv import flag_value
+from config.virtual import VirtualModel
+from engines.engine import Engine, State
+from router.keys import Grant
+from router.scheduling import Scheduler, never_fits
+
+# vLLM 0.32's --max-num-seqs when the engine's args do not set it (see docs/operators.md, "Virtual models").
+VLLM_DEFAULT_MAX_NUM_SEQS = 256
+
+
+class Virtuals:
+    def __init__(self, virtual_models: list[VirtualModel], by_name: Mapping[str, Engine]):
+        # Members by their model's name (a roster may list one by an alias): the engine is what counts.
+        self.table = {v.name: (v, [by_name[m] for m in v.models]) for v in virtual_models}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.table
+
+    def names(self, grant: Grant) -> list[str]:
+        return [name for name in self.table if grant.may_use([name])]
+
+    def members(self, name: str) -> list[Engine]:
+        """Its members in roster order, without those a reload is taking away."""
+        return [e for e in self.table[name][1] if not e.retiring]
+
+    def pick(self, name: str, scheduler: Scheduler) -> Engine:
+        return pick(self.table[name][0], self.members(name) or self.table[name][1], scheduler)
+
+    def reaches(self, grant: Grant, name: str, engine: Engine) -> bool:
+        """Whether `grant`, asking by virtual name `name`, may use member `engine` (a Responses follow-up)."""
+        return name in self.table and grant.may_use([name]) and any(e is engine for e in self.table[name][1])
+
+
+def pick(virtual: VirtualModel, members: Sequence[Engine], scheduler: Scheduler) -> Engine:
+    """The member to send a request for `virtual` to now (`members`: in roster order, none retiring)."""
+    awake = [e for e in members if e.state is State.AWAKE and e.name not in scheduler.busy]
+    least_loaded = min(awake, key=lambda e: e.in_flight, default=None)  # min keeps the first of equals: roster order
+    if virtual.pick == "first":
+        return awake[0] if awake else members[0]
+    now = scheduler.clock()
+    parked = _soonest(scheduler, [e for e in members if e not in awake], now)
+    if least_loaded is None:
+        return parked or members[0]  # none can be placed: the first says why in its 503
+    if virtual.pick == "balance" and parked is not None and queue_wait_s(least_loaded) > scheduler.predicted_wait(parked, now):
+        return parked
+    return least_loaded
+
+
+def _soonest(scheduler: Scheduler, parked: Sequence[Engine], now: float) -> Optional[Engine]:
+    """The parked member with the shortest predicted wait, of those that can be placed and are not backing off."""
+    usable = [e for e in parked if never_fits(scheduler.engines, e) is None
+              and e.state is not State.FAILED and not scheduler.backoff.waiting(e, now)]
+    return min(usable, key=lambda e: scheduler.predicted_wait(e, now), default=None)
+
+
+def max_num_seqs(engine: Engine) -> int:
+    text = flag_value(engine.spec.args, "--max-num-seqs")
+    return int(text) if text is not None and text.isdigit() and int(text) > 0 else VLLM_DEFAULT_MAX_NUM_SEQS
+
+
+def queue_wait_s(engine: Engine) -> float:
+    """How long a request sent to `engine` now would wait in vLLM's own queue: the requests past its
+    `--max-num-seqs` ahead of it, served `max_num_seqs` at a time at the engine's measured time in flight
+    (0 while none has finished, as nothing says yet that it is slow)."""
+    slots = max_num_seqs(engine)
+    ahead = engine.in_flight + 1 - slots
+    mean_s = engine.leases.mean_held_s
+    if ahead <= 0 or mean_s is None:
+        return 0.0
+    return ahead / slots * mean_s
