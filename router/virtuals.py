@@ -20,8 +20,9 @@ from engines.engine import Engine, State
 from router.keys import Grant
 from router.scheduling import Scheduler, never_fits
 
-# vLLM 0.32's --max-num-seqs when the engine's args do not set it (see docs/operators.md, "Virtual models").
-VLLM_DEFAULT_MAX_NUM_SEQS = 256
+# vLLM 0.32's --max-num-seqs for `vllm serve` on an H100/H200-class GPU when the args do not set it
+# (vllm/engine/arg_utils.py:2933-2941; 256 on GPUs under 70 GB, 1024 on B200-class ones).
+VLLM_DEFAULT_MAX_NUM_SEQS = 1024
 
 
 class Virtuals:
@@ -63,9 +64,9 @@ def pick(virtual: VirtualModel, members: Sequence[Engine], scheduler: Scheduler)
 
 
 def _soonest(scheduler: Scheduler, parked: Sequence[Engine], now: float) -> Optional[Engine]:
-    """The parked member with the shortest predicted wait, of those that can be placed and are not backing off."""
-    usable = [e for e in parked if never_fits(scheduler.engines, e) is None
-              and e.state is not State.FAILED and not scheduler.backoff.waiting(e, now)]
+    """The parked member with the shortest predicted wait, of those that can be placed and have not failed
+    (a failed one is retried when asked for by its own name, or when no other member can serve)."""
+    usable = [e for e in parked if never_fits(scheduler.engines, e) is None and e.state is not State.FAILED]
     return min(usable, key=lambda e: scheduler.predicted_wait(e, now), default=None)
 
 

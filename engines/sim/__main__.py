@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--served-model-name", nargs="+", default=None)
     v.add_argument("--max-model-len", type=int, default=4096)
+    v.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded at once; the rest queue (unset: no limit)")
     v.add_argument("--enable-sleep-mode", action="store_true")
     v.add_argument("--speculative-config", type=_json_object, default=None)
     v.add_argument("--worker-extension-cls", default=None)
@@ -188,6 +189,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--per-request-spec-decode-metrics requires speculative decoding to be enabled (via --speculative-config).")
     if args.sim_token_rate <= 0:
         parser.error("--sim-token-rate must be positive")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        parser.error("--max-num-seqs must be at least 1")
     if args.sim_crash_mid_stream is not None and args.sim_crash_mid_stream < 1:
         parser.error("--sim-crash-mid-stream must be >= 1")
     if args.sim_sleep_residual_gb < 0:
@@ -342,6 +345,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
             spec=spec,
             acceptance=args.sim_acceptance,
             token_rate=args.sim_token_rate,
+            max_num_seqs=args.max_num_seqs,
             preserve_patterns=args.sleep_preserve_parameter_names,
             worker_extension=args.worker_extension_cls,
             reset_prefix_false=args.sim_reset_prefix_false,

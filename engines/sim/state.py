@@ -82,6 +82,7 @@ class EngineConfig:
     per_request_spec_metrics: str = "none"  # --per-request-spec-decode-metrics: none | summary | detailed
     prompt_acceptance: list[tuple[str, float]] = field(default_factory=list)  # (prompt substring, MAL)
     numeric_faults: NumericFaults = field(default_factory=NumericFaults)
+    max_num_seqs: int | None = None  # vLLM's --max-num-seqs: requests past it wait in the engine's queue
 
 
 class Generation:
@@ -123,6 +124,8 @@ class SimEngine:
         self._idle.set()
         self.waiting: set[Generation] = set()
         self.running: set[Generation] = set()
+        # vLLM schedules at most max_num_seqs requests a step; the rest wait (vllm:num_requests_waiting).
+        self._slots = asyncio.Semaphore(cfg.max_num_seqs) if cfg.max_num_seqs else None
         self._reset_false_left = 0
         self.metrics = EngineMetrics(cfg.served_names[0], self.k if cfg.spec else None, cfg.log_stats)
         self.numerics = Numerics(cfg.model, cfg.numeric_faults)
@@ -323,6 +326,8 @@ class SimEngine:
         self.waiting.add(gen)
         try:
             await self._pass(self._admit, gen)
+            if self._slots is not None:
+                await self._slots.acquire()
         finally:
             self.waiting.discard(gen)
         self.running.add(gen)
@@ -371,6 +376,8 @@ class SimEngine:
                     yield text
         finally:
             self.running.discard(gen)
+            if self._slots is not None:
+                self._slots.release()
             if not self.running:
                 self._idle.set()
             self._publish(gen.stats)

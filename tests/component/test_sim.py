@@ -977,3 +977,16 @@ async def test_a_perturbed_target_keeps_its_tokens_until_reload_weights_rewrites
     await rpc(http, sim, "reload_weights")
     assert (await rpc(http, sim, "hotswap_target_digest")) == [perturbed["digest_before"]]
     assert (await complete(http, sim, logprobs=0))["choices"][0]["logprobs"] == before
+
+
+async def test_past_max_num_seqs_requests_wait_in_the_engines_queue_and_run_as_slots_free(start_sim_engine, http):
+    sim = start_sim_engine("--sim-token-rate", "400", "--max-num-seqs", "1")
+    first = asyncio.create_task(complete(http, sim, max_tokens=200))
+    await poll(lambda: _running(http, sim, 1))
+    second = asyncio.create_task(complete(http, sim, max_tokens=8))
+    await poll(lambda: _waiting(http, sim, 1))
+    assert metric(await scrape(http, sim), "vllm:num_requests_waiting") == 1
+    assert await pending_after(second, 0.1), "the one slot is taken: the second waits for it"
+    await asyncio.wait_for(first, 5)
+    assert (await asyncio.wait_for(second, 5))["usage"]["completion_tokens"] == 8
+    assert (await state(http, sim))["waiting"] == 0
