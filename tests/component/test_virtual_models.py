@@ -160,3 +160,27 @@ async def test_a_virtual_name_that_clashes_is_refused_at_check_with_where(tmp_pa
     out = done.stdout + done.stderr
     assert f"{path}:" in out and "virtual_models[0].name: 'chat' is already used by models[0].aliases[0]" in out, out
     assert "virtual_models[0].models[1]: 'nope' is not a model of this roster (models: chat-a)" in out, out
+
+
+async def test_a_reload_adds_changes_and_removes_a_virtual_model_in_place(start_router):
+    import yaml
+
+    before = roster_dict(model("chat-a", 0.3), model("chat-b", 0.3))
+    router = await start_router(before)
+    pids = {e["name"]: e["pid"] for e in (await router.status())["engines"]}
+
+    async def reload(roster: dict) -> dict:
+        router.roster_path.write_text(yaml.safe_dump(roster))
+        status, _, body = await http(router, "POST", "/admin/reload", headers=router.admin_headers)
+        assert status == 200, body
+        return body
+
+    await reload({**before, "virtual_models": [{"name": "chat", "models": ["chat-b", "chat-a"], "pick": "first"}]})
+    assert (await card(router, "chat"))["picks"] == "chat-b"
+    assert await ask(client(router), "chat")
+    await reload({**before, "virtual_models": [{"name": "chat", "models": ["chat-a"], "pick": "first"}]})
+    assert (await card(router, "chat"))["members"] == ["chat-a"]
+    await reload(before)
+    with pytest.raises(openai.NotFoundError):
+        await ask(client(router), "chat")
+    assert {e["name"]: e["pid"] for e in (await router.status())["engines"]} == pids, "no engine restarted for it"

@@ -82,3 +82,20 @@ def test_with_an_agent_key_the_fronts_line_carries_it_before_the_model():
     assert words(reply(n, "k3y-0f-the-front cheap")) == ["up", "drain"]
     assert "ready" in words(reply(n, "k3y-0f-the-front cheap backup"))
     assert reply(n, "k3y-0f-the-front cheap primary") == "down #expected '<key> <model>' or '<key> <model> backup'"
+
+
+def test_a_virtual_name_is_answered_for_the_member_a_request_now_would_go_to():
+    n = node(cheap=State.SLEEPING, awake=State.AWAKE)
+    class Virtuals:
+        def __contains__(self, name):
+            return name == "chat"
+
+        def pick(self, name, scheduler):
+            return n.by_name[self.member]
+
+    n.virtuals = Virtuals()
+    n.virtuals.member = "awake"
+    assert words(reply(n, "chat")) == ["up", "ready", "100%"]
+    n.virtuals.member = "cheap"
+    assert words(reply(n, "chat backup")) == ["up", "ready", f"{wake_weight(0.25)}%"]
+    assert reply(n, "chat-other") == "down #not served on this node"
