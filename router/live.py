@@ -98,6 +98,10 @@ class Router(Observer, Events):
         """The engine serving roster name or alias `model`, if `grant` may use it; else the 404 of
         an unknown model, listing only the names `grant` may use."""
         engine = self.by_name.get(model)
+        if engine is None and model in self.virtuals and grant.may_use([model]):  # the admin API acts on one engine
+            members = ", ".join(e.name for e in self.virtuals.members(model))
+            raise APIError(400, f"'{model}' is a virtual model, which stands for any of its members ({members}); "
+                                "name the member to act on", "virtual_model", param="model")
         if engine is None or not grant.allows(engine, model):
             raise self.unknown_model(model, grant)
         return engine

@@ -104,9 +104,11 @@ async def test_balance_wakes_one_more_member_only_when_the_awake_ones_queue_woul
     assert [s["to"] for s in (await router.status())["swaps"]] == ["chat-b"]
 
 
-async def test_with_room_in_its_queue_balance_wakes_nobody(start_router):
+async def test_with_room_in_its_queue_balance_wakes_nobody_and_the_admin_api_wants_a_member(start_router):
     router = await start_router(roster_dict(model("chat-a", 0.3, "--sim-token-rate", "100"), model("chat-b", 0.3),
                                             virtual_models=[{"name": "chat", "models": ["chat-a", "chat-b"], "pick": "balance"}]))
+    status, _, body = await http(router, "POST", "/admin/sleep?model=chat", headers=router.admin_headers)
+    assert status == 400 and body["error"]["code"] == "virtual_model" and "(chat-a, chat-b)" in body["error"]["message"]
     assert (await http(router, "POST", "/admin/sleep?model=chat-b", headers=router.admin_headers))[0] == 200
     c = client(router)
     assert await ask(c, "chat", max_tokens=100)
