@@ -96,6 +96,13 @@ class Req:
     model: str
     kind: str
     tokens: int
+    batch: bool = False  # sent as `X-Hotswap-Class: batch` (the batch client, not the trace's)
+
+
+def batch_flood(trace: list[Req], model: str, count: int, at_s: float, tokens: int) -> list[Req]:
+    """A batch job (a nightly evaluation, say) added to `trace`: `count` requests for `model` all sent
+    at `at_s` real seconds into it, numbered after the trace's own."""
+    return [Req(len(trace) + k, trace[0].t + at_s, model, MODELS[model].kind, tokens, batch=True) for k in range(count)]
 
 
 def load_trace(path: Path, minutes: Optional[float]) -> tuple[dict, list[Req]]:
@@ -116,7 +123,16 @@ def policy_keys(scale: float) -> str:
     from config.schema import Swap
 
     fields = Swap.model_fields
-    return "".join(f", {key}: {fields[key].default * scale:g}" for key in ("demand_tau_s", "reuse_horizon_s") if key in fields)
+    return "".join(f", {key}: {fields[key].default * scale:g}" for key in ("demand_tau_s", "reuse_horizon_s", "interactive_hold_s")
+                   if key in fields)
+
+
+def queue_keys(scale: float) -> str:
+    """queue: its waits, scaled (the batch one where the tree running has it)."""
+    from config.schema import Queue
+
+    batch = f", batch_max_wait_s: {Queue.model_fields['batch_max_wait_s'].default * scale:g}" if "batch_max_wait_s" in Queue.model_fields else ""
+    return f"queue: {{max_wait_s: {MAX_WAIT_S * scale:g}, max_waiting: 4096{batch}}}"
 
 
 def older_tree(scheduler: Any, scale: float) -> None:
@@ -144,7 +160,7 @@ def roster(port: int, args: argparse.Namespace, tmp: Path, arm: str = "hotswap")
         f"listen: {{host: 127.0.0.1, port: {port}}}",
         f"swap: {{min_active_s: {MIN_ACTIVE_S * scale:g}, max_hold_s: {args.max_hold_s * scale:g}, "
         f"drain_timeout_s: {DRAIN_S * scale:g}{policy_keys(scale)}{', wake_ahead: false' if arm == 'no-ahead' else ''}}}",
-        f"queue: {{max_wait_s: {MAX_WAIT_S * scale:g}, max_waiting: 4096}}",
+        queue_keys(scale),
         f"gpus: [{{index: 0, memory_gb: {GPU_GB:g}}}, {{index: 1, memory_gb: {GPU_GB:g}}}]",
         host_keys(args),
         "defaults:",

@@ -17,6 +17,8 @@ fresh simulated engines (always this tree's `engines.sim`, so every arm meets th
             `lru_cost`): a memory-aware router that swaps on demand and drains its victim, as
             Ollama and Ray Serve do
   before    `--ab-src`, a checkout of the code before the change measured (its default scheduler)
+  batch     this tree, with a batch client added to the trace (`--batch-*`: a flood of requests for one
+            model, sent as `X-Hotswap-Class: batch`); its interactive waits are set against hotswap's
 
 Client wait = the time to the first token (embeddings: to the answer). A request streams its
 trace's output tokens at its model's rate, read to the end (its engine is busy until then); its
@@ -33,41 +35,22 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import contention  # bench/contention.py: the waiting no policy avoids
 import harness as h  # bench/harness.py: the run session, report helpers
-from wake_roster import (DRAIN_S, MAX_WAIT_S, MIN_ACTIVE_S, MODELS, PAGE_CACHE_GB_S, TRACE, Req, load_trace, older_tree,
-                         policy_keys, roster)
-from replay import Failed, at_arrival_times, first_errors, lru_cost, running_router  # bench/replay.py: the in-process router
+from wake_roster import MAX_WAIT_S, MODELS, TRACE, Req, batch_flood, load_trace, older_tree, policy_keys, roster
+from replay import Failed, at_arrival_times, lru_cost, running_router  # bench/replay.py: the in-process router
+from wake_report import SECTION, WITHIN_S, Result, report, summary  # bench/wake_report.py: the section it writes
 
-SECTION = "## The wait for a parked model on a production trace (issue 32)"
-ARMS = ("hotswap", "no-ahead", "lru", "before")
+ARMS = ("hotswap", "no-ahead", "lru", "before", "batch")
+BATCH_HEADER = {"X-Hotswap-Class": "batch"}
 CALIBRATION_REQUESTS = 20
-WITHIN_S = 2.0
-@dataclass
-class Result:
-    arm: str
-    floor_s: float = 0.0  # wall
-    waits: dict[int, float] = field(default_factory=dict)  # request -> real seconds to its first token
-    errors: list[str] = field(default_factory=list)
-    lag_s: list[float] = field(default_factory=list)
-    wakes: dict[str, int] = field(default_factory=dict)
-    wake_s: dict[str, float] = field(default_factory=dict)
-    evictions: dict[str, int] = field(default_factory=dict)
-    phase_s: dict[str, float] = field(default_factory=dict)  # real seconds in each phase, over every wake
-    parts: dict[int, dict[str, float]] = field(default_factory=dict)  # request -> its wait's parts (`wait_parts`)
-    wall_s: float = 0.0
-
-
-PARTS = ("held", "drain", "wake", "after")
 
 
 def wait_parts(sent: float, first: float, spans: list[tuple[float, float, dict[str, float]]]) -> dict[str, float]:
@@ -101,7 +84,12 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
         if arm == "lru":
             scheduler.cost = lru_cost(scheduler)
 
-    timeout = aiohttp.ClientTimeout(total=(MAX_WAIT_S + 2 * max(r.tokens for r in trace) / 30) * scale + 60)
+    if arm == "batch":
+        trace = sorted(trace + batch_flood(trace, args.batch_model, args.batch_requests, args.batch_at_minute * 60,
+                                           args.batch_tokens), key=lambda r: r.t)
+    # A batch request may wait until the trace's interactive demand is over (queue.batch_max_wait_s at most).
+    longest_wait_s = MAX_WAIT_S if arm != "batch" else max(MAX_WAIT_S, (trace[-1].t - trace[0].t) + 600)
+    timeout = aiohttp.ClientTimeout(total=(longest_wait_s + 2 * max(r.tokens for r in trace) / 30) * scale + 60)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as client, \
             running_router(text, arm, tmp / f"engines-{arm}", deadline, setup) as run:
         res = Result(arm)
@@ -116,7 +104,7 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
                                                  "temperature": 0, "ignore_eos": True, "stream": True}
             t0 = time.monotonic()
             try:
-                async with client.post(run.base_url + path, json=body) as resp:
+                async with client.post(run.base_url + path, json=body, headers=BATCH_HEADER if r.batch else None) as resp:
                     if resp.status != 200 or r.kind == "embeddings":
                         data = await resp.read()
                         return resp.status, time.monotonic() - t0, "" if resp.status == 200 else data[:200].decode(errors="replace")
@@ -147,7 +135,7 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
             at = time.monotonic()
             status, lat, err = await send(r)
             if status != 200:
-                res.errors.append(f"#{r.i} {r.model}: {status} {err}")
+                res.errors.append(f"#{r.i} {r.model}{' (batch)' if r.batch else ''}: {status} {err}")
                 return
             res.waits[r.i] = max(0.0, lat - res.floor_s) / scale
             sent[r.i] = (at, at + lat)
@@ -158,10 +146,11 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
     res.evictions = dict(run.recorder.evictions)
     res.phase_s = run.recorder.phase_seconds(scale)
     spans = run.recorder.spans()
+    by_id = {r.i: r for r in trace}
     for i, wait in res.waits.items():
         if wait > WITHIN_S:
             at, first = sent[i]
-            res.parts[i] = {k: v / scale for k, v in wait_parts(at, first, spans.get(trace[i].model, [])).items()}
+            res.parts[i] = {k: v / scale for k, v in wait_parts(at, first, spans.get(by_id[i].model, [])).items()}
     return res
 
 
@@ -183,141 +172,6 @@ def run_child(arm: str, args: argparse.Namespace, tmp: Path) -> Result:
     return Result(**data)
 
 
-# ---------------------------------------------------------------------------------------------
-# report
-# ---------------------------------------------------------------------------------------------
-
-def waits_stats(xs: list[float]) -> dict[str, float]:
-    return {"mean": sum(xs) / len(xs) if xs else math.nan, "p50": h.percentile(xs, 0.5), "p90": h.percentile(xs, 0.9),
-            "p99": h.percentile(xs, 0.99), "within": sum(1 for x in xs if x <= WITHIN_S) / len(xs) if xs else math.nan}
-
-
-def summary(xs: list[float], minutes: float, res: Result) -> dict[str, float]:
-    """`minutes`: the whole replay's (warm-up too), which every wake of `res` falls in."""
-    wakes = sum(res.wakes.get(k, 0) for k in ("level1", "level2"))
-    return {**waits_stats(xs), "wakes_min": wakes / minutes}
-
-
-def pooled(rounds: list[dict[str, Result]], measured: set[int]) -> dict[str, dict[str, float]]:
-    """Each arm's waits over every round: in each round, of the requests answered 200 in all its arms."""
-    oks = [[i for i in sorted(measured) if all(i in res.waits for res in results.values())] for results in rounds]
-    return {a: waits_stats([results[a].waits[i] for results, ok in zip(rounds, oks) for i in ok]) for a in rounds[0]}
-
-
-def verdict(stats: dict[str, dict[str, float]]) -> str:
-    """hotswap's numbers against the issue's targets (and `before` and LRU, where they ran)."""
-    hs = stats["hotswap"]
-    verdicts = [f"within {WITHIN_S:g} s: {hs['within']:.0%} (target ≥ 90%)", f"p99 {hs['p99']:.1f} s (target ≤ 15 s)"]
-    if "before" in stats:
-        b = stats["before"]
-        verdicts += [f"mean ÷ before {hs['mean'] / b['mean']:.2f}× (target ≤ 0.5×)",
-                     f"p99 ÷ before {hs['p99'] / b['p99']:.2f}× (target ≤ 0.6×)"]
-    if "lru" in stats:
-        lru = stats["lru"]
-        worse = [k for k in ("mean", "p50", "p90", "p99") if hs[k] > lru[k] + 0.005]
-        verdicts.append("never worse than LRU at mean, p50, p90, p99" if not worse else f"WORSE than LRU at {', '.join(worse)}")
-    return "; ".join(verdicts)
-
-
-def report(rounds: list[dict[str, Result]], header: dict, trace: list[Req], args: argparse.Namespace, started: str,
-           elapsed: float, load_start: str) -> str:
-    """The section: every table of the first round; with --reps, each round's numbers and the verdict pooled."""
-    results = rounds[0]
-    start = trace[0].t + args.warmup_minutes * 60
-    measured = {r.i for r in trace if r.t >= start}
-    ok = {i for i in measured if all(i in res.waits for res in results.values())}
-    minutes = (trace[-1].t - start) / 60
-    span = (trace[-1].t - trace[0].t) / 60
-    stats = {a: summary([res.waits[i] for i in ok], span, res) for a, res in results.items()}
-    lines = [
-        SECTION, "",
-        f"{h.host(started)}, commit {h.git_rev()}. Took {elapsed:.0f} s. Load average at start / end: "
-        f"{load_start} / {h.loadavg()}.", "", "```", h.command_line(), "```", "",
-        f"Trace: `{args.trace.relative_to(h.REPO) if args.trace.is_relative_to(h.REPO) else args.trace}` "
-        f"({header.get('source', '?')}, commit {str(header.get('commit', '?'))[:7]}, days {header.get('days')}), "
-        f"{len(trace)} requests; the first {args.warmup_minutes:g} minutes replayed but not counted, "
-        f"{len(measured)} requests over {minutes:.1f} minutes measured; time scale {args.time_scale:g}. "
-        f"Waits are real seconds to the first token (embeddings: to the answer), over the {len(ok)} requests "
-        "answered 200 in every arm. Floor (wall): " + ", ".join(f"{a} {r.floor_s * 1e3:.1f} ms" for a, r in results.items()) + ".",
-        "", "| model | GPUs | share | weights GB | L1 sleep / wake s | L2 wake s, staged / cold | boot s | tok/s | requests |",
-        "|---|---|---:|---:|---|---|---:|---:|---:|",
-    ]
-    for m in MODELS.values():
-        st = m.steps()
-        rest = st["wake_weights"] + st["wake_kv_cache"] + (st["reload_draft"] if m.kind == "chat" else 0)
-        n = sum(1 for r in trace if r.model == m.name and r.i in measured)
-        lines.append(f"| {m.name} | {','.join(map(str, m.devices))} | {m.share:g} | {m.weights_gb:g} | "
-                     f"{st['sleep_level1']:.2f} / {st['wake']:.2f} | {rest + m.reload_s(PAGE_CACHE_GB_S):.1f} / "
-                     f"{rest + m.reload_s(args.disk_gb_per_s):.1f} | {m.boot_s(args.disk_gb_per_s):.0f} | {m.tok_s:g} | {n} |")
-    lines += [
-        "", f"Host RAM budget {args.ram_budget_gb:g} GB (`sleep_level: auto`); a page cache of {args.page_cache_gb:g} GB "
-        f"(`host.page_cache_budget_gb` {args.page_cache_budget_gb:g} where the arm's tree has it); disk "
-        f"{args.disk_gb_per_s:g} GB/s cold; `min_active_s` {MIN_ACTIVE_S:g}, `max_hold_s` {args.max_hold_s:g}, "
-        f"`drain_timeout_s` {DRAIN_S:g}; the gate on (its canary after every wake; the embedder's off).", "",
-        f"| arm | mean s | p50 s | p90 s | p99 s | within {WITHIN_S:g} s | wakes/min | wakes L1 / L2 / boot | parks | "
-        "demotions | stops | errors | send lag p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for a, res in results.items():
-        s, w, ev = stats[a], res.wakes, res.evictions
-        parks = sum(v for k, v in ev.items() if k not in ("demote", "stop"))
-        lines.append(f"| {a} | {s['mean']:.2f} | {s['p50']:.2f} | {s['p90']:.2f} | {s['p99']:.1f} | {s['within']:.0%} | "
-                     f"{s['wakes_min']:.1f} | {w.get('level1', 0)} / {w.get('level2', 0)} / {w.get('boot', 0)} | {parks} | "
-                     f"{ev.get('demote', 0)} | {ev.get('stop', 0)} | {len(res.errors)} | "
-                     f"{h.percentile(res.lag_s, 0.99) * 1e3 / args.time_scale:.0f} |")
-    verdict_stats = stats
-    if len(rounds) > 1:
-        verdict_stats = pooled(rounds, measured)
-        lines += ["", f"That is round 1 of {len(rounds)} (`--reps`; each round runs the arms in a rotated order, as the "
-                  "machine drifts; every table below is round 1's). Each round's mean / p90 / p99 / within "
-                  f"{WITHIN_S:g} s, and all rounds pooled:", "",
-                  "| arm | " + " | ".join(f"round {k + 1}" for k in range(len(rounds))) + " | pooled |",
-                  "|---|" + "---|" * (len(rounds) + 1)]
-        per_round = [pooled([r], measured) for r in rounds]
-        for a in results:
-            cells = [r[a] for r in per_round] + [verdict_stats[a]]
-            lines.append(f"| {a} | " + " | ".join(f"{c['mean']:.2f} / {c['p90']:.1f} / {c['p99']:.1f} / {c['within']:.0%}"
-                                                  for c in cells) + " |")
-    if "hotswap" in verdict_stats:
-        lines += ["", f"**hotswap{' (pooled)' if len(rounds) > 1 else ''}: {verdict(verdict_stats)}.**"]
-    phases = sorted({p for res in results.values() for p in res.phase_s}, key=lambda p: -max(r.phase_s.get(p, 0) for r in results.values()))
-    lines += ["", "Where the wakes' time went: real seconds per wake in each phase (the victims' drain and sleep included), "
-              "over every successful wake or boot of the replay:", "",
-              "| arm | wakes | " + " | ".join(phases) + " |", "|---|---:|" + "---:|" * len(phases)]
-    for a, res in results.items():
-        n = max(1, sum(res.wakes.values()))
-        lines.append(f"| {a} | {sum(res.wakes.values())} | " + " | ".join(f"{res.phase_s.get(p, 0) / n:.2f}" for p in phases) + " |")
-    lines += ["", f"Where the waits over {WITHIN_S:g} s went (`wait_parts`): mean real seconds per such request, of the "
-              "requests counted above: `held` before the wake it waited for began (busy engines kept the room until "
-              "`max_hold_s`, or another wake on its GPU went first), `drain` (its victims' requests finishing), `wake` "
-              "(the victims' sleep and the wake's steps, the gate included), `after` (promotion to its first token; "
-              "all of a wait that no wake of its model ended in):", "",
-              f"| arm | waits over {WITHIN_S:g} s | mean s | " + " | ".join(PARTS) + " |", "|---|---:|---:|" + "---:|" * len(PARTS)]
-    for a, res in results.items():
-        long = [i for i in ok if i in res.parts]
-        n = max(1, len(long))
-        means = [sum(res.parts[i].get(p, 0.0) for i in long) / n for p in PARTS]
-        lines.append(f"| {a} | {len(long)} | {sum(res.waits[i] for i in long) / n:.1f} | " + " | ".join(f"{m:.1f}" for m in means) + " |")
-    stuck = contention.blocked(trace, MODELS, sorted(ok))
-    clear = sorted(b.clear_s for b in stuck)
-    if stuck:
-        lines += ["", f"What no policy avoids (`bench/contention.py`): {len(stuck)} of these {len(ok)} requests "
-                  f"({len(stuck) / len(ok):.1%}) arrive while other models' streams on their GPU (at the trace's own "
-                  "lengths, nobody waiting) leave no room for their model's share: each of them, or one of those "
-                  f"streams (cut, or its model's next request waiting for a wake), waits; the streams end in median "
-                  f"{h.percentile(clear, 0.5):.1f} s, p90 {h.percentile(clear, 0.9):.1f} s, before any wake. By GPU: "
-                  + ", ".join(f"{d}: {sum(1 for b in stuck if d in MODELS[trace[b.request].model].devices)}"
-                              for d in sorted({d for m in MODELS.values() for d in m.devices})) + "."]
-    lines += ["", "Mean wait per model (s):", "", "| model | requests | " + " | ".join(results) + " |",
-              "|---|---:|" + "---:|" * len(results)]
-    for name in MODELS:
-        ids = [i for i in ok if trace[i].model == name]
-        cells = [f"{sum(res.waits[i] for i in ids) / len(ids):.2f}" if ids else "-" for res in results.values()]
-        lines.append(f"| {name} | {len(ids)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines + first_errors([res.errors for res in results.values()])) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------
 
@@ -339,6 +193,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the host's page cache: the sims evict the least recently read checkpoint past it (default %(default)s)")
     p.add_argument("--page-cache-budget-gb", type=float, default=96.0,
                    help="host.page_cache_budget_gb: what the router may stage ahead (default %(default)s)")
+    p.add_argument("--batch-model", default="gemma-27b", choices=sorted(MODELS),
+                   help="the batch arm's client: the model it floods (default %(default)s)")
+    p.add_argument("--batch-requests", type=int, default=200, help="the batch arm's flood, requests (default %(default)s)")
+    p.add_argument("--batch-at-minute", type=float, default=14.0,
+                   help="the trace's minute the flood is sent at (default %(default)s)")
+    p.add_argument("--batch-tokens", type=int, default=256, help="each batch request's output tokens (default %(default)s)")
     p.add_argument("--arms", default="hotswap,lru", help=f"comma-separated, of {', '.join(ARMS)} (default %(default)s)")
     p.add_argument("--reps", type=int, default=1, help="run the arms this many rounds, each in a rotated order, and "
                    "pool their waits for the verdict (default 1)")
@@ -363,9 +223,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.passthrough = ["--trace", str(a.trace), "--time-scale", f"{a.time_scale!r}", "--ram-budget-gb", f"{a.ram_budget_gb!r}",
                      "--disk-gb-per-s", f"{a.disk_gb_per_s!r}", "--page-cache-gb", f"{a.page_cache_gb!r}",
                      "--page-cache-budget-gb", f"{a.page_cache_budget_gb!r}", "--max-seconds", f"{a.max_seconds!r}",
-                     "--max-hold-s", f"{a.max_hold_s!r}", "--no-docs"]
+                     "--max-hold-s", f"{a.max_hold_s!r}", "--batch-model", a.batch_model,
+                     "--batch-requests", str(a.batch_requests), "--batch-at-minute", f"{a.batch_at_minute!r}",
+                     "--batch-tokens", str(a.batch_tokens), "--no-docs"]
     if a.reps < 1:
         p.error("--reps must be at least 1")
+    if "batch" in a.arms and "hotswap" not in a.arms:
+        p.error("--arms batch is measured against hotswap: run both (e.g. --arms hotswap,batch)")
+    if a.batch_requests < 1 or a.batch_tokens < 1:
+        p.error("--batch-requests and --batch-tokens must be at least 1")
     if a.minutes is not None and a.minutes <= a.warmup_minutes:
         p.error("--minutes must be more than --warmup-minutes")
     if a.minutes is not None:
@@ -408,7 +274,7 @@ def main(argv: list[str]) -> int:
                     print(f"bench: {arm}" + (f" (round {k + 1} of {args.reps})" if args.reps > 1 else ""), flush=True)
                     results[arm] = run_child(arm, args, tmp)
                     start = trace[0].t + args.warmup_minutes * 60
-                    counted = [w for i, w in results[arm].waits.items() if trace[i].t >= start]
+                    counted = [w for i, w in results[arm].waits.items() if i < len(trace) and trace[i].t >= start]  # the trace's own
                     s = summary(counted, span / 60, results[arm])
                     print(f"  {arm}: mean {s['mean']:.2f} s, p50 {s['p50']:.2f}, p90 {s['p90']:.2f}, p99 {s['p99']:.1f}, "
                           f"within {WITHIN_S:g} s {s['within']:.0%}, {len(results[arm].errors)} errors", flush=True)

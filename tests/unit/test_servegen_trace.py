@@ -15,15 +15,23 @@ FIELDS = {"t", "client", "model", "kind", "prompt_tokens", "output_tokens"}
 DAY_S = 86400
 
 
-@pytest.fixture(scope="module", name="wake_trace")
-def wake_trace_module():
-    """bench/wake_trace.py, imported as the bench runs it (bench/ on sys.path, for its `harness`)."""
+def bench_module(name: str):
+    """A module of bench/, imported as the bench runs it (bench/ on sys.path, for its `harness`)."""
     sys.path.insert(0, str(TRACES.parent))
     try:
-        import wake_trace
+        return __import__(name)
     finally:
         sys.path.remove(str(TRACES.parent))
-    return wake_trace
+
+
+@pytest.fixture(scope="module", name="wake_trace")
+def wake_trace_module():
+    return bench_module("wake_trace")
+
+
+@pytest.fixture(scope="module", name="wake_report")
+def wake_report_module():
+    return bench_module("wake_report")
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +119,7 @@ def test_the_wake_bench_roster_serves_every_model_of_the_trace_on_two_gpus_at_h2
         "the policy's time constants scale with the trace"
     assert roster.host.page_cache_budget_gb == 96.0
     big = wake_trace.MODELS["llama-70b"]
-    assert big.reload_s(wake_trace.PAGE_CACHE_GB_S) == pytest.approx(70 / 6.0) and big.steps()["wake"] == pytest.approx(70 / 50.0)
+    assert big.reload_s(bench_module('wake_roster').PAGE_CACHE_GB_S) == pytest.approx(70 / 6.0) and big.steps()["wake"] == pytest.approx(70 / 50.0)
     spec = next(m for m in roster.models if m.name == "llama-70b")
     sim = dict(zip(spec.args[::2], spec.args[1::2]))
     # the sims' disk model, in wall time: 10x faster at time scale 0.1
@@ -135,27 +143,41 @@ def test_a_long_wait_is_split_into_the_hold_the_victims_drain_the_wake_and_after
     assert wake_trace.wait_parts(50.0, 60.0, spans) == {"after": 10.0}, "the last wake ended before it was sent"
 
 
-def test_a_request_arriving_while_other_models_streams_fill_its_gpu_is_counted_blocked_until_they_end(wake_trace):
+def test_a_request_arriving_while_other_models_streams_fill_its_gpu_is_counted_blocked_until_they_end(wake_report):
     m = sys.modules["wake_roster"].Model  # the bench's own module, imported with it
     models = {"a": m("a", (0,), 0.6, 1, 10), "b": m("b", (0,), 0.6, 1, 10), "c": m("c", (1,), 0.6, 1, 10),
               "small": m("small", (0,), 0.3, 1, 10)}
-    r = wake_trace.Req
+    r = sys.modules["wake_roster"].Req
     trace = [r(0, 0.0, "a", "chat", 100),  # a streams until 10 s
              r(1, 5.0, "b", "chat", 10),  # b does not fit beside it: blocked until 10 s
              r(2, 5.0, "c", "chat", 10),  # another GPU
              r(3, 6.0, "a", "chat", 10),  # its own model's stream is no obstacle
              r(4, 7.0, "small", "chat", 10),  # 0.6 + 0.3 fits
              r(5, 20.0, "b", "chat", 10)]  # the stream has ended
-    got = wake_trace.contention.blocked(trace, models, range(len(trace)))
+    got = wake_report.contention.blocked(trace, models, range(len(trace)))
     assert [(b.request, round(b.clear_s, 6)) for b in got] == [(1, 5.0)]
 
 
-def test_rounds_are_pooled_per_arm_over_the_requests_each_round_answered_in_every_arm(wake_trace):
-    result = wake_trace.Result
+def test_rounds_are_pooled_per_arm_over_the_requests_each_round_answered_in_every_arm(wake_report):
+    result = wake_report.Result
     first = {"hotswap": result("hotswap", waits={0: 1.0, 1: 3.0}), "lru": result("lru", waits={0: 2.0, 1: 4.0})}
     second = {"hotswap": result("hotswap", waits={0: 5.0, 1: 7.0}), "lru": result("lru", waits={0: 6.0})}  # lru lost 1
-    got = wake_trace.pooled([first, second], {0, 1})
+    got = wake_report.pooled([first, second], {0, 1})
     assert (got["hotswap"]["mean"], got["lru"]["mean"]) == (3.0, 4.0), "round 2 counts request 0 only"
     assert got["hotswap"]["within"] == pytest.approx(1 / 3)
-    text = wake_trace.verdict(got)
+    text = wake_report.verdict(got)
     assert "within 2 s: 33%" in text and "never worse than LRU" in text, text
+
+
+def test_the_batch_arm_sets_the_traces_waits_beside_hotswaps_and_reports_the_floods_own(wake_trace, wake_report):
+    args = wake_trace.parse_args(["--arms", "hotswap,batch", "--batch-requests", "2", "--batch-model", "qwen-7b"])
+    flood = sys.modules["wake_roster"].batch_flood([sys.modules["wake_roster"].Req(0, 30.0, "llama-8b", "chat", 8)],
+                                                   "qwen-7b", 2, 60.0, 16)
+    assert [(r.i, r.t, r.model, r.batch) for r in flood] == [(1, 90.0, "qwen-7b", True), (2, 90.0, "qwen-7b", True)]
+    result = wake_report.Result
+    rounds = [{"hotswap": result("hotswap", waits={0: 1.0}), "batch": result("batch", waits={0: 1.05, 1: 40.0})}]
+    text = wake_report.batch_verdict(rounds, wake_report.pooled(rounds, {0}), 1, args)
+    assert "mean 1.05×" in text and "(within the target of 1.10×)" in text, text
+    assert "Batch requests answered: 1 of 2; their wait mean 40.0 s" in text, text
+    with pytest.raises(SystemExit):
+        wake_trace.parse_args(["--arms", "batch"])  # nothing to set it against
