@@ -138,7 +138,7 @@ class Walk:
         self.not_here: Optional[APIError] = None  # the 404 of a model this node does not serve
         self.lease: Optional[Lease] = None
         self.queued_s: Optional[float] = None
-        self.klass: Optional[str] = None  # interactive or batch, once the lease is asked for
+        self.klass: Optional[str] = None  # interactive or batch, once the lease is asked for (release gives it back so)
         # Replaced by how the walk ends; left as it is, an exception of ours (the error middleware's 500).
         self.status = 500
 
@@ -237,14 +237,13 @@ class Walk:
         waits gets comment lines every `keepalive_s`; returns the response they began, if any."""
         assert self.engine is not None
         limit = max_wait(self.request)
-        klass = request_class(self.request, grant_of(self.request))
+        self.klass = klass = request_class(self.request, grant_of(self.request))  # recorded even when the wait fails
         prepared = None
         if keepalive_s:
             prepared, self.lease = await keepalive.acquire(self.request, self.router.placement, self.engine, keepalive_s,
                                                            anthropic, max_wait_s=limit, klass=klass)
         else:
             self.lease = await self.router.placement.acquire(self.engine, max_wait_s=limit, klass=klass)
-        self.klass = klass  # from here on the lease is held: release() gives it back under this class
         self.queued_s = time.monotonic() - self.started
         return prepared
 

@@ -82,6 +82,22 @@ async def test_a_batch_flood_never_evicts_the_interactive_model_and_is_served_on
     assert f'hotswap_queued_requests_by_class{{class="batch",group="",model="nightly"}} {FLOOD}.0' in _gauges(metrics)
 
 
+async def test_a_batch_request_that_finds_no_room_gets_a_503_naming_the_engine_that_kept_it(start_router):
+    router = await start_router(roster_dict(
+        sim_model("chat", args=(SHARE, "0.6"), default=True), sim_model("nightly", args=(SHARE, "0.6")),
+        auth=AUTH, swap={"interactive_hold_s": 60}, queue={"batch_max_wait_s": 0.5}), env=KEYS, admin_key=KEYS["OPS_KEY"])
+    async with aiohttp.ClientSession() as session:
+        assert (await chat(session, router, "chat", "USERS_KEY"))[0] == 200
+        status, body = await chat(session, router, "nightly", "EVALS_KEY")
+    assert status == 503 and body["error"]["code"] == "model_not_ready"
+    message = body["error"]["message"]
+    assert "queue.batch_max_wait_s=0.5 s" in message and "'chat' served an interactive request" in message \
+        and "swap.interactive_hold_s=60" in message, message
+    assert (await router.status())["swaps"] == []
+    [refused, served] = await activity(router, 2)
+    assert (refused["class"], refused["status"], served["class"]) == ("batch", 503, "interactive")
+
+
 async def _flood(session, router, users, user_answers, stop_users, flood) -> tuple[list, float, str]:
     """The flood beside the users' traffic: it waits while they talk, and is served once chat is idle.
     Returns its answers, how long after the users stopped they were all in, and /metrics while it waited."""
