@@ -69,6 +69,7 @@ def render() -> str:
         out += ["", f"#### `{title}`", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         props = model.model_json_schema()["properties"]
         for name, field in model.model_fields.items():
+            name = field.alias or name  # the roster's key (`class`, a Python keyword, is the field `klass`)
             out.append(f"| `{name}` | {_type(props[name])} | {_default(field)} | {(field.description or '').replace('|', '/')} |")
     out += ["", END]
     return "\n".join(out)

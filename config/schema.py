@@ -390,6 +390,7 @@ class Roster(Section):
             data["auth"]["admin_key"] = "***"
         for entry in data["auth"]["keys"]:
             entry["key"] = "***"
+            entry["class"] = entry.pop("klass")  # as the roster writes it
         if self.node.agent_key:
             data["node"]["agent_key"] = "***"
         for m, spec in zip(data["models"], self.models):

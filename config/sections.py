@@ -5,13 +5,16 @@ The models' own keys and the roster as a whole are in `config.schema`.
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from config.secrets import mask_url
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+# A request's class (docs/operators.md "Request classes"): batch work never parks or preempts an
+# engine with interactive demand, and waits behind interactive requests for a lease.
+RequestClass = Literal["interactive", "batch"]
 
 
 class Section(BaseModel):
@@ -43,6 +46,8 @@ class Listen(Section):
 class ApiKey(Section):
     """One client or admin key and what it may use."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)  # `klass=` from Python, `class:` in YAML
+
     key: NonEmptyStr = Field(description="The key, sent as `Authorization: Bearer` (or `x-api-key` on /v1/messages). Write it as ${ENV_VAR}.")
     name: Optional[NonEmptyStr] = Field(
         None, description="What logs and the per-key request metric call it (never the key itself); unset: keys[N].")
@@ -54,6 +59,11 @@ class ApiKey(Section):
         False, description="May read /metrics and /metrics/model-server, which take a key once client keys exist (unless "
         "auth.open_metrics): "
         "the key Prometheus sends as its bearer token.")
+    # `class` is a Python keyword: the field is `klass`, the roster key `class`.
+    klass: RequestClass = Field(
+        "interactive", alias="class", description="The class of this key's requests: `batch` never parks or preempts "
+        "an engine with interactive demand and is served after queued interactive requests (docs/operators.md, "
+        "\"Request classes\"). A request may lower it with the header `X-Hotswap-Class: batch`, never raise it.")
 
     @model_validator(mode="after")
     def _grants_something(self) -> "ApiKey":
@@ -101,6 +111,10 @@ class Auth(Section):
 class Queue(Section):
     max_waiting: int = Field(256, ge=1, description="Waiting requests per model before 429.")
     max_wait_s: float = Field(300, gt=0, description="A waiting request gets 503 after this long.")
+    batch_max_wait_s: float = Field(
+        3600, gt=0, description="A waiting batch request (a key's `class: batch`, or `X-Hotswap-Class: batch`) gets 503 "
+        "after this long, naming the engine whose interactive demand kept the room; batch work waits for room rather "
+        "than take it from interactive users.")
     stream_keepalive_s: Optional[float] = Field(
         None, gt=0, description="A streaming request that waits for a swap gets SSE comment lines "
         "(`: waking NAME (STEP)`) this often, so proxies and UIs do not time out; unset: off.")
@@ -220,6 +234,10 @@ class Swap(Section):
     min_active_s: float = Field(5, ge=0, description="An engine stays awake at least this long (no thrash).")
     max_hold_s: float = Field(30, gt=0, description="Oldest waiter of another model forces a swap after this long.")
     idle_sleep_s: Optional[float] = Field(None, gt=0, description="Park an engine idle this long even if nobody waits.")
+    interactive_hold_s: float = Field(
+        60, ge=0, description="An engine asked for by an interactive request within this long still has interactive "
+        "demand: batch requests never park, stop or preempt it for their own model (they wait, up to "
+        "queue.batch_max_wait_s). 0: only interactive requests in flight or queued hold it.")
     demand_tau_s: float = Field(300, gt=0, description="How fast demand is forgotten: a request's weight in a model's "
                                 "request rate decays with this time constant (it halves in 0.69x this).")
     reuse_horizon_s: float = Field(60, gt=0, description="\"Asked for again soon\" means within this long: what parking an "

@@ -28,6 +28,7 @@ class Grant:
     models: tuple[str, ...]
     admin: bool = False
     metrics: bool = False  # may read /metrics (an admin key may too)
+    klass: str = "interactive"  # its requests' class (auth.keys[].class); a header may lower it, never raise it
 
     def may_use(self, names: Iterable[str]) -> bool:
         return _matches(self.models, tuple(names))
@@ -54,7 +55,8 @@ class KeyTable:
         grants = [(key, Grant(f"api_keys[{i}]", ("*",))) for i, key in enumerate(auth.api_keys)]
         if auth.admin_key:
             grants.append((auth.admin_key, Grant("admin_key", (), admin=True, metrics=True)))
-        grants += [(k.key, Grant(k.name or f"keys[{i}]", tuple(k.models), k.admin, k.metrics or k.admin)) for i, k in enumerate(auth.keys)]
+        grants += [(k.key, Grant(k.name or f"keys[{i}]", tuple(k.models), k.admin, k.metrics or k.admin,
+                                     k.klass)) for i, k in enumerate(auth.keys)]
         self._keys = [(key.encode(), grant) for key, grant in grants]
         self.client_auth = any(grant.models for _, grant in self._keys)
         self.admin_auth = any(grant.admin for _, grant in self._keys)

@@ -50,7 +50,8 @@ class RequestLog(Protocol):
     def request_done(self, *, key_name: str, model: Any, engine: Optional[str], peer: Optional[str], endpoint: str, status: int,
                      found_awake: Optional[bool], swap_id: Optional[int], queue_wait_s: Optional[float],
                      ttfb_s: Optional[float], duration_s: float, prompt_tokens: Optional[int],
-                     completion_tokens: Optional[int], mean_acceptance_length: Optional[float]) -> None: ...
+                     completion_tokens: Optional[int], mean_acceptance_length: Optional[float],
+                     request_class: Optional[str] = None) -> None: ...
 
     def close(self) -> None:
         """Flush and close (it may block: called off the event loop)."""

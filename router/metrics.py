@@ -193,6 +193,8 @@ class _LiveState(Collector):
                                   "(0: KV-parked, its weights on the GPU); 0 also when not asleep: tell them apart by hotswap_engine_state.", labels=m)
         in_flight = GaugeMetricFamily("hotswap_in_flight_requests", "Requests being served, per model.", labels=m)
         queued = GaugeMetricFamily("hotswap_queued_requests", "Requests waiting for their model to be awake, per model.", labels=m)
+        by_class = GaugeMetricFamily("hotswap_queued_requests_by_class", "Requests waiting for their model to be awake, "
+                                     "per model and request class (interactive, batch).", labels=[*m, "class"])
         baseline = GaugeMetricFamily("hotswap_acceptance_baseline", "Mean acceptance length of the cold-boot canary.", labels=m)
         observed = GaugeMetricFamily("hotswap_acceptance_observed", "Last observed mean acceptance length (gate or mid-life watch).", labels=m)
         estimate = GaugeMetricFamily("hotswap_wake_estimate_seconds", "Predicted seconds until the model could serve "
@@ -207,11 +209,13 @@ class _LiveState(Collector):
             level.add_metric(labels, float(engine.sleep_level or 0) if engine.state is State.SLEEPING else 0.0)
             in_flight.add_metric(labels, engine.in_flight)
             queued.add_metric(labels, scheduler.queued(engine))
+            for klass, count in scheduler.queued_by_class(engine).items():
+                by_class.add_metric([*labels, klass], count)
             if engine.gate.baseline is not None and engine.gate.baseline.mal is not None:
                 baseline.add_metric(labels, engine.gate.baseline.mal)
             if engine.gate.observed_mal is not None:
                 observed.add_metric(labels, engine.gate.observed_mal)
-        return [state, level, in_flight, queued, baseline, observed, estimate, *self._placement(), self._host_memory()]
+        return [state, level, in_flight, queued, by_class, baseline, observed, estimate, *self._placement(), self._host_memory()]
 
     def _placement(self) -> list[GaugeMetricFamily]:
         scheduler = self.router.placement

@@ -204,8 +204,10 @@ class SimServer:
         rendered = "".join(parts) + "<|assistant|>\n"
         return rendered, lm.count_tokens(rendered)
 
-    async def _enter_generate(self, request: web.Request, model: str) -> None:
-        await self.control.enter("generate", path=request.path, model=model)
+    async def _enter_generate(self, request: web.Request, model: str, priority: object = None) -> None:
+        # `priority` as vLLM's priority scheduling reads it (logged when the request carried one).
+        extra = {} if priority is None else {"priority": priority}
+        await self.control.enter("generate", path=request.path, model=model, **extra)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -227,7 +229,7 @@ class SimServer:
         stream = bool(body.get("stream"))
         fault = None
         try:
-            await self._enter_generate(request, model)
+            await self._enter_generate(request, model, body.get("priority"))
         except InjectedFault as e:
             # A stream promised as SSE breaks inside the stream; a 500 still comes first.
             if not stream or e.kind == "http500":

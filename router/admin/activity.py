@@ -49,12 +49,16 @@ class Record(NamedTuple):
     completion_tokens: Optional[int]
     mean_acceptance_length: Optional[float]
     peer: Optional[str] = None  # the node a request was passed to (node.peers); last, so a file of before gains a column
+    # interactive or batch (auth.keys[].class, X-Hotswap-Class); None: no lease was asked for. `class` in
+    # as_dict (a Python keyword cannot name the field); its SQLite column is request_class.
+    request_class: Optional[str] = None
 
     def as_dict(self) -> dict[str, Any]:
         # Rounded here, when read, rather than per request when made.
         out = self._asdict()
         for name in ("queue_wait_s", "ttfb_s", "duration_s"):
             out[name] = _round(out[name])
+        out["class"] = out.pop("request_class")
         return out
 
 
@@ -83,7 +87,8 @@ class ActivityLog:
     def request_done(self, *, key_name: str, model: Any, engine: Optional[str], peer: Optional[str], endpoint: str, status: int,
                      found_awake: Optional[bool], swap_id: Optional[int], queue_wait_s: Optional[float],
                      ttfb_s: Optional[float], duration_s: float, prompt_tokens: Optional[int],
-                     completion_tokens: Optional[int], mean_acceptance_length: Optional[float]) -> None:
+                     completion_tokens: Optional[int], mean_acceptance_length: Optional[float],
+                     request_class: Optional[str] = None) -> None:
         if not self.enabled:
             return
         asked = model[:MAX_MODEL_CHARS] if isinstance(model, str) else None
@@ -92,7 +97,7 @@ class ActivityLog:
             # fail the file's batch (every row of it is dropped) on its way to SQLite.
             asked = asked.encode("utf-8", "replace").decode("utf-8")
         record = Record(time.time(), key_name or None, asked, engine, endpoint, status, found_awake, queue_wait_s, swap_id,
-                        ttfb_s, duration_s, prompt_tokens, completion_tokens, mean_acceptance_length, peer)
+                        ttfb_s, duration_s, prompt_tokens, completion_tokens, mean_acceptance_length, peer, request_class)
         self.ring.append(record)
         if self.file is not None:
             self.file.put(record)

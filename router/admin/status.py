@@ -62,6 +62,8 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "woken_ahead": scheduler.ahead[e.name].as_dict(scheduler.clock()) if e.name in scheduler.ahead else None,
         "in_flight": e.in_flight,
         "queued": scheduler.queued(e),
+        "queued_by_class": scheduler.queued_by_class(e),  # {interactive: N, batch: M}: batch is served after interactive
+        "interactive_demand": scheduler.interactive_demand(e, scheduler.clock())[0],  # why batch may not take its room
         "port": e.port,
         "pid": e.process.pid if e.process else None,
         "boot_deadline_in_s": round(e.progress.boot_deadline - now, 1) if e.progress.boot_deadline else None,

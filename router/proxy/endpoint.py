@@ -37,6 +37,15 @@ from router.scheduling import Lease
 
 RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
+CLASS_HEADER = "X-Hotswap-Class"
+CLASSES = ("interactive", "batch")  # highest first: a header may only move a request down this list
+# Endpoints whose vLLM request takes `priority` (vLLM 0.32: chat_completion/protocol.py:388,
+# completion/protocol.py:136, pooling/embed/protocol.py, responses/protocol.py).
+PRIORITY_ENDPOINTS = frozenset({"chat", "completions", "embeddings", "responses"})
+# vLLM's priority scheduler serves lower values first ("lower means earlier handling; default: 0",
+# vllm/entrypoints/openai/chat_completion/protocol.py:393 in vLLM 0.32), and refuses any value but 0
+# from an engine without `--scheduling-policy priority`: so only such an engine is sent one.
+PRIORITY = {"interactive": 0, "batch": 1}
 
 
 def max_wait(request: web.Request) -> Optional[float]:
@@ -51,6 +60,25 @@ def max_wait(request: web.Request) -> Optional[float]:
     if not seconds >= 0 or seconds == float("inf"):
         raise APIError(400, f"{MAX_WAIT_HEADER} must be a number of seconds >= 0 (found {text[:40]!r})", "invalid_header")
     return seconds
+
+
+def request_class(request: web.Request, grant: Grant) -> str:
+    """The request's class: its key's (auth.keys[].class), lowered by X-Hotswap-Class, never raised."""
+    text = request.headers.get(CLASS_HEADER)
+    if text is None:
+        return grant.klass
+    asked = text.strip().lower()
+    if asked not in CLASSES:
+        raise APIError(400, f"{CLASS_HEADER} must be one of {', '.join(CLASSES)} (found {text[:40]!r})", "invalid_header")
+    # Lowering only: a key whose class is batch stays batch whatever its client sends.
+    return max(asked, grant.klass, key=CLASSES.index)
+
+
+def uses_priority(engine: Engine) -> bool:
+    """Whether the engine runs vLLM's priority scheduling (`--scheduling-policy priority` in its args)."""
+    args = list(engine.spec.args or [])
+    return "--scheduling-policy=priority" in args or any(
+        a == "--scheduling-policy" and b == "priority" for a, b in zip(args, args[1:]))
 
 
 def default_model(router, grant: Grant) -> str:
@@ -94,7 +122,7 @@ class Walk:
     it ended (router.metrics, and the activity log the Router was handed)."""
 
     __slots__ = ("request", "router", "endpoint", "started", "asked", "stream", "body", "raw", "form", "engine", "peer", "name",
-                 "not_here", "lease", "queued_s", "status")
+                 "not_here", "lease", "queued_s", "status", "klass")
 
     def __init__(self, request: web.Request, endpoint: str):
         self.request = request
@@ -112,6 +140,7 @@ class Walk:
         self.not_here: Optional[APIError] = None  # the 404 of a model this node does not serve
         self.lease: Optional[Lease] = None
         self.queued_s: Optional[float] = None
+        self.klass: Optional[str] = None  # interactive or batch, once the lease is asked for (release gives it back so)
         # Replaced by how the walk ends; left as it is, an exception of ours (the error middleware's 500).
         self.status = 500
 
@@ -155,7 +184,7 @@ class Walk:
         try:
             return await self.forward(route, prepared)
         finally:
-            self.router.placement.release(self.engine)
+            self.router.placement.release(self.engine, self.klass)
 
     async def read(self, route: routes.Route) -> None:
         """The client's body (bounded in size and time): a multipart form (audio) or JSON; its `model`, and
@@ -210,12 +239,13 @@ class Walk:
         waits gets comment lines every `keepalive_s`; returns the response they began, if any."""
         assert self.engine is not None
         limit = max_wait(self.request)
+        self.klass = klass = request_class(self.request, grant_of(self.request))  # recorded even when the wait fails
         prepared = None
         if keepalive_s:
             prepared, self.lease = await keepalive.acquire(self.request, self.router.placement, self.engine, keepalive_s,
-                                                           anthropic, max_wait_s=limit)
+                                                           anthropic, max_wait_s=limit, klass=klass)
         else:
-            self.lease = await self.router.placement.acquire(self.engine, max_wait_s=limit)
+            self.lease = await self.router.placement.acquire(self.engine, max_wait_s=limit, klass=klass)
         self.queued_s = time.monotonic() - self.started
         return prepared
 
@@ -232,6 +262,9 @@ class Walk:
                 return await forward(self.request, router.upstreams, engine, route.path, data, content_type=form_type, **kw)
             if route.creates_response:
                 kw.update(_pinning(self.request, engine, self.name, self.body))
+            if route.endpoint in PRIORITY_ENDPOINTS and "priority" not in self.body and uses_priority(engine):
+                self.body["priority"] = PRIORITY[self.klass or "interactive"]  # never over a priority the client set
+                self.raw = json.dumps(self.body).encode()
             return await forward(self.request, router.upstreams, engine, route.path, json_for(engine, self.body, self.raw),
                                  anthropic=route.anthropic, **kw)
         except APIError as exc:
@@ -260,7 +293,7 @@ class Walk:
             return await forward(request, self.router.upstreams, self.engine, path, method="POST" if cancel else "GET",
                                  content_type=None, stall_s=self.router.roster.queue.stall_timeout_s)
         finally:
-            self.router.placement.release(self.engine)
+            self.router.placement.release(self.engine, self.klass)
 
     # -- how it ended --------------------------------------------------------------------------
 
@@ -278,7 +311,8 @@ class Walk:
             status=self.status, found_awake=None if lease is None else lease.found_awake,
             swap_id=None if lease is None else lease.swap_id, queue_wait_s=self.queued_s,
             ttfb_s=first_byte_s if self.stream else None, duration_s=done - self.started, prompt_tokens=numbers.prompt_tokens,
-            completion_tokens=numbers.completion_tokens, mean_acceptance_length=numbers.mean_acceptance_length)
+            completion_tokens=numbers.completion_tokens, mean_acceptance_length=numbers.mean_acceptance_length,
+            request_class=self.klass)
 
 
 def _engine_for(request: web.Request, router, body: dict[str, Any], route: routes.Route) -> tuple[Engine, str]:

@@ -46,11 +46,11 @@ def doing(engine: Engine) -> str:
 
 
 async def acquire(request: web.Request, scheduler, engine: Engine, interval: float, anthropic: bool,
-                  max_wait_s: Optional[float] = None) -> tuple[Optional[web.StreamResponse], Lease]:
+                  max_wait_s: Optional[float] = None, klass: str = "interactive") -> tuple[Optional[web.StreamResponse], Lease]:
     """Take a lease like `scheduler.acquire`, sending comment lines every `interval` seconds
     while it waits. Returns the already-prepared stream response, or None when the lease came
     before the first comment was due (nothing sent: the request proceeds as usual), and the lease."""
-    task = asyncio.ensure_future(scheduler.acquire(engine, max_wait_s=max_wait_s))
+    task = asyncio.ensure_future(scheduler.acquire(engine, max_wait_s=max_wait_s, klass=klass))
     response: Optional[web.StreamResponse] = None
     try:
         while True:
@@ -65,7 +65,7 @@ async def acquire(request: web.Request, scheduler, engine: Engine, interval: flo
         if not task.done():
             task.cancel()
         elif not task.cancelled() and task.exception() is None:
-            scheduler.release(engine)
+            scheduler.release(engine, klass)
         raise
     if response is None:
         return None, task.result()  # raises the APIError as usual: the route's normal error answer

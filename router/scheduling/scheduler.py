@@ -194,7 +194,10 @@ class Scheduler(WakeAhead):
                 continue
             out.append((engine, queue[0].since if queue else now))
         order = {e.name: i for i, e in enumerate(sorted(self.engines, key=boot_order))}
-        return sorted(out, key=lambda pair: (not self.waiting[pair[0].name], pair[1], order[pair[0].name]))
+        # A target only batch requests wait for ranks after every target someone interactive waits for,
+        # however old its waiters: its room is the interactive ones' to take first.
+        return sorted(out, key=lambda pair: (not self.waiting[pair[0].name], self.batch_only(pair[0]), pair[1],
+                                             order[pair[0].name]))
 
     def _make_room(self, ledger: Ledger, target: Engine, oldest: float, now: float,
                    moving: set[str]) -> tuple[Optional[list[Victim]], Optional[float]]:
@@ -208,6 +211,12 @@ class Scheduler(WakeAhead):
             return None, None
         waits: list[float] = []
         forced, candidates, blocked = [], [], False
+        # Batch work never parks, stops or preempts an engine with interactive demand: for a target only
+        # batch requests wait for, such an engine is no victim (a group rival holding its share blocks it).
+        batch = self.batch_only(target)
+        held: list[str] = []
+        held_waits: list[float] = []  # when a hold ends by time alone (interactive_hold_s): look again then
+        self.held_by.pop(target.name, None)
         # A sleeper with waiters of its own is a target itself: stopping it makes them wait out a boot.
         # It is offered only when nothing else on these GPUs is awake or on its way: no park will ever make the room.
         room_can_come = any(e is not target and not e.spec.pin and set(e.spec.devices) & set(target.spec.devices)
@@ -216,6 +225,15 @@ class Scheduler(WakeAhead):
             if engine is target or engine.spec.pin:
                 continue
             rival = target.spec.group is not None and engine.spec.group == target.spec.group
+            demand, ends_in = self.interactive_demand(engine, now) if batch else (None, 0.0)
+            if demand is not None:
+                if set(engine.spec.devices) & set(target.spec.devices) or rival:
+                    held.append(demand)
+                    if ends_in:
+                        held_waits.append(ends_in)
+                blocked |= rival and (engine.state in placement.HOLDS_SHARE or engine.name in ledger.reserved
+                                      or engine.name in self.busy)
+                continue
             if engine.name in self.busy or engine.name in moving:
                 blocked |= rival and (engine.state in placement.HOLDS_SHARE or engine.name in ledger.reserved)
                 if not rival and self.doing.get(engine.name, ("",))[0] in ("boot", "wake"):  # parkable once awake a while
@@ -233,8 +251,10 @@ class Scheduler(WakeAhead):
                     blocked |= rival
                 offers = self._park_offers(ledger, engine, now, engine.in_flight > 0, ready_in, rival)
                 (forced if rival else candidates).extend(offers)
+        if held:
+            self.held_by[target.name] = "interactive demand keeps the room: " + "; ".join(held)
         if blocked:
-            return None, min(waits, default=None)
+            return None, min(waits + held_waits, default=None)
         now_idle = [v for v in candidates if not v.ready_in and not v.busy]
         now_any = [v for v in candidates if not v.ready_in]
         tiers = [now_idle, now_any]
@@ -259,7 +279,8 @@ class Scheduler(WakeAhead):
             return forced + chosen, None
         if later and not later_wait:  # busy engines whose hold is over: their drain beats the stops
             return forced + later, None
-        return None, later_wait if later else min(waits, default=None)
+        wait = later_wait if later else min(waits, default=None)
+        return None, min(held_waits + ([] if wait is None else [wait]), default=None)
 
     def _park_offers(self, ledger: Ledger, engine: Engine, now: float, busy: bool, ready_in: float,
                      rival: bool) -> list[Victim]:

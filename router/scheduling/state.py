@@ -30,12 +30,16 @@ MID_TRANSITION = frozenset({State.BOOTING, State.DRAINING, State.WAKING, State.V
 RESERVING = frozenset({"boot", "wake", "demote", "restart"})
 # Actions whose engine is (or becomes) BOOTING when it starts COLD or FAILED; a restart always is.
 BOOTING_ACTIONS = frozenset({"boot", "wake", "restart"})
+# Request classes (auth.keys[].class, X-Hotswap-Class). An operator's own acquire has none (None):
+# it is served like an interactive request but counts as no one's demand.
+INTERACTIVE, BATCH = "interactive", "batch"
 
 
 @dataclass
 class Waiter:
     engine: Engine
     since: float
+    klass: Optional[str] = INTERACTIVE  # None: an operator's (admin) wait
     # Its result: the id of the swap whose end granted its lease (None: no swap did).
     future: asyncio.Future[Optional[int]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -104,6 +108,9 @@ class SchedulerState:
         self.pending_spec: dict[str, ModelSpec] = {}  # engine -> its changed roster entry, applied at its next idle moment
         self.booted = False
         self.boot_done = asyncio.Event()
+        self.interactive_leases: collections.Counter[str] = collections.Counter()  # engine -> interactive in flight
+        self.interactive_seen: dict[str, float] = {}  # engine -> when an interactive request last arrived or ended
+        self.held_by: dict[str, str] = {}  # batch-only target -> whose interactive demand keeps its room (for its 503)
         self.history: collections.deque[SwapRecord] = collections.deque(maxlen=20)
         self.swap_ids = itertools.count(1)
         self._poke = asyncio.Event()
@@ -114,18 +121,26 @@ class SchedulerState:
 
     # -- what handlers call ----------------------------------------------------------------
 
-    async def acquire(self, engine: Engine, *, max_wait_s: Optional[float] = None, admin: bool = False) -> Lease:
+    async def acquire(self, engine: Engine, *, max_wait_s: Optional[float] = None, admin: bool = False,
+                      klass: str = INTERACTIVE) -> Lease:
         """Return with a lease on `engine` (AWAKE, promoted), and how it came, or raise an APIError.
 
         `max_wait_s`: the client's own limit (X-Hotswap-Max-Wait); a predicted wait beyond it is
-        refused at once. `admin`: an operator's swap, which neither backs off nor counts as demand."""
+        refused at once. `admin`: an operator's swap, which neither backs off nor counts as demand.
+        `klass`: the request's class; a batch one waits up to queue.batch_max_wait_s, after the
+        interactive ones, and never takes room from an engine with interactive demand (`_make_room`).
+        Give the lease back with `release(engine, klass)` (admin: `release(engine)`)."""
+        counted: Optional[str] = None if admin else klass
         if self._closing:
             raise APIError(503, "the router is shutting down; retry on another instance", "shutting_down", retry_after=5)
         now = self.clock()
         if not admin:
             self.demand.arrived(engine.name, now)
             self.put_to_sleep.discard(engine.name)
+            if klass == INTERACTIVE:
+                self.interactive_seen[engine.name] = now
         if engine.name not in self.busy and engine.try_lease():
+            self._leased(engine, counted)
             return AT_ONCE
         if not admin and self.backoff.waiting(engine, now):
             raise self.backoff.unavailable(engine)
@@ -137,28 +152,72 @@ class SchedulerState:
         if not admin and len(queue) >= self.limits.max_waiting:
             raise APIError(429, f"model '{engine.name}' has {len(queue)} requests waiting (queue.max_waiting); retry later",
                            "queue_full", retry_after=predicted)
-        waiter = Waiter(engine, now)
+        waiter = Waiter(engine, now, counted)
         queue.append(waiter)
         self.poke()
+        limit, limit_name = ((self.limits.batch_max_wait_s, "queue.batch_max_wait_s") if klass == BATCH and not admin
+                             else (self.limits.max_wait_s, "queue.max_wait_s"))
         try:
-            await asyncio.wait({waiter.future}, timeout=self.limits.max_wait_s)
+            await asyncio.wait({waiter.future}, timeout=limit)
         except asyncio.CancelledError:  # the client went away while waiting
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                self.release(engine)
+                self.release(engine, counted)
             self._forget(waiter)
             raise
         if not waiter.future.done():
             self._forget(waiter)
-            raise APIError(503, f"model '{engine.name}' did not become ready within queue.max_wait_s={self.limits.max_wait_s:g} s "
-                           f"(engine state: {engine.state.value})", "model_not_ready",
+            held = self.held_by.get(engine.name) if klass == BATCH else None
+            raise APIError(503, f"model '{engine.name}' did not become ready within {limit_name}={limit:g} s "
+                           f"(engine state: {engine.state.value})" + (f"; a batch request takes no room from interactive "
+                           f"users, and {held}" if held else ""), "model_not_ready",
                            retry_after=self.predicted_wait(engine, self.clock()))
         # raises the APIError a failed engine left for its waiters
         return Lease(found_awake=False, swap_id=waiter.future.result())
 
-    def release(self, engine: Engine) -> None:
+    def release(self, engine: Engine, klass: Optional[str] = None) -> None:
+        """Give back a lease `acquire` returned; `klass` as it was acquired with (None: an operator's)."""
         engine.release()
-        if engine.in_flight == 0:
+        ended_demand = False
+        if klass == INTERACTIVE:
+            self.interactive_leases[engine.name] -= 1
+            self.interactive_seen[engine.name] = self.clock()
+            if self.interactive_leases[engine.name] <= 0:
+                del self.interactive_leases[engine.name]
+                ended_demand = True  # a batch target may now be able to take its room (after interactive_hold_s)
+        if engine.in_flight == 0 or ended_demand:
             self.poke()
+
+    def _leased(self, engine: Engine, klass: Optional[str]) -> None:
+        if klass == INTERACTIVE:
+            self.interactive_leases[engine.name] += 1
+
+    def interactive_demand(self, engine: Engine, now: float) -> tuple[Optional[str], float]:
+        """Why `engine` has interactive demand (None: it has none), and in how many seconds that ends
+        by time alone (0: it ends when requests do, which pokes). Batch work never parks, stops or
+        preempts such an engine: `_make_room`."""
+        name, hold = engine.name, self.swap.interactive_hold_s
+        if self.interactive_leases.get(name):
+            return f"'{name}' has {self.interactive_leases[name]} interactive request(s) in flight", 0.0
+        queued = sum(1 for w in self.waiting[name] if w.klass == INTERACTIVE)
+        if queued:
+            return f"'{name}' has {queued} interactive request(s) queued", 0.0
+        seen = self.interactive_seen.get(name)
+        if seen is not None and now - seen < hold:
+            return (f"'{name}' served an interactive request {now - seen:.1f} s ago (swap.interactive_hold_s="
+                    f"{hold:g})", seen + hold - now)
+        return None, 0.0
+
+    def batch_only(self, engine: Engine) -> bool:
+        """Whether everyone waiting for `engine` is a batch request (nobody waiting: False)."""
+        queue = self.waiting[engine.name]
+        return bool(queue) and all(w.klass == BATCH for w in queue)
+
+    def queued_by_class(self, engine: Engine) -> dict[str, int]:
+        """Waiting requests per class (an operator's wait counts as interactive)."""
+        counts = {INTERACTIVE: 0, BATCH: 0}
+        for waiter in self.waiting[engine.name]:
+            counts[BATCH if waiter.klass == BATCH else INTERACTIVE] += 1
+        return counts
 
     def poke(self) -> None:
         self._poke.set()
@@ -209,12 +268,18 @@ class SchedulerState:
         return Ledger(self.engines, self.capacity, reserved, self.residuals, self.weights)
 
     def _grant(self, engine: Engine, swap_id: Optional[int] = None) -> None:
+        """Leases to `engine`'s waiters: interactive (and operators') ones first, each class oldest first."""
         queue = self.waiting[engine.name]
+        if any(w.klass == BATCH for w in queue):
+            ordered = sorted(queue, key=lambda w: w.klass == BATCH)  # stable: each class stays oldest first
+            queue.clear()
+            queue.extend(ordered)
         while queue and engine.try_lease():
             waiter = queue.popleft()
             if waiter.future.done():  # its client left; give the lease back
                 engine.release()
             else:
+                self._leased(engine, waiter.klass)
                 waiter.future.set_result(swap_id)
 
     # -- failures (the actions themselves are in router.actions) ---------------------------------

@@ -21,7 +21,7 @@ PROMPT = "the secret prompt words"
 TWO = roster_dict(sim_model("a", default=True),
                   sim_model("b", spec=True, draft_restore="none", args=("--sim-prompt-acceptance", "secret=1.8")))
 FIELDS = {"at", "key_name", "model", "engine", "endpoint", "status", "found_awake", "queue_wait_s", "swap_id", "ttfb_s",
-          "duration_s", "prompt_tokens", "completion_tokens", "mean_acceptance_length", "peer"}
+          "duration_s", "prompt_tokens", "completion_tokens", "mean_acceptance_length", "peer", "class"}
 
 
 async def activity(router, query: str = "") -> list[dict]:

@@ -97,7 +97,7 @@ def test_without_a_file_swap_ids_start_at_one():
 
 def test_a_file_written_before_the_peer_column_gains_it_and_keeps_its_rows(tmp_path):
     path = tmp_path / "activity.db"
-    older = [f for f in Record._fields if f != "peer"]
+    older = list(Record._fields[:Record._fields.index("peer")])  # neither peer nor request_class yet
     with sqlite3.connect(path) as db:
         db.execute(f"CREATE TABLE activity (id INTEGER PRIMARY KEY, {', '.join(older)})")
         db.execute(f"INSERT INTO activity ({', '.join(older)}) VALUES ({', '.join('?' * len(older))})",
@@ -111,6 +111,18 @@ def test_a_file_written_before_the_peer_column_gains_it_and_keeps_its_rows(tmp_p
                      completion_tokens=None, mean_acceptance_length=None)
     log.close()
     assert [r.peer for r in ActivityLog(Activity(ring=10, path=str(path))).query()] == ["node-b", None]
+
+
+def test_a_record_carries_its_request_class_as_class_and_the_file_keeps_it(tmp_path):
+    path = tmp_path / "activity.db"
+    log = ActivityLog(Activity(ring=10, path=str(path)))
+    for klass in ("batch", None):
+        log.request_done(key_name="evals", model="a", engine="a", peer=None, endpoint="chat", status=200, found_awake=True,
+                         swap_id=None, queue_wait_s=0.0, ttfb_s=None, duration_s=0.01, prompt_tokens=None,
+                         completion_tokens=None, mean_acceptance_length=None, request_class=klass)
+    log.close()
+    records = [r.as_dict() for r in ActivityLog(Activity(ring=10, path=str(path))).query()]
+    assert [r["class"] for r in records] == [None, "batch"] and "request_class" not in records[0]
 
 
 def test_a_record_reads_back_from_the_file_exactly_as_it_was_written(tmp_path):

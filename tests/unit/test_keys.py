@@ -49,3 +49,32 @@ def test_the_shorthands_are_keys_for_everything_and_for_admin():
     assert keys.identify(b"k2-secret").name == "admin_key" and not keys.identify(b"k2-secret").may_use(["anything"])
     only_admin = table("auth:\n  admin_key: '${K2}'\n")
     assert not only_admin.client_auth and only_admin.admin_auth, "an admin key alone leaves /v1 open, as before"
+
+
+def test_a_key_has_a_class_interactive_unless_the_roster_says_batch_and_a_typo_is_refused_where_it_is():
+    keys = table("auth:\n  keys:\n    - {key: '${K1}', models: ['*'], class: batch}\n    - {key: '${K2}', models: ['*']}\n")
+    assert keys.identify(b"k1-secret").klass == "batch" and keys.identify(b"k2-secret").klass == "interactive"
+    [refused] = errors("auth:\n  keys:\n    - {key: '${K1}', models: ['*'], class: bulk}\n")
+    assert refused.startswith("r.yaml:3:") and "auth.keys[0].class" in refused and "'interactive' or 'batch'" in refused
+    printed = parse_roster("auth:\n  keys:\n    - {key: '${K1}', models: ['*'], class: batch}\n" + MODELS, "r.yaml", ENV).redacted()
+    assert printed["auth"]["keys"][0]["class"] == "batch" and "klass" not in printed["auth"]["keys"][0]
+
+
+def test_the_class_header_lowers_a_key_class_never_raises_it_and_anything_else_is_a_400():
+    from types import SimpleNamespace
+
+    from router.errors import APIError
+    from router.keys import Grant
+    from router.proxy.endpoint import request_class
+
+    def klass(key_class: str, header=None) -> str:
+        request = SimpleNamespace(headers={} if header is None else {"X-Hotswap-Class": header})
+        return request_class(request, Grant("k", ("*",), klass=key_class))
+
+    assert klass("interactive") == "interactive" and klass("batch") == "batch"
+    assert klass("interactive", "batch") == "batch" and klass("interactive", " Batch ") == "batch"
+    assert klass("batch", "interactive") == "batch", "a header never raises a key's class"
+    for bad in ("urgent", "", "0"):
+        with pytest.raises(APIError) as refused:
+            klass("interactive", bad)
+        assert refused.value.status == 400 and refused.value.code == "invalid_header"

@@ -1,0 +1,145 @@
+"""Request classes in the scheduler's policy (issue 33, part 2): a batch request never parks,
+stops or preempts an engine with interactive demand (in flight, queued, or seen within
+swap.interactive_hold_s), a target only batch waits for ranks after interactive ones, and an
+awake engine's waiters are granted interactive first. Fake engines, a fake clock, `decide`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from config.schema import Queue, Swap
+from engines.engine import State
+from router.errors import APIError
+from router.scheduling import Capacity, Plan, Scheduler, Waiter
+from router.scheduling.state import BATCH, INTERACTIVE
+from tests.unit.test_scheduler import Clock, FakeEngine, actions, awake
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def scheduler(*engines: FakeEngine, clock: Clock, hold_s: float = 60, queue: Queue = Queue()) -> Scheduler:
+    swap = Swap(min_active_s=5, max_hold_s=30, interactive_hold_s=hold_s)
+    return Scheduler(list(engines), swap, queue, Capacity(None, 100), clock=clock)
+
+
+def wait_for(s: Scheduler, engine: FakeEngine, since: float, klass: str = INTERACTIVE) -> Waiter:
+    waiter = Waiter(engine, since, klass)
+    s.waiting[engine.name].append(waiter)
+    return waiter
+
+
+async def test_batch_does_not_park_an_engine_an_interactive_request_used_within_the_hold(clock):
+    chat, nightly = awake("chat", clock), FakeEngine("nightly")
+    s = scheduler(chat, nightly, clock=clock, hold_s=60)
+    s.interactive_seen["chat"] = clock.now - 10
+    wait_for(s, nightly, clock.now - 100, BATCH)  # long past max_hold_s: that forces nothing for batch
+    assert s.decide(clock.now) == Plan(wait_s=pytest.approx(50)), "look again when chat's hold ends"
+    assert "chat" in s.held_by["nightly"] and "interactive_hold_s=60" in s.held_by["nightly"]
+    clock.now += 50
+    assert actions(s.decide(clock.now)) == [("park", "chat")], "idle for the whole hold: batch may take its room"
+
+
+async def test_interactive_requests_in_flight_hold_the_room_however_long_batch_waited(clock):
+    chat, nightly = awake("chat", clock), FakeEngine("nightly")
+    s = scheduler(chat, nightly, clock=clock, hold_s=0)
+    chat.in_flight = 1
+    s.interactive_leases["chat"] = 1
+    wait_for(s, nightly, clock.now - 1000, BATCH)
+    assert s.decide(clock.now) == Plan(), "nothing to do until the interactive request ends (its release pokes)"
+    assert "1 interactive request(s) in flight" in s.held_by["nightly"]
+    s.release(chat, INTERACTIVE)  # hold_s 0: the end of the last interactive request frees the room
+    assert actions(s.decide(clock.now)) == [("park", "chat")]
+
+
+async def test_batch_does_not_preempt_a_wake_interactive_requests_wait_for(clock):
+    chat, nightly = FakeEngine("chat", share=0.6), FakeEngine("nightly", share=0.6)
+    s = scheduler(chat, nightly, clock=clock, hold_s=0)
+    wait_for(s, chat, clock.now - 1, INTERACTIVE)
+    wait_for(s, nightly, clock.now - 5, BATCH)  # older, but batch
+    assert actions(s.decide(clock.now)) == [("wake", "chat")], "the interactive target ranks first"
+    chat.state, chat.since = State.WAKING, clock.now  # as _start and the action would have it
+    s.busy["chat"], s.doing["chat"] = asyncio.get_running_loop().create_future(), ("wake", clock.now, 10.0)
+    assert s.decide(clock.now + 100) == Plan(), "chat is waking for interactive waiters: not offered as batch's victim"
+
+
+async def test_batch_may_stop_a_sleeper_without_interactive_demand_but_not_one_with_it(clock):
+    gpus = {0: 80.0}
+    old = FakeEngine("old", share=0.2, sleep_residual_gb=40)
+    recent = FakeEngine("recent", share=0.2, sleep_residual_gb=40)
+    nightly = FakeEngine("nightly", share=0.3, sleep_residual_gb=8)
+    s = Scheduler([old, recent, nightly], Swap(interactive_hold_s=60), Queue(), Capacity(gpus, 100), clock=clock)
+    s.interactive_seen["recent"] = clock.now - 1
+    wait_for(s, nightly, clock.now, BATCH)
+    assert actions(s.decide(clock.now)) == [("stop", "old")]
+
+
+async def test_a_mixed_queue_is_interactive_demand_and_takes_room_as_usual(clock):
+    chat, nightly = awake("chat", clock), FakeEngine("nightly")
+    s = scheduler(chat, nightly, clock=clock, hold_s=60)
+    s.interactive_seen["chat"] = clock.now - 1
+    wait_for(s, nightly, clock.now, BATCH)
+    wait_for(s, nightly, clock.now, INTERACTIVE)  # someone interactive wants nightly too
+    assert actions(s.decide(clock.now)) == [("park", "chat")], "interactive against interactive: the usual rules"
+
+
+async def test_batch_takes_room_from_an_engine_only_batch_used(clock):
+    evals, nightly = awake("evals", clock), FakeEngine("nightly")
+    s = scheduler(evals, nightly, clock=clock, hold_s=60)
+    s.demand.arrived("evals", clock.now - 1)  # batch traffic: no interactive_seen
+    wait_for(s, nightly, clock.now, BATCH)
+    assert actions(s.decide(clock.now)) == [("park", "evals")]
+
+
+async def test_a_batch_only_target_ranks_after_interactive_ones_however_old(clock):
+    a, b, c = awake("a", clock), FakeEngine("b"), FakeEngine("c")
+    s = scheduler(a, b, c, clock=clock)
+    wait_for(s, b, clock.now - 500, BATCH)
+    wait_for(s, c, clock.now - 1, INTERACTIVE)
+    assert [e.name for e, _ in s._targets(clock.now, set())] == ["c", "b"]
+
+
+async def test_a_group_rival_with_interactive_demand_blocks_a_batch_target(clock):
+    chat, nightly = awake("chat", clock, share=0.2, group="g"), FakeEngine("nightly", share=0.2, group="g")
+    s = scheduler(chat, nightly, clock=clock, hold_s=60)
+    s.interactive_seen["chat"] = clock.now - 20
+    wait_for(s, nightly, clock.now, BATCH)
+    assert s.decide(clock.now) == Plan(wait_s=pytest.approx(40)), "room fits, but the group is chat's while it is used"
+
+
+async def test_an_awake_engine_grants_its_interactive_waiters_before_its_batch_ones(clock):
+    chat = awake("chat", clock)
+    s = scheduler(chat, clock=clock)
+    order: list[str] = []
+    waiters = [wait_for(s, chat, clock.now - 3, BATCH), wait_for(s, chat, clock.now - 2, INTERACTIVE),
+               wait_for(s, chat, clock.now - 1, BATCH), wait_for(s, chat, clock.now, INTERACTIVE)]
+    for i, w in enumerate(waiters):
+        w.future.add_done_callback(lambda _, i=i: order.append(f"{waiters[i].klass}{i}"))
+    s._grant(chat)
+    await asyncio.sleep(0)  # the done callbacks run on the loop
+    assert order == ["interactive1", "interactive3", "batch0", "batch2"]
+    assert s.interactive_leases["chat"] == 2 and chat.in_flight == 4
+
+
+async def test_acquire_counts_interactive_leases_and_batch_times_out_naming_the_holder(clock):
+    chat, nightly = awake("chat", clock), FakeEngine("nightly")
+    s = scheduler(chat, nightly, clock=clock, queue=Queue(max_wait_s=300, batch_max_wait_s=0.05))
+    lease = await s.acquire(chat, klass=INTERACTIVE)
+    assert lease.found_awake and s.interactive_leases["chat"] == 1 and s.interactive_seen["chat"] == clock.now
+    s.decide(clock.now)  # nobody waits yet
+    task = asyncio.ensure_future(s.acquire(nightly, klass=BATCH))
+    await asyncio.sleep(0)
+    assert s.queued_by_class(nightly) == {"interactive": 0, "batch": 1}
+    s.decide(clock.now)
+    with pytest.raises(APIError) as error:
+        await task
+    assert error.value.status == 503 and "queue.batch_max_wait_s=0.05" in error.value.message
+    assert "'chat' has 1 interactive request(s) in flight" in error.value.message
+    s.release(chat, INTERACTIVE)
+    assert "chat" not in s.interactive_leases
+    await s.acquire(chat, klass=BATCH)
+    assert "chat" not in s.interactive_leases, "a batch lease is no interactive demand"
