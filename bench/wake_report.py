@@ -13,6 +13,12 @@ from replay import first_errors
 from wake_roster import DRAIN_S, MIN_ACTIVE_S, MODELS, PAGE_CACHE_GB_S, Req
 
 SECTION = "## The wait for a parked model on a production trace (issue 32)"
+BATCH_SECTION = "## A batch client beside the production trace (issue 33)"
+
+
+def section(arms: list[str]) -> str:
+    """The docs section a run writes: the batch arm's against hotswap alone is issue 33's measurement."""
+    return BATCH_SECTION if set(arms) == {"hotswap", "batch"} else SECTION
 WITHIN_S = 2.0
 
 
@@ -94,7 +100,7 @@ def report(rounds: list[dict[str, Result]], header: dict, trace: list[Req], args
     span = (trace[-1].t - trace[0].t) / 60
     stats = {a: summary([res.waits[i] for i in ok], span, res) for a, res in results.items()}
     lines = [
-        SECTION, "",
+        section(list(results)), "",
         f"{h.host(started)}, commit {h.git_rev()}. Took {elapsed:.0f} s. Load average at start / end: "
         f"{load_start} / {h.loadavg()}.", "", "```", h.command_line(), "```", "",
         f"Trace: `{args.trace.relative_to(h.REPO) if args.trace.is_relative_to(h.REPO) else args.trace}` "

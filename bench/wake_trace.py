@@ -46,7 +46,7 @@ from typing import Any
 import harness as h  # bench/harness.py: the run session, report helpers
 from wake_roster import MAX_WAIT_S, MODELS, TRACE, Req, batch_flood, load_trace, older_tree, policy_keys, roster
 from replay import Failed, at_arrival_times, lru_cost, running_router  # bench/replay.py: the in-process router
-from wake_report import SECTION, WITHIN_S, Result, report, summary  # bench/wake_report.py: the section it writes
+from wake_report import WITHIN_S, Result, report, section, summary  # bench/wake_report.py: the section it writes
 
 ARMS = ("hotswap", "no-ahead", "lru", "before", "batch")
 BATCH_HEADER = {"X-Hotswap-Class": "batch"}
@@ -284,7 +284,7 @@ def main(argv: list[str]) -> int:
             print(f"bench: {exc}{keep}", file=sys.stderr)
             return 1
         text = report(rounds, header, trace, args, run.started, time.monotonic() - run.t0, run.load_start)
-        run.publish(text, SECTION)
+        run.publish(text, section(args.arms))
         return 0
     return 130
 

@@ -181,3 +181,5 @@ def test_the_batch_arm_sets_the_traces_waits_beside_hotswaps_and_reports_the_flo
     assert "Batch requests answered: 1 of 2; their wait mean 40.0 s" in text, text
     with pytest.raises(SystemExit):
         wake_trace.parse_args(["--arms", "batch"])  # nothing to set it against
+    assert wake_report.section(["batch", "hotswap"]) == wake_report.BATCH_SECTION, "issue 33's run has a section of its own"
+    assert wake_report.section(["hotswap", "lru", "batch"]) == wake_report.SECTION
