@@ -22,6 +22,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from config.argv import flag_value
 from engines.engine import Engine
 from router.proxy import keepalive, multipart, routes
 from router.auth import grant_of
@@ -76,9 +77,7 @@ def request_class(request: web.Request, grant: Grant) -> str:
 
 def uses_priority(engine: Engine) -> bool:
     """Whether the engine runs vLLM's priority scheduling (`--scheduling-policy priority` in its args)."""
-    args = list(engine.spec.args or [])
-    return "--scheduling-policy=priority" in args or any(
-        a == "--scheduling-policy" and b == "priority" for a, b in zip(args, args[1:]))
+    return flag_value(engine.spec.args, "--scheduling-policy") == "priority"
 
 
 def default_model(router, grant: Grant) -> str:
