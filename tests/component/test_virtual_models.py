@@ -81,17 +81,21 @@ async def test_balance_spreads_over_the_awake_members_by_requests_in_flight(star
 
 
 async def test_balance_wakes_one_more_member_only_when_the_awake_ones_queue_would_wait_longer_than_its_wake(start_router):
-    # chat-a decodes one request at a time (--max-num-seqs 1), each about 5 s; chat-b is put to sleep (its wake
-    # predicted from its boot, a second or two here). One finished request tells the router how long a request holds chat-a.
+    # chat-a decodes one request at a time (--max-num-seqs 1), each about 5 s; chat-b sleeps, after one measured
+    # wake (an operator's swap-in) that tells the router its wakes take well under a second. One finished
+    # request tells it how long a request holds chat-a.
     router = await start_router(roster_dict(model("chat-a", 0.3, "--max-num-seqs", "1", "--sim-token-rate", "100"),
                                             model("chat-b", 0.3),
                                             virtual_models=[{"name": "chat", "models": ["chat-a", "chat-b"], "pick": "balance"}]))
-    assert (await http(router, "POST", "/admin/sleep?model=chat-b", headers=router.admin_headers))[0] == 200
+    for action in ("sleep", "swap", "sleep"):
+        assert (await http(router, "POST", f"/admin/{action}?model=chat-b", headers=router.admin_headers))[0] == 200
     c = client(router)
     assert await ask(c, "chat", max_tokens=500)  # chat-a, alone awake and idle
     assert (await states(router))["chat-b"] == "sleeping"
+    swaps = len((await router.status())["swaps"])
 
     first = asyncio.ensure_future(ask(c, "chat", max_tokens=500))  # chat-a again: a free slot waits for nobody
+
     async def holding() -> bool:
         return (await router.engine("chat-a"))["in_flight"] == 1
 
@@ -101,7 +105,7 @@ async def test_balance_wakes_one_more_member_only_when_the_awake_ones_queue_woul
     await first
     served = [r["engine"] for r in await records(router, "chat", 3)]
     assert served == ["chat-a", "chat-b", "chat-a"], f"newest first: {served}"
-    assert [s["to"] for s in (await router.status())["swaps"]] == ["chat-b"]
+    assert [s["to"] for s in (await router.status())["swaps"][swaps:]] == ["chat-b"], "the one wake the queue asked for"
 
 
 async def test_with_room_in_its_queue_balance_wakes_nobody_and_the_admin_api_wants_a_member(start_router):
