@@ -50,6 +50,9 @@ async def acquire(request: web.Request, scheduler, engine: Engine, interval: flo
     """Take a lease like `scheduler.acquire`, sending comment lines every `interval` seconds
     while it waits. Returns the already-prepared stream response, or None when the lease came
     before the first comment was due (nothing sent: the request proceeds as usual), and the lease."""
+    lease = scheduler.lease_at_once(engine, klass)  # in this turn of the loop: the waiting task would take it in the next
+    if lease is not None:
+        return None, lease
     task = asyncio.ensure_future(scheduler.acquire(engine, max_wait_s=max_wait_s, klass=klass))
     response: Optional[web.StreamResponse] = None
     try:

@@ -135,12 +135,10 @@ class SchedulerState:
             raise APIError(503, "the router is shutting down; retry on another instance", "shutting_down", retry_after=5)
         now = self.clock()
         if not admin:
-            self.demand.arrived(engine.name, now)
-            self.put_to_sleep.discard(engine.name)
-            if klass == INTERACTIVE:
-                self.interactive_seen[engine.name] = now
-        if engine.name not in self.busy and engine.try_lease():
-            self._leased(engine, counted)
+            if (lease := self.lease_at_once(engine, klass)) is not None:
+                return lease
+            self._arrived(engine, klass, now)
+        elif engine.name not in self.busy and engine.try_lease():
             return AT_ONCE
         if not admin and self.backoff.waiting(engine, now):
             raise self.backoff.unavailable(engine)
@@ -173,6 +171,24 @@ class SchedulerState:
                            retry_after=self.predicted_wait(engine, self.clock()))
         # raises the APIError a failed engine left for its waiters
         return Lease(found_awake=False, swap_id=waiter.future.result())
+
+    def lease_at_once(self, engine: Engine, klass: str = INTERACTIVE) -> Optional[Lease]:
+        """A client request's lease when its engine is awake and free now (None: `acquire` it), taken
+        without yielding to the loop: a caller that waits in a task of its own (`router.proxy.keepalive`)
+        takes it here first, so a request counts in `in_flight` as soon as it was routed, before the
+        next request is (a virtual model's pick reads `in_flight`)."""
+        if self._closing or engine.name in self.busy or engine.state is not State.AWAKE:
+            return None
+        self._arrived(engine, klass, self.clock())
+        engine.try_lease()  # cannot fail on an AWAKE engine
+        self._leased(engine, klass)
+        return AT_ONCE
+
+    def _arrived(self, engine: Engine, klass: str, now: float) -> None:
+        self.demand.arrived(engine.name, now)
+        self.put_to_sleep.discard(engine.name)
+        if klass == INTERACTIVE:
+            self.interactive_seen[engine.name] = now
 
     def release(self, engine: Engine, klass: Optional[str] = None) -> None:
         """Give back a lease `acquire` returned; `klass` as it was acquired with (None: an operator's)."""

@@ -85,3 +85,16 @@ def test_a_busy_member_is_not_an_awake_one():
     s.busy["a"] = None  # an action (a park, say) is under way on it
     assert pick(chat("first", "a", "b"), [a, b], s) is b
     assert a.state is State.AWAKE
+
+
+async def test_two_streams_routed_in_one_turn_of_the_loop_go_to_different_members():
+    # A stream waits for its lease in a task of its own (router.proxy.keepalive), which runs a turn later: the
+    # lease is taken at once, before the next request is routed, or both would see the same member idle.
+    clock = Clock()
+    a, b, parked = awake("a", clock, share=0.3), awake("b", clock, share=0.3), FakeEngine("c", share=0.3)
+    s = scheduler(a, b, parked, clock=clock)
+    first = pick(chat("balance", "a", "b"), [a, b], s)
+    assert s.lease_at_once(first) is not None and first.in_flight == 1
+    second = pick(chat("balance", "a", "b"), [a, b], s)
+    assert second is not first
+    assert s.lease_at_once(parked) is None and s.demand.rate("c", clock.now) == 0, "a parked engine's request is acquired, and counted, there"
