@@ -1,5 +1,5 @@
 """Virtual models: one name clients use for several equivalent models, and how a request picks
-among them (`router.scheduling.picking`)."""
+among them (`router.virtuals`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 from config.merge import Path_, format_field
 from config.names import ModelName
 from config.sections import Section
+
 
 class VirtualModel(Section):
     """A name that stands for any of `models`: a request for it is served by one of them."""
@@ -66,4 +67,3 @@ def check_virtual_models(report: Callable[..., None], entries: Any, owners: dict
                 report((*base, "models", j), f"'{member}' is model '{model}' again (listed as '{seen[model]}')")
             else:
                 seen[model] = member
-

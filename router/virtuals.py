@@ -51,23 +51,26 @@ class Virtuals:
 def pick(virtual: VirtualModel, members: Sequence[Engine], scheduler: Scheduler) -> Engine:
     """The member to send a request for `virtual` to now (`members`: in roster order, none retiring)."""
     awake = [e for e in members if e.state is State.AWAKE and e.name not in scheduler.busy]
-    least_loaded = min(awake, key=lambda e: e.in_flight, default=None)  # min keeps the first of equals: roster order
     if virtual.pick == "first":
         return awake[0] if awake else members[0]
-    now = scheduler.clock()
-    parked = _soonest(scheduler, [e for e in members if e not in awake], now)
+    least_loaded = min(awake, key=lambda e: e.in_flight, default=None)  # min keeps the first of equals: roster order
+    parked = [e for e in members if e not in awake]
+    queued_s = queue_wait_s(least_loaded) if least_loaded is not None and parked and virtual.pick == "balance" else 0.0
+    if least_loaded is not None and not queued_s:
+        return least_loaded  # the common case: no parked member's wake to predict
+    soonest = _soonest(scheduler, parked)
     if least_loaded is None:
-        return parked or members[0]  # none can be placed: the first says why in its 503
-    if virtual.pick == "balance" and parked is not None and queue_wait_s(least_loaded) > scheduler.predicted_wait(parked, now):
-        return parked
-    return least_loaded
+        return soonest[0] if soonest else members[0]  # none can be placed: the first says why in its 503
+    return soonest[0] if soonest and queued_s > soonest[1] else least_loaded
 
 
-def _soonest(scheduler: Scheduler, parked: Sequence[Engine], now: float) -> Optional[Engine]:
-    """The parked member with the shortest predicted wait, of those that can be placed and have not failed
-    (a failed one is retried when asked for by its own name, or when no other member can serve)."""
-    usable = [e for e in parked if never_fits(scheduler.engines, e) is None and e.state is not State.FAILED]
-    return min(usable, key=lambda e: scheduler.predicted_wait(e, now), default=None)
+def _soonest(scheduler: Scheduler, parked: Sequence[Engine]) -> Optional[tuple[Engine, float]]:
+    """The parked member with the shortest predicted wait, and that wait, of those that can be placed and
+    have not failed (a failed one is retried when asked for by its own name, or when no other member can serve)."""
+    now = scheduler.clock()
+    waits = [(e, scheduler.predicted_wait(e, now)) for e in parked
+             if never_fits(scheduler.engines, e) is None and e.state is not State.FAILED]
+    return min(waits, key=lambda pair: pair[1], default=None)
 
 
 def max_num_seqs(engine: Engine) -> int:
