@@ -127,11 +127,17 @@ def policy_keys(scale: float) -> str:
                    if key in fields)
 
 
-def queue_keys(scale: float) -> str:
-    """queue: its waits, scaled (the batch one where the tree running has it)."""
+def batch_max_wait_s() -> Optional[float]:
+    """queue.batch_max_wait_s's default, real seconds, where the tree running has the key."""
     from config.schema import Queue
 
-    batch = f", batch_max_wait_s: {Queue.model_fields['batch_max_wait_s'].default * scale:g}" if "batch_max_wait_s" in Queue.model_fields else ""
+    field = Queue.model_fields.get("batch_max_wait_s")
+    return None if field is None else field.default
+
+
+def queue_keys(scale: float) -> str:
+    """queue: its waits, scaled (the batch one where the tree running has it)."""
+    batch = "" if batch_max_wait_s() is None else f", batch_max_wait_s: {batch_max_wait_s() * scale:g}"
     return f"queue: {{max_wait_s: {MAX_WAIT_S * scale:g}, max_waiting: 4096{batch}}}"
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import harness as h  # bench/harness.py: the run session, report helpers
-from wake_roster import MAX_WAIT_S, MODELS, TRACE, Req, batch_flood, load_trace, older_tree, policy_keys, roster
+from wake_roster import MAX_WAIT_S, MODELS, TRACE, Req, batch_flood, batch_max_wait_s, load_trace, older_tree, policy_keys, roster
 from replay import Failed, at_arrival_times, lru_cost, running_router  # bench/replay.py: the in-process router
 from wake_report import WITHIN_S, Result, report, section, summary  # bench/wake_report.py: the section it writes
 
@@ -87,8 +87,8 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
     if arm == "batch":
         trace = sorted(trace + batch_flood(trace, args.batch_model, args.batch_requests, args.batch_at_minute * 60,
                                            args.batch_tokens), key=lambda r: r.t)
-    # A batch request may wait until the trace's interactive demand is over (queue.batch_max_wait_s at most).
-    longest_wait_s = MAX_WAIT_S if arm != "batch" else max(MAX_WAIT_S, (trace[-1].t - trace[0].t) + 600)
+    # A batch request may wait until the trace's interactive demand is over: queue.batch_max_wait_s at most.
+    longest_wait_s = max(MAX_WAIT_S, batch_max_wait_s() or 0.0) if arm == "batch" else MAX_WAIT_S
     timeout = aiohttp.ClientTimeout(total=(longest_wait_s + 2 * max(r.tokens for r in trace) / 30) * scale + 60)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as client, \
             running_router(text, arm, tmp / f"engines-{arm}", deadline, setup) as run:
