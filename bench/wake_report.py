@@ -35,6 +35,7 @@ class Result:
     phase_s: dict[str, float] = field(default_factory=dict)  # real seconds in each phase, over every wake
     parts: dict[int, dict[str, float]] = field(default_factory=dict)  # request -> its wait's parts (`wait_parts`)
     wall_s: float = 0.0
+    batch_job_s: float = 0.0  # real seconds from the batch job's first request sent to its last answer
 
 
 PARTS = ("held", "drain", "wake", "after")
@@ -82,11 +83,14 @@ def batch_verdict(rounds: list[dict[str, Result]], stats: dict[str, dict[str, fl
     asked = args.batch_requests * len(rounds)
     own = (f"mean {sum(flood) / len(flood):.1f} s, p50 {h.percentile(flood, 0.5):.1f} s, max {max(flood):.1f} s"
            if flood else "none answered")
-    return (f"**With a batch client** ({args.batch_requests} requests for {args.batch_model} at minute "
-            f"{args.batch_at_minute:g}, {args.batch_tokens} tokens each, `X-Hotswap-Class: batch`): the trace's interactive "
+    jobs = ", ".join(f"{r['batch'].batch_job_s:.0f}" for r in rounds)
+    return (f"**With a batch client** ({args.batch_requests} requests for {args.batch_model} due at minute "
+            f"{args.batch_at_minute:g}, {args.batch_tokens} tokens each, `X-Hotswap-Class: batch`, sent by "
+            f"{args.batch_concurrency} workers without streaming): the trace's interactive "
             "waits ÷ hotswap's without it: " + ", ".join(f"{k} {v:.2f}×" for k, v in ratios.items())
             + f" ({'within' if worst <= 1.10 else 'NOT within'} the target of 1.10×); within {WITHIN_S:g} s {b['within']:.0%} "
-            f"against {hs['within']:.0%}. Batch requests answered: {len(flood)} of {asked}; their wait {own}.")
+            f"against {hs['within']:.0%}. Batch requests answered: {len(flood)} of {asked}; each one's time to its "
+            f"answer, from when its worker sent it: {own}; the job, first request to last answer: {jobs} s.")
 
 
 def report(rounds: list[dict[str, Result]], header: dict, trace: list[Req], args: argparse.Namespace, started: str,

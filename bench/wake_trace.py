@@ -17,8 +17,9 @@ fresh simulated engines (always this tree's `engines.sim`, so every arm meets th
             `lru_cost`): a memory-aware router that swaps on demand and drains its victim, as
             Ollama and Ray Serve do
   before    `--ab-src`, a checkout of the code before the change measured (its default scheduler)
-  batch     this tree, with a batch client added to the trace (`--batch-*`: a flood of requests for one
-            model, sent as `X-Hotswap-Class: batch`); its interactive waits are set against hotswap's
+  batch     this tree, with a batch client added to the trace (`--batch-*`: a job of requests for one
+            model, all due at once, sent as `X-Hotswap-Class: batch` by a fixed number of workers without
+            streaming, as an evaluation harness sends them); its interactive waits are set against hotswap's
 
 Client wait = the time to the first token (embeddings: to the answer). A request streams its
 trace's output tokens at its model's rate, read to the end (its engine is busy until then); its
@@ -101,11 +102,11 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
                 path, body = "/v1/embeddings", {"model": r.model, "input": "Wake"}
             else:
                 path, body = "/v1/completions", {"model": r.model, "prompt": "Wake", "max_tokens": r.tokens,
-                                                 "temperature": 0, "ignore_eos": True, "stream": True}
+                                                 "temperature": 0, "ignore_eos": True, "stream": not r.batch}
             t0 = time.monotonic()
             try:
                 async with client.post(run.base_url + path, json=body, headers=BATCH_HEADER if r.batch else None) as resp:
-                    if resp.status != 200 or r.kind == "embeddings":
+                    if resp.status != 200 or r.kind == "embeddings" or r.batch:
                         data = await resp.read()
                         return resp.status, time.monotonic() - t0, "" if resp.status == 200 else data[:200].decode(errors="replace")
                     first = await resp.content.readuntil(b"\n\n")  # the first token's event
@@ -130,8 +131,17 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
         res.floor_s = h.percentile(floors, 0.5)
 
         sent: dict[int, tuple[float, float]] = {}  # request -> (sent, first token), time.monotonic()
+        # The batch job's workers: a harness keeps a fixed number of requests open, not the whole job.
+        batch_workers = asyncio.Semaphore(args.batch_concurrency)
 
         async def one(r: Req) -> None:
+            if r.batch:
+                async with batch_workers:
+                    await answer(r)
+            else:
+                await answer(r)
+
+        async def answer(r: Req) -> None:
             at = time.monotonic()
             status, lat, err = await send(r)
             if status != 200:
@@ -141,7 +151,11 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
             sent[r.i] = (at, at + lat)
 
         print(f"  {arm}: booted; replaying {len(trace)} requests", flush=True)
-        res.lag_s, res.wall_s = await at_arrival_times([(r.t, lambda r=r: one(r)) for r in trace], scale, deadline, arm)
+        lags, res.wall_s = await at_arrival_times([(r.t, lambda r=r: one(r)) for r in trace], scale, deadline, arm)
+        res.lag_s = [lag for r, lag in zip(trace, lags) if not r.batch]  # the trace's arrivals: a batch job's are all due at once
+    job = [sent[r.i] for r in trace if r.batch and r.i in sent]
+    if job:
+        res.batch_job_s = (max(end for _, end in job) - min(at for at, _ in job)) / scale
     res.wakes, res.wake_s = run.recorder.wake_kinds(scale)
     res.evictions = dict(run.recorder.evictions)
     res.phase_s = run.recorder.phase_seconds(scale)
@@ -199,6 +213,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-at-minute", type=float, default=14.0,
                    help="the trace's minute the flood is sent at (default %(default)s)")
     p.add_argument("--batch-tokens", type=int, default=256, help="each batch request's output tokens (default %(default)s)")
+    p.add_argument("--batch-concurrency", type=int, default=16,
+                   help="the batch client's workers: requests it keeps open at once (default %(default)s)")
     p.add_argument("--arms", default="hotswap,lru", help=f"comma-separated, of {', '.join(ARMS)} (default %(default)s)")
     p.add_argument("--reps", type=int, default=1, help="run the arms this many rounds, each in a rotated order, and "
                    "pool their waits for the verdict (default 1)")
@@ -225,13 +241,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      "--page-cache-budget-gb", f"{a.page_cache_budget_gb!r}", "--max-seconds", f"{a.max_seconds!r}",
                      "--max-hold-s", f"{a.max_hold_s!r}", "--batch-model", a.batch_model,
                      "--batch-requests", str(a.batch_requests), "--batch-at-minute", f"{a.batch_at_minute!r}",
-                     "--batch-tokens", str(a.batch_tokens), "--no-docs"]
+                     "--batch-tokens", str(a.batch_tokens), "--batch-concurrency", str(a.batch_concurrency), "--no-docs"]
     if a.reps < 1:
         p.error("--reps must be at least 1")
     if "batch" in a.arms and "hotswap" not in a.arms:
         p.error("--arms batch is measured against hotswap: run both (e.g. --arms hotswap,batch)")
-    if a.batch_requests < 1 or a.batch_tokens < 1:
-        p.error("--batch-requests and --batch-tokens must be at least 1")
+    if min(a.batch_requests, a.batch_tokens, a.batch_concurrency) < 1:
+        p.error("--batch-requests, --batch-tokens and --batch-concurrency must be at least 1")
     if a.minutes is not None and a.minutes <= a.warmup_minutes:
         p.error("--minutes must be more than --warmup-minutes")
     if a.minutes is not None:

@@ -175,10 +175,12 @@ def test_the_batch_arm_sets_the_traces_waits_beside_hotswaps_and_reports_the_flo
                                                    "qwen-7b", 2, 60.0, 16)
     assert [(r.i, r.t, r.model, r.batch) for r in flood] == [(1, 90.0, "qwen-7b", True), (2, 90.0, "qwen-7b", True)]
     result = wake_report.Result
-    rounds = [{"hotswap": result("hotswap", waits={0: 1.0}), "batch": result("batch", waits={0: 1.05, 1: 40.0})}]
+    rounds = [{"hotswap": result("hotswap", waits={0: 1.0}),
+               "batch": result("batch", waits={0: 1.05, 1: 40.0}, batch_job_s=55.0)}]
     text = wake_report.batch_verdict(rounds, wake_report.pooled(rounds, {0}), 1, args)
     assert "mean 1.05×" in text and "(within the target of 1.10×)" in text, text
-    assert "Batch requests answered: 1 of 2; their wait mean 40.0 s" in text, text
+    assert "Batch requests answered: 1 of 2; each one's time to its answer, from when its worker sent it: mean 40.0 s" in text
+    assert "sent by 16 workers" in text and "first request to last answer: 55 s" in text, text
     with pytest.raises(SystemExit):
         wake_trace.parse_args(["--arms", "batch"])  # nothing to set it against
     assert wake_report.section(["batch", "hotswap"]) == wake_report.BATCH_SECTION, "issue 33's run has a section of its own"
