@@ -14,7 +14,10 @@ from config.secrets import mask_url
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 # A request's class (docs/operators.md "Request classes"): batch work never parks or preempts an
 # engine with interactive demand, and waits behind interactive requests for a lease.
-RequestClass = Literal["interactive", "batch"]
+# Highest first: a header may only move a request down this list, and vLLM's `priority` is the index.
+REQUEST_CLASSES = ("interactive", "batch")
+INTERACTIVE, BATCH = REQUEST_CLASSES
+RequestClass = Literal[REQUEST_CLASSES]
 
 
 class Section(BaseModel):
@@ -61,7 +64,7 @@ class ApiKey(Section):
         "the key Prometheus sends as its bearer token.")
     # `class` is a Python keyword: the field is `klass`, the roster key `class`.
     klass: RequestClass = Field(
-        "interactive", alias="class", description="The class of this key's requests: `batch` never parks or preempts "
+        INTERACTIVE, alias="class", description="The class of this key's requests: `batch` never parks or preempts "
         "an engine with interactive demand and is served after queued interactive requests (docs/operators.md, "
         "\"Request classes\"). A request may lower it with the header `X-Hotswap-Class: batch`, never raise it.")
 

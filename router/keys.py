@@ -14,7 +14,7 @@ import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from config.sections import Auth
+from config.sections import INTERACTIVE, Auth
 
 if TYPE_CHECKING:
     from engines.engine import Engine
@@ -28,7 +28,7 @@ class Grant:
     models: tuple[str, ...]
     admin: bool = False
     metrics: bool = False  # may read /metrics (an admin key may too)
-    klass: str = "interactive"  # its requests' class (auth.keys[].class); a header may lower it, never raise it
+    klass: str = INTERACTIVE  # its requests' class (auth.keys[].class); a header may lower it, never raise it
 
     def may_use(self, names: Iterable[str]) -> bool:
         return _matches(self.models, tuple(names))

@@ -23,6 +23,7 @@ from urllib.parse import quote
 from aiohttp import web
 
 from config.argv import flag_value
+from config.sections import INTERACTIVE, REQUEST_CLASSES
 from engines.engine import Engine
 from router.proxy import keepalive, multipart, routes
 from router.auth import grant_of
@@ -39,14 +40,13 @@ from router.scheduling import Lease
 RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
 CLASS_HEADER = "X-Hotswap-Class"
-CLASSES = ("interactive", "batch")  # highest first: a header may only move a request down this list
 # Endpoints whose vLLM request takes `priority` (vLLM 0.32: chat_completion/protocol.py:388,
 # completion/protocol.py:136, pooling/embed/protocol.py, responses/protocol.py).
 PRIORITY_ENDPOINTS = frozenset({"chat", "completions", "embeddings", "responses"})
 # vLLM's priority scheduler serves lower values first ("lower means earlier handling; default: 0",
 # vllm/entrypoints/openai/chat_completion/protocol.py:393 in vLLM 0.32), and refuses any value but 0
 # from an engine without `--scheduling-policy priority`: so only such an engine is sent one.
-PRIORITY = {"interactive": 0, "batch": 1}
+PRIORITY = {klass: rank for rank, klass in enumerate(REQUEST_CLASSES)}
 
 
 def max_wait(request: web.Request) -> Optional[float]:
@@ -69,10 +69,10 @@ def request_class(request: web.Request, grant: Grant) -> str:
     if text is None:
         return grant.klass
     asked = text.strip().lower()
-    if asked not in CLASSES:
-        raise APIError(400, f"{CLASS_HEADER} must be one of {', '.join(CLASSES)} (found {text[:40]!r})", "invalid_header")
+    if asked not in REQUEST_CLASSES:
+        raise APIError(400, f"{CLASS_HEADER} must be one of {', '.join(REQUEST_CLASSES)} (found {text[:40]!r})", "invalid_header")
     # Lowering only: a key whose class is batch stays batch whatever its client sends.
-    return max(asked, grant.klass, key=CLASSES.index)
+    return max(asked, grant.klass, key=REQUEST_CLASSES.index)
 
 
 def uses_priority(engine: Engine) -> bool:
@@ -262,7 +262,7 @@ class Walk:
             if route.creates_response:
                 kw.update(_pinning(self.request, engine, self.name, self.body))
             if route.endpoint in PRIORITY_ENDPOINTS and "priority" not in self.body and uses_priority(engine):
-                self.body["priority"] = PRIORITY[self.klass or "interactive"]  # never over a priority the client set
+                self.body["priority"] = PRIORITY[self.klass or INTERACTIVE]  # never over a priority the client set
                 self.raw = json.dumps(self.body).encode()
             return await forward(self.request, router.upstreams, engine, route.path, json_for(engine, self.body, self.raw),
                                  anthropic=route.anthropic, **kw)

@@ -14,6 +14,7 @@ from typing import Optional
 
 from aiohttp import web
 
+from config.sections import INTERACTIVE
 from engines.engine import Engine, State
 from router.errors import APIError, sse_error
 from router.proxy.forward import SSE_HEADERS
@@ -46,7 +47,7 @@ def doing(engine: Engine) -> str:
 
 
 async def acquire(request: web.Request, scheduler, engine: Engine, interval: float, anthropic: bool,
-                  max_wait_s: Optional[float] = None, klass: str = "interactive") -> tuple[Optional[web.StreamResponse], Lease]:
+                  max_wait_s: Optional[float] = None, klass: str = INTERACTIVE) -> tuple[Optional[web.StreamResponse], Lease]:
     """Take a lease like `scheduler.acquire`, sending comment lines every `interval` seconds
     while it waits. Returns the already-prepared stream response, or None when the lease came
     before the first comment was due (nothing sent: the request proceeds as usual), and the lease."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from config.schema import ModelSpec, Queue, Swap
+from config.sections import BATCH, INTERACTIVE
 from engines.engine import Engine, State
 from router.errors import APIError, for_clients
 from router.scheduling.estimates import Demand, WakeCosts
@@ -30,16 +31,14 @@ MID_TRANSITION = frozenset({State.BOOTING, State.DRAINING, State.WAKING, State.V
 RESERVING = frozenset({"boot", "wake", "demote", "restart"})
 # Actions whose engine is (or becomes) BOOTING when it starts COLD or FAILED; a restart always is.
 BOOTING_ACTIONS = frozenset({"boot", "wake", "restart"})
-# Request classes (auth.keys[].class, X-Hotswap-Class). An operator's own acquire has none (None):
-# it is served like an interactive request but counts as no one's demand.
-INTERACTIVE, BATCH = "interactive", "batch"
 
 
 @dataclass
 class Waiter:
     engine: Engine
     since: float
-    klass: Optional[str] = INTERACTIVE  # None: an operator's (admin) wait
+    # None: an operator's (admin) wait, served like an interactive request but no one's demand.
+    klass: Optional[str] = INTERACTIVE
     # Its result: the id of the swap whose end granted its lease (None: no swap did).
     future: asyncio.Future[Optional[int]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
