@@ -58,7 +58,7 @@ class Engine:
         self.gate = GateRecord(spec.gate)  # baseline, verdicts, the acceptance watch (engines.gate.record)
         self.restarts: collections.Counter[str] = collections.Counter()
         self.retiring = False  # left the roster in a reload: no new requests; stopped once its own are done
-        self.leases = Leases(self.name)
+        self.leases = Leases(self.name, lambda: self.swap.demand_tau_s)
         self.last_used = time.monotonic()
         self._no_step = asyncio.Event()  # cleared while a sleep or wake step talks to the engine
         self._no_step.set()
@@ -132,8 +132,7 @@ class Engine:
         return True
 
     def release(self) -> None:
-        self.leases.give_back()
-        self.last_used = time.monotonic()
+        self.last_used = self.leases.give_back()
 
     def cuttable(self, cut: Callable[[str], None]) -> ContextManager[None]:
         """While a leaseholder's request runs: how to end it early (`engines.leases`)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Callable, ContextManager, Optional
 
@@ -19,15 +20,17 @@ log = logging.getLogger("hotswap")
 
 
 class Leases:
-    def __init__(self, engine: str) -> None:
+    def __init__(self, engine: str, tau_s: Callable[[], float]) -> None:
         self.engine = engine
+        self._tau_s = tau_s  # swap.demand_tau_s, read at each change: a reload may change it
         self.count = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._cuts: dict[object, Callable[[str], None]] = {}  # how to end each running request early
         self._cutting: Optional[str] = None  # why, while they are being cut
-        # Little's law over the engine's life: the mean time a lease is held is the leases' time
-        # held (the count integrated over time) over the leases given back. No per-request clock.
+        # Little's law: the mean time a lease is held is the leases' time held (the count integrated
+        # over time) over the leases given back, both decaying as demand does (swap.demand_tau_s), so
+        # the mean follows what the engine's requests are like now. No per-request clock.
         self._held_s = 0.0
         self._given_back = 0
         self._counted_at = time.monotonic()
@@ -37,21 +40,25 @@ class Leases:
         self.count += 1
         self._idle.clear()
 
-    def give_back(self) -> None:
+    def give_back(self) -> float:
+        """Returns when (time.monotonic()), for the engine's own idle clock: one clock read a lease."""
         self._count_time()
         self.count -= 1
         self._given_back += 1
         if self.count == 0:
             self._idle.set()
+        return self._counted_at
 
     def _count_time(self) -> None:
-        now = time.monotonic()
-        self._held_s += self.count * (now - self._counted_at)
+        now, tau = time.monotonic(), self._tau_s()
+        keep = math.exp((self._counted_at - now) / tau)
+        self._held_s = self._held_s * keep + self.count * tau * (1.0 - keep)  # the decayed integral of a constant count
+        self._given_back *= keep
         self._counted_at = now
 
     @property
     def mean_held_s(self) -> Optional[float]:
-        """The mean seconds a request has held its lease (None until one has been given back)."""
+        """The mean seconds a request has held its lease lately (None until one has been given back)."""
         return self._held_s / self._given_back if self._given_back else None
 
     async def wait_idle(self, timeout: float) -> bool:
