@@ -98,11 +98,20 @@ def _engines(engines: list[dict[str, Any]]) -> str:
             f"<td><span class='state' style='background:{colour}'>{escape(e['state'])}</span>{booting}</td>"
             f"<td>{e['for_s']:.0f} s</td><td>{_level(e['sleep_level'])}</td>"
             f"<td>{escape(shares)}{' (pinned)' if e['pin'] else ''}</td>"
-            f"<td>{e['wake_estimate_s']:.1f} s</td><td>{e['in_flight']}</td><td>{e['queued']}</td>"
+            f"<td>{e['wake_estimate_s']:.1f} s</td><td>{e['in_flight']}</td><td>{_queued(e)}</td>"
             f"<td>{_mal(e['baseline_mal'])} / {_mal(e['observed_mal'])}</td><td>{escape(restarts)}</td>"
             f"<td class='{_verdict_class(verdict, told)}'>{escape(told or verdict.get('result', '—'))}"
             f"<br><span class='muted'>{escape(verdict.get('reason', ''))}</span></td></tr>")
     return "".join(rows) + "</table>"
+
+
+def _queued(e: dict[str, Any]) -> str:
+    """The queue; its batch part (served after interactive) and why that waits for room, when it does."""
+    batch = (e.get("queued_by_class") or {}).get("batch", 0)
+    if not batch:
+        return str(e["queued"])
+    why = f"<br><span class='muted'>{escape(e['batch_held_by'])}</span>" if e.get("batch_held_by") else ""
+    return f"{e['queued']} ({batch} batch){why}"
 
 
 def _swaps(swaps: list[dict[str, Any]]) -> str:

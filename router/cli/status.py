@@ -39,7 +39,7 @@ def render(status: dict[str, Any]) -> str:
         state += " (woken ahead)" if e.get("woken_ahead") else ""
         rows.append((e["name"] + (" [pin]" if e["pin"] else ""), state, f"{e['for_s']:.0f}s", _level(e),
                      ",".join(map(str, e["devices"])), f"{e['gpu_share']:g}", f"{e['wake_estimate_s']:.1f}s",
-                     str(e["in_flight"]), str(e["queued"]), mal, _drift(e.get("logprob_drift") or {}), str(e["restarts"]),
+                     str(e["in_flight"]), queued(e), mal, _drift(e.get("logprob_drift") or {}), str(e["restarts"]),
                      verdict.get("result", "-")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -65,6 +65,8 @@ def render(status: dict[str, Any]) -> str:
         lines.append("  woken ahead: " + ", ".join(f"{w['engine']} from level {w['from_level']} {w['ago_s']:.0f}s ago: {w['outcome']}"
                                                    for w in ahead[:5]))
     for e in status["engines"]:
+        if e.get("batch_held_by"):
+            lines.append(f"  {e['name']}: {_batch(e)} batch request(s) wait for room: {e['batch_held_by']}")
         if e["failure"]:
             lines.append(f"  {e['name']} failed: {e['failure']}")
         collapse = e.get("last_collapse")
@@ -73,6 +75,16 @@ def render(status: dict[str, Any]) -> str:
             lines.append(f"  {e['name']} last acceptance collapse at {at}: MAL {collapse['observed_mal']:.2f} "
                          f"({collapse['reason']})")
     return "\n".join(lines)
+
+
+def queued(e: dict[str, Any]) -> str:
+    """The queue, and how much of it is batch work (served after interactive)."""
+    batch = _batch(e)
+    return f"{e['queued']} ({batch} batch)" if batch else str(e["queued"])
+
+
+def _batch(e: dict[str, Any]) -> int:
+    return (e.get("queued_by_class") or {}).get("batch", 0)
 
 
 def host_memory_lines(engines: list[dict[str, Any]]) -> list[str]:

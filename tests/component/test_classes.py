@@ -6,6 +6,7 @@ and an engine with vLLM's priority scheduling is told each request's class as it
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import aiohttp
@@ -108,6 +109,7 @@ async def _flood(session, router, users, user_answers, stop_users, flood) -> tup
         return (await router.engine("nightly"))["queued_by_class"] == {"interactive": 0, "batch": FLOOD}
     await eventually(all_queued, timeout=60, what=f"all {FLOOD} batch requests queued for nightly")
     assert "interactive request" in (await router.engine("chat"))["interactive_demand"]
+    await _operator_sees_why_the_batch_waits(session, router)
     # While users keep talking to chat, the flood waits: many more interactive answers, and no swap at all.
     seen = len(user_answers)
     await eventually(lambda: len(user_answers) >= seen + 40, timeout=60, what="interactive traffic beside the flood")
@@ -124,6 +126,24 @@ async def _flood(session, router, users, user_answers, stop_users, flood) -> tup
     answers = await asyncio.wait_for(asyncio.gather(*flood), timeout=120)
     answered_after = time.monotonic() - idle_from
     return answers, answered_after, metrics
+
+
+async def _operator_sees_why_the_batch_waits(session: aiohttp.ClientSession, router: RouterProcess) -> None:
+    """`/admin/status`, `hotswap status` and /ui each say how much of the queue is batch and whose demand keeps its room."""
+    async def held() -> bool:
+        return "interactive demand keeps the room: 'chat'" in ((await router.engine("nightly"))["batch_held_by"] or "")
+    await eventually(held, timeout=30, what="nightly's batch_held_by naming chat's interactive demand")
+    run = await asyncio.create_subprocess_exec(sys.executable, "-m", "router.cli", "status", "--url", router.url, "--admin-key", KEYS["OPS_KEY"],
+                                               stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(run.communicate(), timeout=60)
+    page = out.decode()
+    assert run.returncode == 0, err.decode()
+    [row] = [line for line in page.splitlines() if line.split()[:1] == ["nightly"]]
+    assert f"{FLOOD} ({FLOOD} batch)" in row, page
+    assert f"  nightly: {FLOOD} batch request(s) wait for room: interactive demand keeps the room: 'chat'" in page, page
+    async with session.get(router.url + "/ui", headers=bearer("OPS_KEY")) as r:
+        ui = await r.text()
+    assert r.status == 200 and f"{FLOOD} ({FLOOD} batch)<br><span class='muted'>interactive demand keeps the room" in ui
 
 
 def _gauges(text: str) -> str:
