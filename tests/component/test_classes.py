@@ -138,7 +138,7 @@ async def _operator_sees_why_the_batch_waits(session: aiohttp.ClientSession, rou
     out, err = await asyncio.wait_for(run.communicate(), timeout=60)
     page = out.decode()
     assert run.returncode == 0, err.decode()
-    [row] = [line for line in page.splitlines() if line.split()[:1] == ["nightly"]]
+    [row] = [line for line in page.splitlines() if line.split()[:2] == ["nightly", "sleeping"]]  # its table row
     assert f"{FLOOD} ({FLOOD} batch)" in row, page
     assert f"  nightly: {FLOOD} batch request(s) wait for room: interactive demand keeps the room: 'chat'" in page, page
     async with session.get(router.url + "/ui", headers=bearer("OPS_KEY")) as r:
