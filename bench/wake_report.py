@@ -113,7 +113,7 @@ def report(rounds: list[dict[str, Result]], header: dict, trace: list[Req], args
         f"{len(measured)} requests over {minutes:.1f} minutes measured; time scale {args.time_scale:g}. "
         f"Waits are real seconds to the first token (embeddings: to the answer), over the {len(ok)} requests "
         "answered 200 in every arm. Floor (wall): " + ", ".join(f"{a} {r.floor_s * 1e3:.1f} ms" for a, r in results.items()) + ".",
-        "", "| model | GPUs | share | weights GB | L1 sleep / wake s | L2 wake s, staged / cold | boot s | tok/s | requests |",
+        "", "| model | GPUs | share | weights GB | L1 sleep / wake s | L2 wake s, staged / cold | boot s, cold | tok/s | requests |",
         "|---|---|---:|---:|---|---|---:|---:|---:|",
     ]
     for m in MODELS.values():

@@ -69,7 +69,8 @@ class Model:
         return self.weights_gb / gb_s
 
     def boot_s(self, disk_gb_s: float) -> float:
-        return BOOT_FIXED_S + self.per_gpu_gb / disk_gb_s
+        """A boot: its fixed part (`--sim-boot-s`), then the sims' disk model reads the checkpoint, here cold."""
+        return BOOT_FIXED_S + self.weights_gb / disk_gb_s
 
 
 # Shares sum to 2.8 GPUs over two, laid out as an operator would by the trace's popularity: GPU 0
@@ -175,7 +176,7 @@ def roster(port: int, args: argparse.Namespace, tmp: Path, arm: str = "hotswap")
         "models:",
     ]
     for m in MODELS.values():
-        flags = ["--gpu-memory-utilization", f"{m.share:g}", "--sim-boot-s", f"{m.boot_s(args.disk_gb_per_s) * scale:.4f}",
+        flags = ["--gpu-memory-utilization", f"{m.share:g}", "--sim-boot-s", f"{BOOT_FIXED_S * scale:.4f}",
                  "--sim-token-rate", f"{m.tok_s / scale:g}", "--sim-acceptance", f"{ACCEPTANCE:g}",
                  "--max-model-len", "131072", "--sim-weights-gb", f"{m.weights_gb:g}", "--sim-host-bytes-per-gb", "1e6",
                  "--sim-disk-gb-per-s", f"{args.disk_gb_per_s / scale:g}", "--sim-page-cache-gb-per-s", f"{PAGE_CACHE_GB_S / scale:g}"]

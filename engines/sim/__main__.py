@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from pathlib import Path
 
@@ -96,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--enable-lora", action="store_true")
     v.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
     s = p.add_argument_group("simulator knobs")
-    s.add_argument("--sim-boot-s", type=float, default=0.2, help="seconds before the port is bound")
+    s.add_argument("--sim-boot-s", type=float, default=0.2,
+                   help="seconds before the port is bound (with --sim-disk-gb-per-s, before the weights are read)")
     s.add_argument("--sim-fail-boot", action="store_true", help="fail the boot with a CUDA OOM and exit 1")
     s.add_argument("--sim-token-rate", type=float, default=2000.0, help="decode tokens/s (halved with a discarded draft)")
     s.add_argument("--sim-acceptance", type=float, default=2.6, help="mean acceptance length of a healthy draft")
@@ -128,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the weights' size for --sim-host-bytes-per-gb and --sim-disk-gb-per-s, and what a KV release keeps mapped in the memory "
                    "oracle; unset: the weight files in MODEL, a local directory")
     s.add_argument("--sim-disk-gb-per-s", type=float, default=None, metavar="GB_S",
-                   help="model the disk and the page cache a Level-2 reload reads: a cold read of the weights "
+                   help="model the disk and the page cache a Level-2 reload and the boot's load read: a cold read of the weights "
                    "(--sim-weights-gb) at GB_S, a resident one at --sim-page-cache-gb-per-s; hotswap_stage_weights "
                    "makes them resident (engines/sim/page_cache.py; the host's page cache: HOTSWAP_SIM_PAGE_CACHE, "
                    "HOTSWAP_SIM_PAGE_CACHE_GB). Unset: reload_weights takes only its --sim-step-delay")
@@ -272,6 +274,13 @@ def setup_logging() -> None:
     uvicorn_log.propagate = False
 
 
+async def _load_weights(disk: DiskModel) -> None:
+    started = time.monotonic()
+    resident = await disk.reload()
+    log.info("sim: loaded %g GB of weights from %s in %.2f s", disk.weights_gb, "the page cache" if resident else "disk",
+             time.monotonic() - started)
+
+
 async def _until_stopped(stop: asyncio.Event, aw) -> bool:
     """Run `aw` unless SIGTERM comes first; True when stopped."""
     task = asyncio.ensure_future(aw)
@@ -323,6 +332,8 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
     # vLLM loads the model before it binds the port: /health is refused while booting.
     try:
         if await _until_stopped(stop, asyncio.sleep(args.sim_boot_s)):
+            return 0
+        if args.disk_model is not None and await _until_stopped(stop, _load_weights(args.disk_model)):
             return 0
         if await _until_stopped(stop, control.enter("boot")):
             return 0

@@ -6,8 +6,8 @@ H200 host's measured reload from RAM) is a read of resident pages. The engine's 
 
 - `hotswap_stage_weights`: resident, it only looks (mincore: no time); else it reads at disk speed and
   the checkpoint becomes resident.
-- `reload_weights`: at page-cache speed when resident, else at disk speed (and then it is resident:
-  the reload's reads filled the cache).
+- `reload_weights`, and the model's load at boot (after `--sim-boot-s`, before the port is bound): at
+  page-cache speed when resident, else at disk speed (and then it is resident: the reads filled the cache).
 - Calls into the worker run one at a time, as vLLM runs utility calls, so a reload sent while a stage
   reads waits for it.
 
@@ -119,11 +119,14 @@ class DiskModel:
             return {"files": 1, "bytes": size, "read_bytes": 0 if resident else size,
                     "seconds": round(time.monotonic() - started, 4), "resident_before": 1.0 if resident else 0.0}
 
-    async def reload(self) -> None:
+    async def reload(self) -> bool:
+        """Read the checkpoint, as `reload_weights` and the load at boot do (vLLM's loader reads the same
+        files both times); True if it was resident."""
         async with self.worker:
-            speed = self.page_cache_gb_s if self.cache.resident(self.key) else self.disk_gb_s
-            await asyncio.sleep(self.weights_gb / speed)
+            resident = self.cache.resident(self.key)
+            await asyncio.sleep(self.weights_gb / (self.page_cache_gb_s if resident else self.disk_gb_s))
             self.cache.touch(self.key, self.weights_gb)
+            return resident
 
     def state_json(self) -> dict:
         return {"key": self.key, "weights_gb": self.weights_gb, "disk_gb_per_s": self.disk_gb_s,

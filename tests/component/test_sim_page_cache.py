@@ -1,5 +1,5 @@
 """The simulator's disk and page cache (engines/sim/page_cache.py), with real sim processes on loopback:
-a cold reload reads at --sim-disk-gb-per-s, hotswap_stage_weights makes the checkpoint resident at that
+the boot's load and a cold reload read at --sim-disk-gb-per-s, hotswap_stage_weights makes the checkpoint resident at that
 speed, a resident reload reads at --sim-page-cache-gb-per-s; sims share one page cache per host, LRU
 within its capacity. The modelled seconds are lower bounds (asyncio sleeps), so a cold read is checked
 from below and a resident one against half of it."""
@@ -56,14 +56,29 @@ async def resident(http, sim) -> bool:
         return (await r.json())["disk"]["resident"]
 
 
-async def test_a_stage_reads_the_disk_once_and_the_reload_after_it_reads_the_page_cache(http, host):
+def drop_page_cache(tmp_path) -> None:
+    """The host's page cache emptied, as `echo 1 > /proc/sys/vm/drop_caches` does."""
+    (tmp_path / "page-cache.json").write_text(json.dumps({"resident": {}}))
+
+
+async def test_the_boot_reads_the_checkpoint_and_leaves_it_resident_so_a_second_boot_reads_the_page_cache(http, host):
+    first = host("m", None, *DISK)
+    assert "sim: loaded 1 GB of weights from disk in " in first.stderr() + first.stdout()
+    assert await resident(http, first), "vLLM's load read the files: their pages are in the host's page cache"
+    second = host("m", None, *DISK)  # a second engine of the checkpoint, or the same one restarted
+    assert "sim: loaded 1 GB of weights from the page cache in " in second.stderr() + second.stdout()
+
+
+async def test_a_stage_reads_the_disk_once_and_the_reload_after_it_reads_the_page_cache(http, host, tmp_path):
     sim = host("m", None, *DISK)
+    drop_page_cache(tmp_path)
     assert not await resident(http, sim)
     _, cold = await rpc(http, sim, "reload_weights")
     assert cold >= COLD_S, "nothing resident: the reload read the disk"
     assert await resident(http, sim), "the reload's reads filled the page cache"
 
     other = host("other", None, *DISK)  # a second checkpoint, staged from cold
+    drop_page_cache(tmp_path)
     report, staged_s = await rpc(http, other, "hotswap_stage_weights")
     assert report == {"files": 1, "bytes": 10**9, "read_bytes": 10**9, "seconds": pytest.approx(COLD_S, abs=0.2),
                       "resident_before": 0.0}
@@ -93,8 +108,9 @@ async def test_two_engines_of_one_checkpoint_share_its_pages(http, host):
     assert warm < COLD_S / 2
 
 
-async def test_a_reload_sent_while_a_stage_reads_waits_for_it_as_vllm_runs_one_utility_call_at_a_time(http, host):
+async def test_a_reload_sent_while_a_stage_reads_waits_for_it_as_vllm_runs_one_utility_call_at_a_time(http, host, tmp_path):
     sim = host("m", None, *DISK)
+    drop_page_cache(tmp_path)
     stage = asyncio.create_task(rpc(http, sim, "hotswap_stage_weights"))
 
     async def reading() -> bool:
