@@ -63,6 +63,11 @@ class Recorder:
                 out.setdefault(rec.to_model, []).append((end - rec.seconds, end, dict(rec.phases)))
         return out
 
+    def moves(self) -> list[tuple[str, list[str], float, float]]:
+        """Each successful wake as (its model, the models parked or stopped for it, start, end), time.monotonic()."""
+        return [(rec.to_model, list(rec.from_models), end - rec.seconds, end)
+                for rec, end in zip(self.wakes, self.ended) if rec.result == "ok"]
+
     def phase_seconds(self, time_scale: float) -> dict[str, float]:
         """Real-time seconds the successful wakes spent in each phase, summed (the parks made for them too)."""
         out: dict[str, float] = {}

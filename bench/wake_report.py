@@ -36,6 +36,8 @@ class Result:
     parts: dict[int, dict[str, float]] = field(default_factory=dict)  # request -> its wait's parts (`wait_parts`)
     wall_s: float = 0.0
     batch_job_s: float = 0.0  # real seconds from the batch job's first request sent to its last answer
+    batch_wakes: int = 0  # wakes for batch requests alone (wake_trace.batch_harm)
+    batch_harmed: list[int] = field(default_factory=list)  # interactive requests those wakes made wait
 
 
 PARTS = ("held", "drain", "wake", "after")
@@ -74,7 +76,7 @@ def verdict(stats: dict[str, dict[str, float]]) -> str:
 
 
 def batch_verdict(rounds: list[dict[str, Result]], stats: dict[str, dict[str, float]], n_trace: int,
-                  args: argparse.Namespace) -> str:
+                  args: argparse.Namespace, measured: set[int]) -> str:
     """The batch arm: the trace's (interactive) waits beside hotswap's without the batch client, and the batch's own."""
     b, hs = stats["batch"], stats["hotswap"]
     ratios = {k: b[k] / hs[k] if hs[k] > 0 else math.nan for k in ("mean", "p90", "p99")}
@@ -84,13 +86,22 @@ def batch_verdict(rounds: list[dict[str, Result]], stats: dict[str, dict[str, fl
     own = (f"mean {sum(flood) / len(flood):.1f} s, p50 {h.percentile(flood, 0.5):.1f} s, max {max(flood):.1f} s"
            if flood else "none answered")
     jobs = ", ".join(f"{r['batch'].batch_job_s:.0f}" for r in rounds)
+    per_round = ", ".join(f"{s['batch']['mean'] / s['hotswap']['mean']:.2f}" for s in (pooled([r], measured) for r in rounds))
+    harmed = [r["batch"].waits[i] for r in rounds for i in r["batch"].batch_harmed if i in r["batch"].waits]
+    waited = sum(w for r in rounds for i, w in r["batch"].waits.items() if i < n_trace)
+    harm = (f"The batch's own wakes (a batch request and no interactive one waiting as each began): "
+            f"{', '.join(str(r['batch'].batch_wakes) for r in rounds)} a round; the interactive requests they made wait "
+            f"(for a model such a wake parked, until its next wake): {len(harmed)}, {sum(harmed):.0f} s of wait in all, "
+            f"{sum(harmed) / waited if waited else 0:.1%} of the arm's interactive wait; over {WITHIN_S:g} s: "
+            f"{sum(1 for w in harmed if w > WITHIN_S)}.")
     return (f"**With a batch client** ({args.batch_requests} requests for {args.batch_model} due at minute "
             f"{args.batch_at_minute:g}, {args.batch_tokens} tokens each, `X-Hotswap-Class: batch`, sent by "
             f"{args.batch_concurrency} workers without streaming): the trace's interactive "
             "waits ÷ hotswap's without it: " + ", ".join(f"{k} {v:.2f}×" for k, v in ratios.items())
             + f" ({'within' if worst <= 1.10 else 'NOT within'} the target of 1.10×); within {WITHIN_S:g} s {b['within']:.0%} "
             f"against {hs['within']:.0%}. Batch requests answered: {len(flood)} of {asked}; each one's time to its "
-            f"answer, from when its worker sent it: {own}; the job, first request to last answer: {jobs} s.")
+            f"answer, from when its worker sent it: {own}; the job, first request to last answer: {jobs} s. "
+            f"Mean interactive wait with ÷ without, each round: {per_round}. " + harm)
 
 
 def report(rounds: list[dict[str, Result]], header: dict, trace: list[Req], args: argparse.Namespace, started: str,
@@ -155,7 +166,7 @@ def report(rounds: list[dict[str, Result]], header: dict, trace: list[Req], args
     if "hotswap" in verdict_stats:
         lines += ["", f"**hotswap{' (pooled)' if len(rounds) > 1 else ''}: {verdict(verdict_stats)}.**"]
     if "batch" in verdict_stats:
-        lines += ["", batch_verdict(rounds, verdict_stats, len(trace), args)]
+        lines += ["", batch_verdict(rounds, verdict_stats, len(trace), args, measured)]
     phases = sorted({p for res in results.values() for p in res.phase_s}, key=lambda p: -max(r.phase_s.get(p, 0) for r in results.values()))
     lines += ["", "Where the wakes' time went: real seconds per wake in each phase (the victims' drain and sleep included), "
               "over every successful wake or boot of the replay:", "",

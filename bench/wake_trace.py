@@ -54,6 +54,30 @@ BATCH_HEADER = {"X-Hotswap-Class": "batch"}
 CALIBRATION_REQUESTS = 20
 
 
+def batch_harm(trace: list[Req], sent: dict[int, tuple[float, float]], moves: list[tuple[str, list[str], float, float]],
+               model: str) -> tuple[int, list[int]]:
+    """The batch job's own wakes, and the interactive requests they made wait. A wake of `model` is the
+    batch's when a batch request and no interactive one waited for it as it began. An interactive
+    request it made wait is one for a model that wake parked, sent after the wake began, whose wait
+    ended with that model's next wake (an upper bound: the model might have been parked anyway).
+    Returns (the batch's wakes, those requests)."""
+    def waiting(at: float, batch: bool) -> bool:
+        return any(r.batch == batch and r.model == model and r.i in sent and sent[r.i][0] <= at < sent[r.i][1] for r in trace)
+
+    wakes = [(victims, start) for to, victims, start, _ in moves
+             if to == model and waiting(start, True) and not waiting(start, False)]
+    harmed = set()
+    for victims, start in wakes:
+        for victim in victims:
+            later = [(s, e) for to, _, s, e in moves if to == victim and s > start]
+            if not later:
+                continue
+            next_end = later[0][1]
+            harmed |= {r.i for r in trace if not r.batch and r.model == victim and r.i in sent
+                       and start <= sent[r.i][0] < next_end <= sent[r.i][1] + 1e-3}
+    return len(wakes), sorted(harmed)
+
+
 def wait_parts(sent: float, first: float, spans: list[tuple[float, float, dict[str, float]]]) -> dict[str, float]:
     """Where one request's wait went, wall seconds: `held` before the wake it waited for began (busy engines
     held the room it needed until `max_hold_s`, or another wake on its GPU went first), `drain` (its
@@ -156,6 +180,7 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
     job = [sent[r.i] for r in trace if r.batch and r.i in sent]
     if job:
         res.batch_job_s = (max(end for _, end in job) - min(at for at, _ in job)) / scale
+        res.batch_wakes, res.batch_harmed = batch_harm(trace, sent, run.recorder.moves(), args.batch_model)
     res.wakes, res.wake_s = run.recorder.wake_kinds(scale)
     res.evictions = dict(run.recorder.evictions)
     res.phase_s = run.recorder.phase_seconds(scale)

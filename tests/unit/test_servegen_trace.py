@@ -177,11 +177,25 @@ def test_the_batch_arm_sets_the_traces_waits_beside_hotswaps_and_reports_the_flo
     result = wake_report.Result
     rounds = [{"hotswap": result("hotswap", waits={0: 1.0}),
                "batch": result("batch", waits={0: 1.05, 1: 40.0}, batch_job_s=55.0)}]
-    text = wake_report.batch_verdict(rounds, wake_report.pooled(rounds, {0}), 1, args)
+    text = wake_report.batch_verdict(rounds, wake_report.pooled(rounds, {0}), 1, args, {0})
     assert "mean 1.05×" in text and "(within the target of 1.10×)" in text, text
     assert "Batch requests answered: 1 of 2; each one's time to its answer, from when its worker sent it: mean 40.0 s" in text
     assert "sent by 16 workers" in text and "first request to last answer: 55 s" in text, text
+    assert "Mean interactive wait with ÷ without, each round: 1.05." in text
     with pytest.raises(SystemExit):
         wake_trace.parse_args(["--arms", "batch"])  # nothing to set it against
     assert wake_report.section(["batch", "hotswap"]) == wake_report.BATCH_SECTION, "issue 33's run has a section of its own"
     assert wake_report.section(["hotswap", "lru", "batch"]) == wake_report.SECTION
+
+
+def test_a_wake_for_batch_requests_alone_is_the_batchs_and_the_users_of_the_model_it_parked_are_counted(wake_trace):
+    """gemma is woken twice: at t=10 for the batch alone (it parks qwen), at t=40 with a user waiting
+    too (it parks llama). The qwen user sent at 12 waited for qwen's next wake (20-30): the batch's
+    doing. The qwen user at 5 was sent before the park began; the llama user waited for the second."""
+    req = sys.modules["wake_roster"].Req
+    trace = [req(0, 0, "qwen", "chat", 8), req(1, 0, "qwen", "chat", 8), req(2, 0, "gemma", "chat", 8),
+             req(3, 0, "llama", "chat", 8), req(4, 0, "gemma", "chat", 8, batch=True)]
+    sent = {0: (5.0, 6.0), 1: (12.0, 30.0), 2: (35.0, 45.0), 3: (41.0, 60.0), 4: (8.0, 50.0)}
+    moves = [("gemma", ["qwen"], 10.0, 15.0), ("qwen", ["x"], 20.0, 30.0), ("gemma", ["llama"], 40.0, 45.0),
+             ("llama", [], 50.0, 60.0)]
+    assert wake_trace.batch_harm(trace, sent, moves, "gemma") == (1, [1])
