@@ -27,7 +27,7 @@ from engines.process import EngineProcess, free_port, loads_extension, log_file
 from engines.progress import ROSTER, Progress
 from engines.stage import Stager
 from engines.states import TRANSITIONS, EngineFailed, Observer, State
-from engines.vllm import EngineError, EngineRefused, VLLMClient, attached_client
+from engines.vllm import EngineError, EngineRefused, VLLMClient, attached_client, outstanding
 
 __all__ = ["Engine", "EngineFailed", "Observer", "State", "TRANSITIONS"]
 
@@ -178,11 +178,16 @@ class Engine:
         self._no_step.clear()
         self.progress.step = phase
         try:
-            async with asyncio.timeout(timeout):
-                result = await action(timeout)
+            with outstanding() as calls:
+                async with asyncio.timeout(timeout):
+                    result = await action(timeout)
         except (EngineError, TimeoutError, OSError) as exc:
             self._step_done(phase, started, False)
-            cause = f"no answer within {timeout:.3g} s" if isinstance(exc, TimeoutError) else str(exc)
+            cause = str(exc)
+            if isinstance(exc, TimeoutError):  # the step's deadline, not a call's: name the call it cut off
+                cause = f"no answer within {timeout:.3g} s"
+                if calls:
+                    cause = f"{calls[0]}: {cause}"
             if isinstance(exc, EngineRefused) and self.process is not None:
                 await self.process.reap_briefly()  # so the message can say how the process ended
             raise self.fail(f"{phase} failed: {cause}") from None

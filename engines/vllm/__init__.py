@@ -2,7 +2,7 @@
 classified (refused, timed out, TLS, an HTTP status). What runs inside vLLM is engines/vllm_worker/."""
 
 from engines.vllm.client import (EngineError, EngineHTTPError, EngineRefused, EngineTimeout, EngineTLSError, VLLMClient,
-                                 attached_client, tls_context)
+                                 attached_client, outstanding, tls_context)
 
 __all__ = ["EngineError", "EngineHTTPError", "EngineRefused", "EngineTLSError", "EngineTimeout", "VLLMClient",
-           "attached_client", "tls_context"]
+           "attached_client", "outstanding", "tls_context"]

@@ -8,8 +8,10 @@ error (`EngineHTTPError`, with status and body) apart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import ssl
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -55,6 +57,24 @@ class EngineHTTPError(EngineError):
         super().__init__(endpoint, f"HTTP {status}: {body[:500]}")
 
 
+# The calls a caller's task (and the tasks it starts) has outstanding, when it asked to know (`outstanding`):
+# an engine step's own deadline can fire before the call's (equal timeouts race), and its message should
+# still name the call it was waiting on.
+_OUTSTANDING: contextvars.ContextVar[Optional[list[str]]] = contextvars.ContextVar("outstanding_calls", default=None)
+
+
+@contextlib.contextmanager
+def outstanding() -> Iterator[list[str]]:
+    """Within it, the endpoints of the calls this task has sent and not had answered, oldest first;
+    a call cut off by its caller's cancellation (a deadline) stays listed."""
+    calls: list[str] = []
+    token = _OUTSTANDING.set(calls)
+    try:
+        yield calls
+    finally:
+        _OUTSTANDING.reset(token)
+
+
 class VLLMClient:
     """Talks to one engine at `base_url`, on a session the caller owns and shares."""
 
@@ -88,6 +108,9 @@ class VLLMClient:
     ) -> Any:
         """`close`: not over a pooled connection, and not pooled after (`Connection: close`)."""
         endpoint = f"{method} {path}"
+        calls = _OUTSTANDING.get()
+        if calls is not None:
+            calls.append(endpoint)
         try:
             async with self.session.request(
                 method,
@@ -119,6 +142,9 @@ class VLLMClient:
             raise EngineRefused(endpoint, f"cannot connect to {self.base_url} ({exc.os_error or exc})") from None
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as exc:
             raise EngineRefused(endpoint, f"connection to {self.base_url} lost ({exc})") from None
+        finally:
+            if calls is not None and not asyncio.current_task().cancelling():
+                calls.remove(endpoint)
 
     # -- serving -----------------------------------------------------------------------
 

@@ -328,6 +328,18 @@ async def test_metrics_that_are_not_prometheus_text_fail_the_gate_with_a_reason(
     assert engine.state is State.FAILED
 
 
+async def test_a_step_cut_off_by_its_own_deadline_names_the_call_it_was_waiting_on(make_engine):
+    # The gate's step deadline and its /metrics read's timeout can be equal: whichever fires first,
+    # the message names the read (a CI run once got a bare "no answer within 3 s").
+    engine = await make_engine(sim_model("a", spec=True))
+    await engine.boot()
+    await engine.client.health()  # answered: no longer outstanding
+    await sim(engine, "POST", "/sim/faults", json={"step": "metrics", "kind": "hang"})
+    with pytest.raises(EngineFailed) as failed:
+        await engine._step("gate", lambda _: engine.client.metrics(timeout=60), timeout=0.3)
+    assert str(failed.value) == "engine a: gate failed: GET /metrics: no answer within 0.3 s"
+
+
 async def test_an_unexpected_exception_in_a_step_is_contained_to_the_engine(make_engine, monkeypatch, caplog):
     engine = await make_engine(sim_model("a", spec=True))
     await engine.boot()
