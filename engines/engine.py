@@ -236,6 +236,7 @@ class Engine:
         self.served_names = frozenset(served)
         self.boot_names = frozenset(self.spec.names)
         self.served_name = self.spec.name if self.spec.name in served or not served else served[0]
+        self.stager.reloaded()  # the model's load read its checkpoint
         self.last_phases["boot"] = time.monotonic() - started
         self.observer.step_done(self, "boot", self.last_phases["boot"], True)
         self.progress.boot_over()

@@ -43,6 +43,7 @@ class Stager:
         self.why: str = ""  # why the running stage was begun ("room", "ahead", "wake")
         self.found_resident = False  # the last wake's stage found the checkpoint already in the page cache
         self.cached: Optional[bool] = None  # the last wake's reload read the page cache (None: no stage ran)
+        self.loaded_at: Optional[float] = None  # time.monotonic() of the last load that read it all (a boot, a reload)
 
     @property
     def running(self) -> bool:
@@ -90,10 +91,22 @@ class Stager:
         self.cached = bool(report and report.get("files"))
         return self.cached
 
+    @property
+    def read_at(self) -> Optional[float]:
+        """When its checkpoint was last read into the page cache, by a load or a stage (None: never, as far as
+        the router knows): its place among the checkpoints the page cache keeps, newest first."""
+        return max((t for t in (self.done_at, self.loaded_at) if t is not None), default=None)
+
     def reloaded(self) -> None:
-        """A reload read the staged pages: the next Level-2 sleep's are the kernel's to keep or drop."""
+        """A load (a boot's, a Level-2 reload) read the checkpoint: the next Level-2 sleep's pages are the
+        kernel's to keep or drop."""
         self.done_at = None
         self.last = None
+        self.loaded_at = time.monotonic()
+
+    def evicted(self) -> None:
+        """Newer reads have filled the page cache past what it keeps: staged no longer, as far as the router knows."""
+        self.done_at = None
 
     def forget(self) -> None:
         """The engine's process is stopping: a stage running in it ends with it."""

@@ -11,7 +11,10 @@ The staging part of `Scheduler` (see `router.scheduling.state`). A stage is the 
   disk, so none starts while a wake runs), the likeliest first, skipping one that does not fit.
 
 Page cache is evictable: the router cannot hold pages, only put them there; the budget bounds
-what it puts there ahead of need. `is_staged` is what the wake-cost estimate reads
+what it puts there ahead of need. Every checkpoint read fills it, the awake engines' too (a boot's load,
+a Level-2 reload, a stage): counted newest first, a staged checkpoint past the budget is taken as
+evicted (`_forget_evicted`), so it is staged again ahead of its wake when it is among the likeliest,
+rather than read from the disk by its wake's own stage. `is_staged` is what the wake-cost estimate reads
 (`WakeCosts.wake_s(..., staged=True)`).
 """
 
@@ -38,10 +41,25 @@ class Staging(SchedulerState):
         """Begin the stages that should run now (no awaiting: each is a task of its engine's stager;
         its end pokes the loop). Called by the loop after each round of decisions."""
         try:
+            self._forget_evicted()
             self._stage_targets()
             self._stage_likeliest(now)
         except Exception:  # a defect here must not stop the loop: staging only ever saves time
             log.exception("internal error while choosing checkpoints to stage")
+
+    def _forget_evicted(self) -> None:
+        budget = self.capacity.page_cache_gb
+        if not budget:
+            return
+        read = sorted((e for e in self.engines if e.stager.read_at is not None and self.weights.get(e.name)),
+                      key=lambda e: -(e.stager.read_at or 0.0))
+        held = 0.0
+        for engine in read:
+            held += self.weights[engine.name] or 0.0
+            if held > budget and engine.stager.staged and not engine.stager.running:
+                log.info("engine %s: its staged checkpoint is taken as evicted: with the checkpoints read since, %.0f GB, "
+                         "it is past host.page_cache_budget_gb=%g", engine.name, held, budget)
+                engine.stager.evicted()
 
     def _stageable(self, engine: Engine) -> bool:
         return engine.stager.enabled and engine.state is State.SLEEPING and engine.sleep_level == 2

@@ -108,6 +108,35 @@ async def test_within_the_budget_the_likeliest_level2_sleepers_are_staged_one_at
     assert [e.name for e in (hot, warm, small, idle) if s.is_staged(e)] == ["hot", "small"]
 
 
+async def test_a_staged_checkpoint_that_later_reads_pushed_past_the_budget_is_staged_again_ahead_of_its_wake(clock):
+    # The page cache keeps 100 GB of checkpoints. hot (60 GB) is staged; then big wakes from Level 2 and
+    # its reload reads 64 GB: hot's pages are the oldest, and the kernel drops them first. Left as it is,
+    # hot's wake would find them gone and read its disk.
+    hot, cool = stages(FakeEngine("hot")), stages(FakeEngine("cool"))
+    big = awake("big", clock)
+    big.stager = Stager("big", enabled=True)
+    s = scheduler(hot, cool, big, clock=clock)
+    s.weights.update(hot=60.0, cool=30.0, big=64.0)
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=100.0)  # host.page_cache_budget_gb: 100
+    demand(s, "hot", 10, clock), demand(s, "cool", 2, clock)
+    s.stage_ahead(clock.now)
+    await settle(hot)
+    s.stage_ahead(clock.now)
+    await settle(cool)
+    assert hot.stager.staged and cool.stager.staged and hot.client.calls == cool.client.calls == 1, "60 + 30 fit in 100"
+    big.stager.reloaded()  # its wake read its checkpoint: 64 GB, newest
+    s.stage_ahead(clock.now)
+    assert cool.stager.staged, "64 + 30: cool, read after hot, is kept"
+    assert hot.stager.running and hot.stager.why == "ahead", "hot, read first, is dropped first: read again, ahead of its wake"
+    await settle(hot)
+    s.stage_ahead(clock.now)
+    assert cool.stager.running, "hot's read dropped cool's pages (60 + 64 + 30 > 100): cool is read again"
+    await settle(cool)
+    s.stage_ahead(clock.now)
+    assert hot.stager.staged and cool.stager.staged and not any(e.stager.running for e in (hot, cool))
+    assert hot.client.calls == cool.client.calls == 2, "the sleepers' checkpoints stay; big's, awake, is what the kernel drops"
+
+
 async def test_nothing_is_staged_ahead_without_a_budget_or_while_a_wake_reads_the_disk(clock):
     hot, other = stages(FakeEngine("hot")), stages(FakeEngine("other", level=2))
     s = scheduler(hot, other, clock=clock)
