@@ -52,11 +52,12 @@ class Staging(SchedulerState):
         if not budget:
             return
         read = sorted((e for e in self.engines if e.stager.read_at is not None and self.weights.get(e.name)),
-                      key=lambda e: -(e.stager.read_at or 0.0))
+                      key=lambda e: e.stager.read_at, reverse=True)
         held = 0.0
         for engine in read:
-            held += self.weights[engine.name] or 0.0
-            if held > budget and engine.stager.staged and not engine.stager.running:
+            held += self.weights[engine.name]
+            # A target whose room is being made was staged for its wake, budget or not (`_stage_targets`).
+            if held > budget and engine.stager.staged and not engine.stager.running and engine.name not in self.making_room:
                 log.info("engine %s: its staged checkpoint is taken as evicted: with the checkpoints read since, %.0f GB, "
                          "it is past host.page_cache_budget_gb=%g", engine.name, held, budget)
                 engine.stager.evicted()

@@ -88,6 +88,10 @@ async def test_the_target_of_a_wake_stages_while_its_victims_drain_and_sleep_bud
     assert b.stager.running and b.stager.why == "room"
     await settle(b)
     assert b.stager.staged and s.is_staged(b) and b.client.calls == 1
+    s.weights["b"] = 8.0
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=4.0)  # host.page_cache_budget_gb below b's checkpoint
+    s.stage_ahead(clock.now)
+    assert b.stager.staged, "staged for its wake, budget or not: not taken as evicted while its room is made"
 
 
 async def test_within_the_budget_the_likeliest_level2_sleepers_are_staged_one_at_a_time(clock):
