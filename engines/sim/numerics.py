@@ -3,7 +3,7 @@
 A healthy engine's logprob for the token at a position is a pure function of (model, prompt,
 position, sampling salt), like the token itself, so two canaries at temperature 0 agree to the
 bit, as a GPU engine running the same batch shape does. What a real host adds, each behind a
-flag (engines/sim/__main__.py) with its effect on the numbers only — the tokens never change,
+flag (engines/sim/flags.py) with its effect on the numbers only — the tokens never change,
 which is what makes these faults invisible to acceptance and to the output check:
 
 - `--sim-logprob-jitter J`: healthy batch-shape nondeterminism. While other requests run

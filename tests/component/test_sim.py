@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.sim import lm
-from engines.sim.__main__ import build_parser, parse_args
+from engines.sim.flags import build_parser, parse_args
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.support import eventually
 
-from engines.sim.__main__ import parse_args
+from engines.sim.flags import parse_args
 from engines.sim.memory import (
     CUMEM_OOM,
     GiB,
