@@ -90,7 +90,7 @@ class VLLMClient:
         if api_key:  # the engine's own key wins: one Authorization header only
             self.headers = {"Authorization": f"Bearer {api_key}"}
         elif userinfo is not None:
-            self.headers = {"Authorization": aiohttp.BasicAuth(*userinfo, encoding="utf-8").encode()}  # latin-1 cannot carry every password
+            self.headers = {"Authorization": aiohttp.encode_basic_auth(*userinfo, encoding="utf-8")}  # latin-1 cannot carry every password
         else:
             self.headers = {}
         self.model_cards: dict[str, dict[str, Any]] = {}  # the last GET /v1/models, by id
