@@ -18,7 +18,6 @@ import signal
 from typing import Optional
 
 import httptools
-import uvloop
 from bare_proxy import cli  # bench/bare_proxy.py: the same command line
 
 from router.proxy import Pool, Relay, UpstreamError, request_bytes

@@ -60,7 +60,6 @@ import bisect
 import csv
 import io
 import json
-import math
 import random
 import statistics
 import subprocess
