@@ -1,8 +1,6 @@
-"""`python -m engines.sim serve MODEL [vllm serve flags] [--sim-* knobs]`
+"""`python -m engines.sim serve MODEL [vllm serve flags] [--sim-* knobs]`: a simulated vLLM engine.
 
-Started exactly like `vllm serve`, so a router launches it with the argv it would give
-vLLM. vLLM flags the simulator does not model are accepted and ignored; `--sim-*`
-flags shape the simulated engine (timing, faults, metric lag).
+Its command line, and what each flag models, is engines/sim/flags.py; this module serves it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
-"""The simulator's command line: `vllm serve`'s flags it models, and the `--sim-*` knobs that shape it
-(timing, faults, memory, disk). Flags it does not model are returned, for the log's "ignored" line."""
+"""`python -m engines.sim serve MODEL [vllm serve flags] [--sim-* knobs]`
+
+Started exactly like `vllm serve`, so a router launches it with the argv it would give
+vLLM. vLLM flags the simulator does not model are accepted and ignored; `--sim-*`
+flags shape the simulated engine (timing, faults, metric lag).
+"""
+# This docstring is the --help text (build_parser); engines/sim/__main__.py serves what this parses.
 
 from __future__ import annotations
 
@@ -236,7 +241,4 @@ def gpu_memory(args: argparse.Namespace, share_text: str) -> EngineMemory | None
     if not 0 < share <= 1:  # vLLM's own bounds
         raise ValueError(f"--gpu-memory-utilization must be a number in (0, 1], got {share_text!r}")
     devices = parse_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    weights = args.sim_weights_gb
-    if weights is None and os.path.isdir(args.model or ""):
-        weights = folder_weights_gb(Path(args.model))
-    return EngineMemory(ledger, devices, share, args.sim_sleep_residual_gb, args.model, weights_gb=weights)
+    return EngineMemory(ledger, devices, share, args.sim_sleep_residual_gb, args.model, weights_gb=_weights_gb(args))
