@@ -76,8 +76,9 @@ class Model:
 # Shares sum to 2.8 GPUs over two, laid out as an operator would by the trace's popularity: GPU 0
 # holds the hot set awake together (the 70B, the two most asked-for small models llama-8b and
 # qwen-7b, the embedder, and phi-3-mini in the 0.08 left), GPU 1 the long tail, 1.8 GPUs' worth
-# taking turns. (Until 2026-12-03 mistral-7b, rank 6, sat on GPU 0 in qwen-7b's place, against this
-# rule; bench/contention.py finds 151 requests blocked that way, 71 this way, the fewest of any layout.) The 70B and the Mixtral in fp8, the rest bf16.
+# taking turns. Of all 512 one-GPU layouts (the 70B on GPU 0) this one leaves the fewest requests
+# blocked whatever the policy (bench/contention.py: 71, against 151 with mistral-7b and qwen-7b
+# swapped, as until 35c777c). The 70B and the Mixtral in fp8, the rest bf16.
 MODELS = {m.name: m for m in (
     Model("llama-70b", (0,), 0.60, 70, 35),
     Model("qwen-32b", (1,), 0.55, 64, 60),
