@@ -212,12 +212,15 @@ class Costs(SchedulerState):
 
     def blocked_by_boot(self, engine: Engine, now: float) -> float:
         """Expected seconds the others on its devices wait behind a cold boot of `engine`: a boot has its
-        devices to itself (`boot_devices`), so every wake or park there waits for it to end. Each other
-        engine is asked for during the boot with the chance its demand gives, and waits half of it."""
+        devices to itself (`boot_devices`), so no wake starts there until it ends. Every request its demand
+        sends meanwhile to a neighbour that is not awake waits out the rest of the boot (`waited` with
+        nobody asking yet): a busy neighbour's burst queues behind it, not only its first request. An awake
+        neighbour answers during the boot."""
         boot = self.costs.boot_s(engine.name)
         mine = set(engine.spec.devices)
-        return sum((1.0 - math.exp(-self.demand.rate(other.name, now) * boot)) * boot / 2 for other in self.engines
-                   if other is not engine and not other.spec.pin and mine & set(other.spec.devices))
+        return sum(self.waited(other, boot, now, asking=0) for other in self.engines
+                   if other is not engine and not other.spec.pin and other.state is not State.AWAKE
+                   and mine & set(other.spec.devices))
 
     def _next_wake_s(self, engine: Engine, level: Optional[int]) -> float:
         """Its predicted wake from `level` (None: a boot), staged where its next one likely will be."""

@@ -4,7 +4,6 @@ processes, no sleeps. Each test is a scenario the real loop meets."""
 from __future__ import annotations
 
 import asyncio
-import math
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -456,6 +455,34 @@ async def test_once_a_waiter_has_waited_max_hold_a_busy_engine_is_parked_rather_
     assert "for waiting 30.0 s to park" in plan.decisions[0].why
 
 
+async def test_a_sleeper_is_not_stopped_for_its_residual_when_a_sleeping_neighbours_burst_would_queue_behind_its_boot(clock):
+    # t is 1.5 GB short: stopping s (asked for once) frees its 2 GB residual now; parking b costs t's three
+    # waiters its 2 s drain. s's next boot, 20 s with GPU 0 to itself, is what decides: n, asleep beside it,
+    # is in a burst (0.1/s), so about 2 of n's requests arrive during it and each waits half of it.
+    gpus = {0: 100.0}
+    a = FakeEngine("a", State.AWAKE, share=0.525, since=clock.now - 100, sleep_residual_gb=2)
+    b = FakeEngine("b", State.AWAKE, share=0.40, since=clock.now - 100, sleep_residual_gb=2)
+    a.in_flight = b.in_flight = 1
+    sleeper, neighbour = FakeEngine("s", share=0.3, sleep_residual_gb=2), FakeEngine("n", share=0.3, sleep_residual_gb=2)
+    t = FakeEngine("t", share=0.05, sleep_residual_gb=2)
+    s = scheduler(a, b, sleeper, neighbour, t, clock=clock, gpus=gpus, drain_timeout_s=30)
+    for name in ("s", "n"):
+        s.costs.observe_boot(name, 20.0)
+        s.costs.observe_wake(name, 2, 1.0)
+    for name in ("a", "b"):
+        s.costs.observe_sleep(name, 3.0, busy_drain_s=2.0)
+    s.demand.arrived("s", clock.now - 1)
+    for _ in range(2):
+        s.demand.arrived("n", clock.now - 1)
+    for _ in range(3):
+        wait_for(s, t, clock.now - 30)
+    assert actions(s.decide(clock.now)) == [("stop", "s")], "n asked for twice, s once: s's stop is the cheapest"
+    for _ in range(28):
+        s.demand.arrived("n", clock.now - 1)
+    assert actions(s.decide(clock.now)) in ([("park", "a")], [("park", "b")]), \
+        "n's burst would queue about 20 s of waiting behind s's boot: b's 2 s drain for three waiters costs less"
+
+
 async def test_a_sleeper_whose_own_requests_wait_is_not_stopped_to_make_room_for_another_model_while_room_can_come(clock):
     gpus = {0: 100.0}
     a = FakeEngine("a", State.AWAKE, share=0.55, since=clock.now - 2, sleep_residual_gb=2)  # fresh: min_active_s
@@ -839,6 +866,10 @@ async def test_stopping_a_sleeper_is_priced_with_the_wait_its_cold_boot_makes_it
     for _ in range(10):
         s.demand.arrived("neighbour", clock.now - 1)
     shared = s.expected_cost(sleeper, "stop", clock.now)
-    behind = 1.0 - math.exp(-s.demand.rate("neighbour", clock.now) * 50.0)
-    assert shared - alone == pytest.approx(s._reuse(sleeper, clock.now) * behind * 25.0, rel=1e-3), \
-        "its boot holds GPU 0 alone for 50 s: the neighbour's next wake waits behind it, half of it on average"
+    arriving = s.demand.rate("neighbour", clock.now) * 50.0
+    assert shared - alone == pytest.approx(s._reuse(sleeper, clock.now) * arriving * 25.0, rel=1e-3), \
+        "its boot holds GPU 0 alone for 50 s: each request the sleeping neighbour is sent meanwhile waits behind it, " \
+        "half of it on average"
+    neighbour.state, neighbour.sleep_level = State.AWAKE, None
+    assert s.expected_cost(sleeper, "stop", clock.now) == pytest.approx(alone, rel=1e-3), \
+        "an awake neighbour answers while the boot runs"
