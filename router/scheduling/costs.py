@@ -212,10 +212,10 @@ class Costs(SchedulerState):
 
     def blocked_by_boot(self, engine: Engine, now: float) -> float:
         """Expected seconds the others on its devices wait behind a cold boot of `engine`: a boot has its
-        devices to itself (`boot_devices`), so no wake starts there until it ends. Every request its demand
-        sends meanwhile to a neighbour that is not awake waits out the rest of the boot (`waited` with
-        nobody asking yet): a busy neighbour's burst queues behind it, not only its first request. An awake
-        neighbour answers during the boot."""
+        devices to itself (`boot_devices`), so no wake starts there until it ends. Every request a neighbour
+        that is not awake is sent meanwhile (at its own demand's rate) waits out the rest of the boot
+        (`waited` with nobody asking yet): a busy neighbour's burst queues behind it, not only its first
+        request. An awake neighbour answers during the boot."""
         boot = self.costs.boot_s(engine.name)
         mine = set(engine.spec.devices)
         return sum(self.waited(other, boot, now, asking=0) for other in self.engines
