@@ -78,18 +78,26 @@ class Stager:
             return None
 
     async def step(self, client: Optional[VLLMClient], timeout: float) -> bool:
-        """The wake's stage step; True when it staged (the files are resident for the reload). A stage
-        begun for this wake while its victims drained and slept, and done, is not asked again; one done
-        ahead of time may be old (the kernel may have evicted since), so it is: mincore answers fast."""
-        ready = self.staged and not self.running
-        if ready and self.why == "room":
-            report = self.last
+        """The wake's stage step; False when it failed (the wake goes on either way). A stage running is
+        joined: vLLM runs utility calls one at a time, so the reload would wait for it anyway, and then
+        reads RAM. One begun for this wake while its victims drained and slept, and done, is not asked
+        again. Otherwise it only looks (mincore): a checkpoint read first and then reloaded from the page
+        cache costs more than the reload reading the disk itself (1.41x on vLLM, docs/benchmarks.md), so
+        a wake never stages for itself; the look tells the wake-cost estimate which rate its reload reads at."""
+        if self.staged and not self.running and self.why == "room":
+            report, resident = self.last, True
         else:
-            report = await self.join(client, timeout)
-            ready = bool(report) and float(report.get("resident_before", 0)) >= RESIDENT
-        self.found_resident = ready
-        self.cached = bool(report and report.get("files"))
-        return self.cached
+            report = await (self.join(client, timeout) if self.running else self._call(client, timeout, read=False))
+            resident = bool(report) and float(report.get("resident_before", 0)) >= RESIDENT
+        ok = bool(report and report.get("files"))
+        self.found_resident = resident
+        if not ok:
+            self.cached = None if report is None else False
+        elif report is self.last or resident:  # a stage completed, or the pages were there
+            self.cached = True
+        else:  # only looked: the reload reads what is resident, the disk if (nearly) nothing is
+            self.cached = False if float(report.get("resident_before", 0)) <= 1 - RESIDENT else None
+        return ok
 
     @property
     def read_at(self) -> Optional[float]:
@@ -117,8 +125,23 @@ class Stager:
 
     async def _run(self, client: VLLMClient, timeout: float) -> Optional[dict[str, Any]]:
         started = time.monotonic()
+        report = await self._call(client, timeout, read=True)
+        if report is None or not report.get("files"):
+            return report
+        self.last = report
+        self.done_at = time.monotonic()
+        self.failure = None
+        log.info("engine %s: staged %d files, %.2f GB (%.2f GB read, %.0f%% resident before) in %.2f s (%s)", self.name,
+                 report.get("files", 0), report.get("bytes", 0) / 1e9, report.get("read_bytes", 0) / 1e9,
+                 100 * float(report.get("resident_before", 0)), time.monotonic() - started, self.why)
+        return report
+
+    async def _call(self, client: Optional[VLLMClient], timeout: float, read: bool) -> Optional[dict[str, Any]]:
+        """The extension's report, or None when it failed (said once, in `failure`); `read=False`: a look."""
+        if not self.enabled or client is None:
+            return None
         try:
-            report = await stage_weights(client, timeout)
+            report = await stage_weights(client, timeout, read=read)
         except (EngineError, TimeoutError, OSError) as exc:
             self._failed(str(exc) or type(exc).__name__)
             return None
@@ -128,15 +151,8 @@ class Stager:
             log.exception("engine %s: unexpected error while staging its checkpoint", self.name)
             self._failed(f"internal error: {exc!r}")
             return None
-        self.last = report
         if not report.get("files"):
             self._failed(f"nothing to stage: {report.get('reason') or 'the worker found no weight files'}")
-            return report
-        self.done_at = time.monotonic()
-        self.failure = None
-        log.info("engine %s: staged %d files, %.2f GB (%.2f GB read, %.0f%% resident before) in %.2f s (%s)", self.name,
-                 report.get("files", 0), report.get("bytes", 0) / 1e9, report.get("read_bytes", 0) / 1e9,
-                 100 * float(report.get("resident_before", 0)), time.monotonic() - started, self.why)
         return report
 
     def _failed(self, why: str) -> None:

@@ -3,11 +3,12 @@ read their phase names from here, so a new step is added in exactly one place.
 
 Level 2 (weights discarded at sleep), in this order:
   0. stage               collective_rpc hotswap_stage_weights (engines that load the worker
-                         extension): the checkpoint's files read into the page cache, so the
-                         reloads below read RAM, not the disk. Joins a stage already running
-                         (begun while the victims drained and slept, or in the background within
-                         host.page_cache_budget_gb). Never fails the wake: a failed or timed-out
-                         stage is logged once and the wake goes on (its reload reads the disk).
+                         extension): joins a stage already running (begun while the victims
+                         drained and slept, or in the background within host.page_cache_budget_gb),
+                         so the reloads below read RAM, not the disk; else it only looks (mincore),
+                         since reading first and then reloading costs more than the reload reading
+                         the disk itself (docs/benchmarks.md: 1.41x on vLLM). Never fails the wake:
+                         a failed or timed-out stage is logged once and the wake goes on.
   1. wake_weights        POST /wake_up?tags=weights
   2. reload_draft        collective_rpc hotswap_reload_draft (only with draft_restore: reload) —
                          draft first, so the target reload after it stays authoritative for
@@ -47,10 +48,10 @@ class Step:
     fatal: bool = True
 
 
-async def stage_weights(client: VLLMClient, timeout: float) -> dict[str, Any]:
+async def stage_weights(client: VLLMClient, timeout: float, read: bool = True) -> dict[str, Any]:
     """The worker extension's report ({files, bytes, read_bytes, seconds, resident_before}) of the
-    rank that read (the others skip: the page cache is the host's)."""
-    results = await client.collective_rpc("hotswap_stage_weights", timeout=timeout)
+    rank that read (the others skip: the page cache is the host's); `read=False`: it only looks."""
+    results = await client.collective_rpc("hotswap_stage_weights", timeout=timeout, kwargs=None if read else {"read": False})
     read = [r for r in results if isinstance(r, dict) and not r.get("skipped")]
     if not read:
         raise EngineError("POST /collective_rpc hotswap_stage_weights", f"no worker staged: {results!r:.300}")

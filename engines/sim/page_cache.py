@@ -5,7 +5,7 @@ H200 host's measured reload from RAM) is a read of resident pages. The engine's 
 `--sim-weights-gb` (or the weight files of MODEL, a local directory), resident or not as a whole.
 
 - `hotswap_stage_weights`: resident, it only looks (mincore: no time); else it reads at disk speed and
-  the checkpoint becomes resident.
+  the checkpoint becomes resident. With `read: false` it only looks, resident or not.
 - `reload_weights`, and the model's load at boot (after `--sim-boot-s`, before the port is bound): at
   page-cache speed when resident, else at disk speed (and then it is resident: the reads filled the cache).
 - Calls into the worker run one at a time, as vLLM runs utility calls, so a reload sent while a stage
@@ -108,15 +108,18 @@ class DiskModel:
             raise ValueError(f"{CAPACITY_ENV} must be a number of GB") from None
         return cls(model, weights_gb, disk_gb_s, page_cache_gb_s, cache)
 
-    async def stage(self) -> dict:
+    async def stage(self, read: bool = True) -> dict:
+        """`read=False` only looks, as mincore does: no time, and the pages' age is unchanged."""
         async with self.worker:
             started = time.monotonic()
             resident = self.cache.resident(self.key)
-            if not resident:
+            reads = read and not resident
+            if reads:
                 await asyncio.sleep(self.weights_gb / self.disk_gb_s)
-            self.cache.touch(self.key, self.weights_gb)
+            if read:
+                self.cache.touch(self.key, self.weights_gb)
             size = round(self.weights_gb * 1e9)
-            return {"files": 1, "bytes": size, "read_bytes": 0 if resident else size,
+            return {"files": 1, "bytes": size, "read_bytes": size if reads else 0,
                     "seconds": round(time.monotonic() - started, 4), "resident_before": 1.0 if resident else 0.0}
 
     async def reload(self) -> bool:

@@ -146,7 +146,9 @@ def add_routes(app: web.Application, server: "SimServer", host: HostModel | None
             e.reload_weights()
             result = None
         elif method == "hotswap_stage_weights":
-            result = await server.disk.stage() if server.disk is not None else UNMODELLED_STAGE
+            kwargs = body.get("kwargs") or {}
+            looks = isinstance(kwargs, dict) and kwargs.get("read") is False  # a wake's look (engines/stage.py)
+            result = await server.disk.stage(read=not looks) if server.disk is not None else UNMODELLED_STAGE
         elif method == "hotswap_reload_draft":
             result = e.reload_draft()
         elif method == "hotswap_draft_digest":

@@ -87,19 +87,21 @@ def read_in(path: str, buf: Optional[bytearray] = None) -> int:
     return done
 
 
-def stage(paths: list[str]) -> dict:
+def stage(paths: list[str], read: bool = True) -> dict:
     """Make `paths` resident: files already (almost) wholly resident are not read again, since
-    re-reading them costs a copy at page-cache speed for nothing. The report the router logs and times."""
+    re-reading them costs a copy at page-cache speed for nothing. The report the router logs and times.
+    `read=False` only looks (mincore): what a wake asks when reading first would cost it more than its
+    reload reading the disk itself."""
     started = time.perf_counter()
     sizes = [resident_bytes(p) for p in paths]
     total = sum(s for _, s in sizes)
     before = sum(r for r, _ in sizes) / total if total else 1.0
-    buf = bytearray(CHUNK)
-    read = 0
+    buf = bytearray(CHUNK) if read else None
+    done = 0
     for path, (held, size) in zip(paths, sizes):
-        if size and held < size * 0.999:
-            read += read_in(path, buf)
-    return {"files": len(paths), "bytes": total, "read_bytes": read, "seconds": round(time.perf_counter() - started, 4),
+        if read and size and held < size * 0.999:
+            done += read_in(path, buf)
+    return {"files": len(paths), "bytes": total, "read_bytes": done, "seconds": round(time.perf_counter() - started, 4),
             "resident_before": round(before, 4)}
 
 

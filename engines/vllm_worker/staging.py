@@ -25,17 +25,17 @@ from engines.vllm_worker import page_cache
 class StagingMethods:
     """Mixed into vLLM's worker through HotswapWorkerExtension: `self` is the worker."""
 
-    def hotswap_stage_weights(self) -> dict[str, Any]:
+    def hotswap_stage_weights(self, read: bool = True) -> dict[str, Any]:
         """Read the target's and the draft's weight files so their pages are resident:
         `{"files", "bytes", "read_bytes", "seconds", "resident_before"}` (resident_before: the fraction
-        of those bytes already cached, by mincore)."""
+        of those bytes already cached, by mincore). `read=False`: only look (read_bytes 0)."""
         if getattr(self, "rank", 0) != 0:
             return {"files": 0, "bytes": 0, "read_bytes": 0, "seconds": 0.0, "resident_before": 1.0,
                     "skipped": f"rank {self.rank}: rank 0 reads for the host"}
         files, why = _checkpoint_files(self)
         if not files:
             return {"files": 0, "bytes": 0, "read_bytes": 0, "seconds": 0.0, "resident_before": 1.0, "reason": why}
-        return page_cache.stage(files)
+        return page_cache.stage(files, read=read)
 
     def hotswap_weights_residency(self) -> dict[str, Any]:
         """What fraction of the checkpoint's bytes is in the page cache now (for the bench and operators)."""

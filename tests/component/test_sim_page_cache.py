@@ -43,9 +43,9 @@ async def http():
         yield s
 
 
-async def rpc(http, sim, method: str) -> tuple[object, float]:
+async def rpc(http, sim, method: str, **kwargs) -> tuple[object, float]:
     started = time.monotonic()
-    async with http.post(sim.url + "/collective_rpc", json={"method": method}) as r:
+    async with http.post(sim.url + "/collective_rpc", json={"method": method, "kwargs": kwargs}) as r:
         body = await r.json()
         assert r.status == 200, body
     return body["results"][0], time.monotonic() - started
@@ -79,6 +79,9 @@ async def test_a_stage_reads_the_disk_once_and_the_reload_after_it_reads_the_pag
 
     other = host("other", None, *DISK)  # a second checkpoint, staged from cold
     drop_page_cache(tmp_path)
+    look, look_s = await rpc(http, other, "hotswap_stage_weights", read=False)  # a wake's step with no stage running
+    assert look["read_bytes"] == 0 and look["resident_before"] == 0.0 and look_s < COLD_S / 2, look
+    assert not await resident(http, other), "a look reads nothing in"
     report, staged_s = await rpc(http, other, "hotswap_stage_weights")
     assert report == {"files": 1, "bytes": 10**9, "read_bytes": 10**9, "seconds": pytest.approx(COLD_S, abs=0.2),
                       "resident_before": 0.0}

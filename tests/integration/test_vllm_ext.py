@@ -220,6 +220,9 @@ def test_the_stage_reads_the_files_vllms_loader_reads_into_the_page_cache(spec_e
         return engine.rpc("hotswap_weights_residency")[0][0]["resident"] < 0.5
 
     poll(dropped, 30, "the checkpoint's pages dropped", interval=0.2)
+    (look,), _ = engine.rpc("hotswap_stage_weights", read=False)  # a wake's step when no stage runs
+    assert look["files"] == len(files) and look["read_bytes"] == 0 and look["resident_before"] < 0.5, look
+    assert engine.rpc("hotswap_weights_residency")[0][0]["resident"] < 0.5, "a look reads nothing in"
     (report,), staged_s = engine.rpc("hotswap_stage_weights")
     size = sum(os.path.getsize(f) for f in files)
     assert report["files"] == len(files) and report["bytes"] == size and report["read_bytes"] == size, report

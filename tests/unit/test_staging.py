@@ -24,9 +24,14 @@ class StagingClient:
     def __init__(self, answer: dict[str, Any] = STAGED):
         self.answer = answer
         self.calls = 0
+        self.looks = 0  # the calls with read=False: mincore only, nothing read
 
     async def collective_rpc(self, method: str, timeout: float, args=(), kwargs=None) -> list[Any]:
         assert method == "hotswap_stage_weights"
+        if kwargs == {"read": False}:
+            self.looks += 1
+            return [{**self.answer, "read_bytes": 0}]
+        assert not kwargs, kwargs
         self.calls += 1
         return [dict(self.answer)]
 
@@ -92,6 +97,25 @@ async def test_the_target_of_a_wake_stages_while_its_victims_drain_and_sleep_bud
     s.capacity = dataclasses.replace(s.capacity, page_cache_gb=4.0)  # host.page_cache_budget_gb below b's checkpoint
     s.stage_ahead(clock.now)
     assert b.stager.staged, "staged for its wake, budget or not: not taken as evicted while its room is made"
+
+
+async def test_a_wake_with_no_stage_running_only_looks_and_its_reload_is_priced_at_what_it_found():
+    cold = {**STAGED, "resident_before": 0.0}
+    b = stages(FakeEngine("b"), cold)
+    assert await b.stager.step(b.client, 5.0), "a look is a stage step that worked"
+    assert (b.client.looks, b.client.calls) == (1, 0), "nothing read: the reload reads the disk itself"
+    assert not b.stager.found_resident and b.stager.cached is False and not b.stager.staged
+    b.client.answer = {**STAGED, "resident_before": 1.0}  # evicted nothing since it was last read
+    assert await b.stager.step(b.client, 5.0)
+    assert b.stager.found_resident and b.stager.cached is True
+    b.client.answer = {**STAGED, "resident_before": 0.5}  # half there: neither rate's sample
+    await b.stager.step(b.client, 5.0)
+    assert not b.stager.found_resident and b.stager.cached is None
+    # A stage running when the wake reaches the step is joined: the reload would wait for it anyway.
+    b.client.answer = cold
+    b.stager.begin(b.client, 5.0, "ahead")
+    assert await b.stager.step(b.client, 5.0)
+    assert (b.client.looks, b.client.calls) == (3, 1) and b.stager.cached is True and not b.stager.found_resident
 
 
 async def test_within_the_budget_the_likeliest_level2_sleepers_are_staged_one_at_a_time(clock):
