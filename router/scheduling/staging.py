@@ -3,9 +3,10 @@
 The staging part of `Scheduler` (see `router.scheduling.state`). A stage is the engine's
 (`engines.stage`: the worker extension reads the files vLLM's loader reads); this decides whose:
 
-- the target of a wake whose room is being made, at once: its victims' drain and sleep take
-  seconds, and its reload then reads RAM (begun for every such target, budget or not: the
-  wake's own reload would read the same bytes into the page cache anyway);
+- the target of a wake whose room is being made, at once, when its victims' drain and sleep are
+  expected to last at least its staged reload (`_lead_pays`: else the reload, waiting for the stage,
+  would cost more than reading the disk itself), budget or not: the wake's own reload would read
+  the same bytes into the page cache anyway;
 - within `host.page_cache_budget_gb`, the Level-2 sleepers most likely to be asked for next
   (`Demand.rate`), one at a time (a background read must not slow a wake's reload on the same
   disk, so none starts while a wake runs), the likeliest first, skipping one that does not fit.
@@ -72,16 +73,35 @@ class Staging(SchedulerState):
             task.add_done_callback(lambda _: self.poke())
 
     def _stage_targets(self) -> None:
-        """Once per room made (a failed stage is not retried in a loop: the wake's own stage tries again)."""
-        for name, (_, since) in self.making_room.items():
+        """Once per room made (a failed stage is not retried in a loop: the wake's own step looks again)."""
+        for name, (victims, since) in self.making_room.items():
             engine = next((e for e in self.engines if e.name == name), None)
             if engine is None or self.staged_for.get(name) == since or not self._stageable(engine):
                 continue
             self.staged_for[name] = since
-            if not engine.stager.staged:
+            if not engine.stager.staged and self._lead_pays(engine, victims):
                 self._begin(engine, "room")
         for name in [n for n in self.staged_for if n not in self.making_room]:
             del self.staged_for[name]
+
+    def _lead_pays(self, target: Engine, victims: list[str]) -> bool:
+        """Whether the victims' drain and sleep last long enough for a stage begun now to pay: the wake's
+        reload waits for a stage still reading (vLLM runs utility calls one at a time), then reads the
+        page cache. Read by the reload itself instead, the checkpoint costs what the stage's read does
+        (the same bytes from the same disk), so the stage pays when the lead before the reload is at least
+        the staged reload it adds. Until a staged reload is measured, it stages."""
+        rate, gb = self.costs.reload_s_per_gb.get(True), self.weights.get(target.name)
+        if rate is None or not gb:
+            return True
+        by_name = {e.name: e for e in self.engines}
+        lead = max((self.costs.sleep_s(name) + (self.costs.drain_s(name, self.swap.drain_timeout_s)
+                                                  if by_name[name].in_flight else 0.0)
+                    for name in victims if name in by_name), default=0.0)
+        if lead >= gb * rate:
+            return True
+        log.debug("engine %s: not staged for its wake: its victims' drain and sleep (%.1f s expected) are shorter than "
+                  "its staged reload (%.1f s); its reload reads the disk", target.name, lead, gb * rate)
+        return False
 
     def _stage_likeliest(self, now: float) -> None:
         budget = self.capacity.page_cache_gb

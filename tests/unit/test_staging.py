@@ -92,11 +92,32 @@ async def test_the_target_of_a_wake_stages_while_its_victims_drain_and_sleep_bud
     s.stage_ahead(clock.now)
     assert b.stager.running and b.stager.why == "room"
     await settle(b)
-    assert b.stager.staged and s.is_staged(b) and b.client.calls == 1
+    assert b.stager.staged and b.client.calls == 1
     s.weights["b"] = 8.0
     s.capacity = dataclasses.replace(s.capacity, page_cache_gb=4.0)  # host.page_cache_budget_gb below b's checkpoint
     s.stage_ahead(clock.now)
     assert b.stager.staged, "staged for its wake, budget or not: not taken as evicted while its room is made"
+
+
+async def test_a_target_whose_victim_sleeps_sooner_than_its_staged_reload_is_not_staged_for_its_wake(clock):
+    # b's staged reload was measured at 0.5 s per GB: 8 s for its 16 GB. Idle a sleeps in 1 s, so a stage
+    # begun now would still be reading when b's reload starts, which waits for it, then reads the page cache.
+    a, b = awake("a", clock), stages(FakeEngine("b"))
+    s = scheduler(a, b, clock=clock)
+    s.weights["b"] = 16.0
+    s.costs.observe_wake("b", 2, 12.0, reload_s=8.0, stage_s=3.0, cached=True)
+    s.costs.observe_sleep("a", 1.0, busy_drain_s=20.0)
+    s.making_room["b"] = (["a"], clock.now)
+    s.stage_ahead(clock.now)
+    assert not b.stager.running and b.client.calls == 0, "its reload reads the disk itself"
+    del s.making_room["b"]
+    s.stage_ahead(clock.now)
+    # The next room made for b: a is serving, and its drains have lasted 20 s, longer than the staged reload.
+    a.in_flight = 2
+    clock.now += 60
+    s.making_room["b"] = (["a"], clock.now)
+    s.stage_ahead(clock.now)
+    assert b.stager.running and b.stager.why == "room", "a's drain and sleep cover the stage's read"
 
 
 async def test_a_wake_with_no_stage_running_only_looks_and_its_reload_is_priced_at_what_it_found():
@@ -133,7 +154,7 @@ async def test_within_the_budget_the_likeliest_level2_sleepers_are_staged_one_at
     await settle(small)
     s.stage_ahead(clock.now)
     assert not any(e.stager.running for e in (hot, warm, small, idle)), "idle was never asked for: not staged"
-    assert [e.name for e in (hot, warm, small, idle) if s.is_staged(e)] == ["hot", "small"]
+    assert [e.name for e in (hot, warm, small, idle) if e.stager.staged] == ["hot", "small"]
 
 
 async def test_a_staged_checkpoint_that_later_reads_pushed_past_the_budget_is_staged_again_ahead_of_its_wake(clock):
