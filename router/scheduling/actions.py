@@ -107,7 +107,7 @@ class Actions(Costs, RosterChanges, Staging):
         moved, since = self.making_room.pop(target.name, ([], time.monotonic()))
         started = min(since, time.monotonic())
         level = target.sleep_level if target.state is State.SLEEPING else None
-        predicted = self.costs.wake_s(target.name, level, staged=self.is_staged(target))
+        predicted = self.wake_estimate_s(target, level)
         restart = self.pending_restart.pop(target.name, None)
         self.handled.discard(target.name)
         if target.name in self.to_boot and not self.queued(target):

@@ -76,7 +76,7 @@ class Scheduler(WakeAhead):
         self.busy[name] = asyncio.get_running_loop().create_future()
         engine = decision.engine
         level = engine.sleep_level if engine.state is State.SLEEPING else None
-        predicted = self.costs.wake_s(name, level, self.is_staged(engine)) if decision.action in ("boot", "wake") else 0.0
+        predicted = self.wake_estimate_s(engine, level) if decision.action in ("boot", "wake") else 0.0
         self.doing[name] = (decision.action, self.clock(), predicted)
         if decision.action in BOOTING_ACTIONS and (decision.action == "restart" or engine.state in (State.COLD, State.FAILED)):
             self.boots.add(name)

@@ -15,13 +15,14 @@ Page cache is evictable: the router cannot hold pages, only put them there; the 
 what it puts there ahead of need. Every checkpoint read fills it, the awake engines' too (a boot's load,
 a Level-2 reload, a stage): counted newest first, a staged checkpoint past the budget is taken as
 evicted (`_forget_evicted`), so it is staged again ahead of its wake when it is among the likeliest,
-rather than read from the disk by its wake's own stage. `is_staged` is what the wake-cost estimate reads
-(`WakeCosts.wake_s(..., staged=True)`).
+rather than read from the disk by its wake's own stage. `wake_estimate_s` is what a wake about to begin
+is predicted at: staged when it is, plus what a stage still running has left to read.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from engines.engine import Engine, State
 from router.scheduling.state import SchedulerState
@@ -30,9 +31,16 @@ log = logging.getLogger("hotswap")
 
 
 class Staging(SchedulerState):
-    def is_staged(self, engine: Engine) -> bool:
-        """Its checkpoint is in the page cache (as far as the router knows) or being read there now."""
-        return engine.stager.staged or engine.stager.running
+    def wake_estimate_s(self, engine: Engine, level: Optional[int]) -> float:
+        """Seconds to wake `engine` from `level` now. A Level-2 wake whose stage is still reading joins it
+        (engines.stage): the staged wake plus the stage's read still to come, its checkpoint at the disk's
+        measured rate (the cold reload's: the same bytes from the same disk) less what it has read so far."""
+        running = level == 2 and engine.stager.running
+        predicted = self.costs.wake_s(engine.name, level, staged=level == 2 and (engine.stager.staged or running))
+        rate, gb, began = self.costs.reload_s_per_gb.get(False), self.weights.get(engine.name), self.stage_began.get(engine.name)
+        if running and rate is not None and gb and began is not None:
+            predicted += max(0.0, gb * rate - (self.clock() - began))
+        return predicted
 
     def staged_gb(self) -> float:
         """The Level-2 sleepers' checkpoints in the page cache now (as far as the router knows), in GB."""
@@ -70,6 +78,7 @@ class Staging(SchedulerState):
         was_running = engine.stager.running
         task = engine.stager.begin(engine.client, self.swap.timeouts.stage, why)
         if task is not None and not was_running:
+            self.stage_began[engine.name] = self.clock()
             task.add_done_callback(lambda _: self.poke())
 
     def _stage_targets(self) -> None:

@@ -93,6 +93,7 @@ class SchedulerState:
         self.making_room: dict[str, tuple[list[str], float]] = {}  # target -> (victims being moved, since)
         self.handled: set[str] = set()  # FAILED engines whose failure has been counted and stopped
         self.staged_for: dict[str, float] = {}  # target -> the making_room it was staged for (staging.py: once each)
+        self.stage_began: dict[str, float] = {}  # engine -> when its running stage began (self.clock)
         self.pending_restart: dict[str, str] = {}  # engine -> reason, for its next wake
         self.residuals: dict[str, dict[int, float]] = {}  # measured per engine and device, GB
         self.put_to_sleep: set[str] = set()  # slept by an operator (admin sleep), until a request asks for it

@@ -36,6 +36,18 @@ class StagingClient:
         return [dict(self.answer)]
 
 
+class HeldStagingClient(StagingClient):
+    """A stage that reads until the test lets it finish."""
+
+    def __init__(self, answer: dict[str, Any] = STAGED):
+        super().__init__(answer)
+        self.release = asyncio.Event()
+
+    async def collective_rpc(self, method: str, timeout: float, args=(), kwargs=None) -> list[Any]:
+        await self.release.wait()
+        return await super().collective_rpc(method, timeout, args, kwargs)
+
+
 def stages(engine: FakeEngine, answer: dict[str, Any] = STAGED) -> FakeEngine:
     """The engine loads the worker extension (as the router composes it for a Level-2 sleeper)."""
     engine.stager = Stager(engine.name, enabled=True)
@@ -235,11 +247,32 @@ async def test_the_scheduler_predicts_a_staged_targets_wake_from_the_staged_esti
     s.weights["b"] = 2.0
     s.costs.observe_wake("b", 2, 10.0, reload_s=8.0, cached=False)
     s.costs.observe_wake("b", 2, 3.0, reload_s=0.5, staged=True, cached=True)
-    assert s.costs.wake_s("b", 2, staged=s.is_staged(b)) == pytest.approx(10.0), "not staged yet"
+    assert s.wake_estimate_s(b, 2) == pytest.approx(10.0), "not staged yet"
     s.making_room["b"] = (["a"], clock.now)
     s.stage_ahead(clock.now)
     await settle(b)
-    assert s.costs.wake_s("b", 2, staged=s.is_staged(b)) == pytest.approx(3.0)
+    assert s.wake_estimate_s(b, 2) == pytest.approx(3.0)
+
+
+async def test_a_wake_that_will_join_a_stage_still_reading_is_predicted_at_the_staged_wake_plus_the_read_left(clock):
+    # b's checkpoint is 2 GB; the disk was measured at 4 s per GB (a cold reload), a staged wake at 3 s.
+    a, b = awake("a", clock), stages(FakeEngine("b"))
+    b.client = HeldStagingClient()
+    s = scheduler(a, b, clock=clock)
+    s.weights["b"] = 2.0
+    s.costs.observe_wake("b", 2, 10.0, reload_s=8.0, cached=False)
+    s.costs.observe_wake("b", 2, 3.0, reload_s=0.5, staged=True, cached=True)
+    s.making_room["b"] = (["a"], clock.now)
+    s.stage_ahead(clock.now)
+    assert b.stager.running
+    assert s.wake_estimate_s(b, 2) == pytest.approx(3.0 + 8.0), "the whole read is still to come"
+    clock.now += 5.0
+    assert s.wake_estimate_s(b, 2) == pytest.approx(3.0 + 3.0)
+    clock.now += 10.0
+    assert s.wake_estimate_s(b, 2) == pytest.approx(3.0), "a stage past its expected read: the staged wake alone"
+    b.client.release.set()
+    await settle(b)
+    assert s.wake_estimate_s(b, 2) == pytest.approx(3.0)
 
 
 async def test_a_failed_stage_for_a_target_is_not_retried_while_its_room_is_made_but_is_for_the_next_room(clock):
