@@ -52,10 +52,10 @@ async def stage_weights(client: VLLMClient, timeout: float, read: bool = True) -
     """The worker extension's report ({files, bytes, read_bytes, seconds, resident_before}) of the
     rank that read (the others skip: the page cache is the host's); `read=False`: it only looks."""
     results = await client.collective_rpc("hotswap_stage_weights", timeout=timeout, kwargs=None if read else {"read": False})
-    read = [r for r in results if isinstance(r, dict) and not r.get("skipped")]
-    if not read:
+    reports = [r for r in results if isinstance(r, dict) and not r.get("skipped")]
+    if not reports:
         raise EngineError("POST /collective_rpc hotswap_stage_weights", f"no worker staged: {results!r:.300}")
-    return read[0]
+    return reports[0]
 
 
 async def reload_draft(client: VLLMClient, timeout: float) -> list[Any]:
