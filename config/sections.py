@@ -242,7 +242,8 @@ class Swap(Section):
         "demand: batch requests never park, stop or preempt it for their own model (they wait, up to "
         "queue.batch_max_wait_s). 0: only interactive requests in flight or queued hold it.")
     demand_tau_s: float = Field(300, gt=0, description="How fast demand is forgotten: a request's weight in a model's "
-                                "request rate decays with this time constant (it halves in 0.69x this).")
+                                "request rate decays with this time constant (it halves in 0.69x this). A stop is weighed by the chance of "
+                                "a request within it: nothing boots a stopped engine ahead of demand.")
     reuse_horizon_s: float = Field(60, gt=0, description="\"Asked for again soon\" means within this long: what parking an "
                                    "engine is expected to cost is its wake times the chance of a request within it.")
     wake_ahead: bool = Field(True, description="Wake the parked engine likeliest to be asked for next into room nobody waits "

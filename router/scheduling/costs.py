@@ -199,9 +199,9 @@ class Costs(SchedulerState):
         return self._reuse(engine, now) * max(self.waited(engine, instead, now)
                                               - self.waited(engine, self.costs.wake_s(engine.name, 1), now), 0.0)
 
-    def _reuse(self, engine: Engine, now: float) -> float:
-        """How likely `engine` is to be asked for within reuse_horizon_s."""
-        return 1.0 - math.exp(-self.demand.rate(engine.name, now) * self.reuse_horizon_s)
+    def _reuse(self, engine: Engine, now: float, within_s: Optional[float] = None) -> float:
+        """How likely `engine` is to be asked for within reuse_horizon_s (or `within_s`)."""
+        return 1.0 - math.exp(-self.demand.rate(engine.name, now) * (within_s or self.reuse_horizon_s))
 
     def waited(self, engine: Engine, seconds: float, now: float, asking: int = 1) -> float:
         """Seconds of waiting that `seconds` before `engine` can answer cost once `asking` requests ask for
@@ -254,4 +254,8 @@ class Costs(SchedulerState):
             extra = self.waited(engine, self._next_wake_s(engine, level), now) \
                 + (self.blocked_by_boot(engine, now) if level is None else 0.0)
         recency = 1e-9 / (1.0 + max(0.0, now - self.demand.last(engine.name)))  # a tie-break only
-        return self._reuse(engine, now) * max(extra, 0.0) + recency
+        # A park's wake may never be waited for: room that frees wakes it ahead of demand. A stopped
+        # engine is never booted ahead, so its boot is paid by its next request however late that
+        # comes: its chance is of any request while its demand is remembered, not of one soon.
+        within = self.swap.demand_tau_s if action == "stop" else None
+        return self._reuse(engine, now, within) * max(extra, 0.0) + recency

@@ -425,9 +425,28 @@ async def test_a_sleeper_in_a_burst_is_not_stopped_when_its_own_requests_would_w
     s.demand = type(s.demand)(s.demand.tau_s)
     s.demand.arrived("s", clock.now - 1)
     plan = s.decide(clock.now)
-    assert actions(plan) == [("stop", "s")], "one request's 19 s, at its 18% chance, beats 30 s of waiting"
-    assert "(expected to cost 3.6 s of waiting, against 30.0 s for waiting 10.0 s to park " in plan.decisions[0].why, \
+    assert actions(plan) == [("stop", "s")], "one request's 19 s, at its 63% chance, beats 30 s of waiting"
+    assert "(expected to cost 12.4 s of waiting, against 30.0 s for waiting 10.0 s to park " in plan.decisions[0].why, \
         "the log says what the stop was weighed against"
+
+
+async def test_a_sleeper_asked_for_once_is_not_stopped_to_spare_one_request_ten_seconds(clock):
+    # As above, with one request waiting for t: parking b fits it in 10 s. The sleeper was asked for once,
+    # a second ago; its boot costs its next request 19 s more than its wake. Within reuse_horizon_s (60 s)
+    # that request is 18% likely: 3.6 s, less than t's 10 s. But nothing boots a stopped engine ahead of
+    # demand, so whenever that request comes it waits the boot: 63% likely while its demand is
+    # remembered (demand_tau_s, 300 s): 12.4 s. The router waits for b.
+    gpus = {0: 100.0}
+    a = FakeEngine("a", State.AWAKE, share=0.54, since=clock.now - 2, sleep_residual_gb=2)
+    b = FakeEngine("b", State.AWAKE, share=0.40, since=clock.now - 2, sleep_residual_gb=2)
+    sleeper = FakeEngine("s", share=0.3, sleep_residual_gb=2)
+    t = FakeEngine("t", share=0.05, sleep_residual_gb=2)
+    s = scheduler(a, b, sleeper, t, clock=clock, gpus=gpus, min_active_s=12)
+    s.costs.observe_boot("s", 20.0)
+    s.costs.observe_wake("s", 2, 1.0)
+    s.demand.arrived("s", clock.now - 1)
+    wait_for(s, t, clock.now)
+    assert s.decide(clock.now) == Plan(wait_s=pytest.approx(10)), "its boot is paid later, whenever it is asked for"
 
 
 async def test_once_a_waiter_has_waited_max_hold_a_busy_engine_is_parked_rather_than_a_burst_sleeper_stopped(clock):
@@ -456,9 +475,10 @@ async def test_once_a_waiter_has_waited_max_hold_a_busy_engine_is_parked_rather_
 
 
 async def test_a_sleeper_is_not_stopped_for_its_residual_when_a_sleeping_neighbours_burst_would_queue_behind_its_boot(clock):
-    # t is 1.5 GB short: stopping s (asked for once) frees its 2 GB residual now; parking b costs t's three
-    # waiters its 2 s drain. s's next boot, 20 s with GPU 0 to itself, is what decides: n, asleep beside it,
-    # is in a burst (0.1/s), so about 2 of n's requests arrive during it and each waits half of it.
+    # t is 1.5 GB short: stopping s (asked for once) frees its 2 GB residual now; parking b costs t's ten
+    # waiters its 2 s drain (20 s). s's next boot, 20 s with GPU 0 to itself, is what decides: s's own next
+    # request waits 19 s more (at its 63% chance, 13 s with n's share); once n, asleep beside it, is in a burst
+    # (0.1/s), about 2 of n's requests arrive during it and each waits half of it (25 s in all).
     gpus = {0: 100.0}
     a = FakeEngine("a", State.AWAKE, share=0.525, since=clock.now - 100, sleep_residual_gb=2)
     b = FakeEngine("b", State.AWAKE, share=0.40, since=clock.now - 100, sleep_residual_gb=2)
@@ -474,13 +494,13 @@ async def test_a_sleeper_is_not_stopped_for_its_residual_when_a_sleeping_neighbo
     s.demand.arrived("s", clock.now - 1)
     for _ in range(2):
         s.demand.arrived("n", clock.now - 1)
-    for _ in range(3):
+    for _ in range(10):
         wait_for(s, t, clock.now - 30)
     assert actions(s.decide(clock.now)) == [("stop", "s")], "n asked for twice, s once: s's stop is the cheapest"
     for _ in range(28):
         s.demand.arrived("n", clock.now - 1)
     assert actions(s.decide(clock.now)) in ([("park", "a")], [("park", "b")]), \
-        "n's burst would queue about 20 s of waiting behind s's boot: b's 2 s drain for three waiters costs less"
+        "n's burst would queue about 20 s of waiting behind s's boot: b's 2 s drain for ten waiters costs less"
 
 
 async def test_a_sleeper_whose_own_requests_wait_is_not_stopped_to_make_room_for_another_model_while_room_can_come(clock):
@@ -861,13 +881,14 @@ async def test_stopping_a_sleeper_is_priced_with_the_wait_its_cold_boot_makes_it
             s.demand.arrived(name, clock.now - 1)
     alone = s.expected_cost(sleeper, "stop", clock.now)
     rate = s.demand.rate("sleeper", clock.now)
-    assert alone == pytest.approx(s._reuse(sleeper, clock.now) * (49.0 + rate * (50.0 ** 2 - 1.0) / 2), rel=1e-3), \
+    chance = s._reuse(sleeper, clock.now, s.swap.demand_tau_s)  # a stopped engine's boot is paid whenever it is next asked for
+    assert alone == pytest.approx(chance * (49.0 + rate * (50.0 ** 2 - 1.0) / 2), rel=1e-3), \
         "a busy GPU elsewhere waits for nothing: the boot beyond the wake, for the asker and those arriving during it"
     for _ in range(10):
         s.demand.arrived("neighbour", clock.now - 1)
     shared = s.expected_cost(sleeper, "stop", clock.now)
     arriving = s.demand.rate("neighbour", clock.now) * 50.0
-    assert shared - alone == pytest.approx(s._reuse(sleeper, clock.now) * arriving * 25.0, rel=1e-3), \
+    assert shared - alone == pytest.approx(chance * arriving * 25.0, rel=1e-3), \
         "its boot holds GPU 0 alone for 50 s: each request the sleeping neighbour is sent meanwhile waits behind it, " \
         "half of it on average"
     neighbour.state, neighbour.sleep_level = State.AWAKE, None

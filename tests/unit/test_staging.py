@@ -328,7 +328,7 @@ async def test_stopping_a_level2_sleeper_the_budget_keeps_staged_costs_its_boot_
     s.costs.observe_wake("sleeper", 2, 1.0, reload_s=0.5, staged=True, cached=True)
     demand(s, "sleeper", 5, clock)
     assert not sleeper.stager.staged
-    reuse = s._reuse(sleeper, clock.now)
+    reuse = s._reuse(sleeper, clock.now, s.swap.demand_tau_s)  # a stop's boot is paid whenever it is next asked for
     s.capacity = dataclasses.replace(s.capacity, page_cache_gb=4.0)
     assert s.expected_cost(sleeper, "stop", clock.now) == pytest.approx(
         reuse * (s.waited(sleeper, 10.0, clock.now) - s.waited(sleeper, 1.0, clock.now)), rel=1e-3)
