@@ -138,9 +138,25 @@ async def close_clients():
     await close_sdk_clients()
 
 
+ROUTER_LOG_TAIL = 200  # lines of each router's log a failed test's report carries
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the tail of every router it started: a failure seen once in CI
+    is debugged from its report, as its temp dir is gone by then."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for router in getattr(item, "hotswap_routers", ()):
+            lines = router.log().splitlines()[-ROUTER_LOG_TAIL:]
+            report.sections.append((f"router log {router.log_path} (last {len(lines)} lines)", "\n".join(lines)))
+
+
 @pytest.fixture
-async def start_router(tmp_path):
+async def start_router(tmp_path, request):
     routers: list[RouterProcess] = []
+    request.node.hotswap_routers = routers
 
     async def start(roster: dict, env=None, subdir: str = "r", admin_key=None, timeout_s: float = 30,
                     booted: bool = True, port: int | None = None) -> RouterProcess:
