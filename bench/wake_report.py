@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import contention  # bench/contention.py: the waiting no policy avoids
 import harness as h  # bench/harness.py: report helpers
 from replay import first_errors
-from wake_roster import DRAIN_S, MIN_ACTIVE_S, MODELS, PAGE_CACHE_GB_S, Req
+from wake_roster import MIN_ACTIVE_S, MODELS, PAGE_CACHE_GB_S, Req
 
 SECTION = "## The wait for a parked model on a production trace (issue 32)"
 BATCH_SECTION = "## A batch client beside the production trace (issue 33)"
@@ -138,7 +138,7 @@ def report(rounds: list[dict[str, Result]], header: dict, trace: list[Req], args
         "", f"Host RAM budget {args.ram_budget_gb:g} GB (`sleep_level: auto`); a page cache of {args.page_cache_gb:g} GB "
         f"(`host.page_cache_budget_gb` {args.page_cache_budget_gb:g} where the arm's tree has it); disk "
         f"{args.disk_gb_per_s:g} GB/s cold; `min_active_s` {MIN_ACTIVE_S:g}, `max_hold_s` {args.max_hold_s:g}, "
-        f"`drain_timeout_s` {DRAIN_S:g}; the gate on (its canary after every wake; the embedder's off).", "",
+        f"`drain_timeout_s` {args.drain_timeout_s:g}; the gate on (its canary after every wake; the embedder's off).", "",
         f"| arm | mean s | p50 s | p90 s | p99 s | within {WITHIN_S:g} s | wakes/min | wakes L1 / L2 / boot | parks | "
         "demotions | stops | errors | send lag p99 ms |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",

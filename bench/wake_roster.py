@@ -42,7 +42,7 @@ LEVEL2_SLEEP_S, BOOT_FIXED_S = 0.3, 20.0
 DRAFT_SHARE = 0.02  # a draft (EAGLE head or small model) as a share of its target's weights
 ACCEPTANCE = 2.6
 # The roster's time constants (real seconds), scaled like the trace.
-MIN_ACTIVE_S, MAX_WAIT_S, DRAIN_S = 5.0, 300.0, 30.0
+MIN_ACTIVE_S, MAX_WAIT_S = 5.0, 300.0
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def roster(port: int, args: argparse.Namespace, tmp: Path, arm: str = "hotswap")
         "# written by bench/wake_trace.py",
         f"listen: {{host: 127.0.0.1, port: {port}}}",
         f"swap: {{min_active_s: {MIN_ACTIVE_S * scale:g}, max_hold_s: {args.max_hold_s * scale:g}, "
-        f"drain_timeout_s: {DRAIN_S * scale:g}{policy_keys(scale)}{', wake_ahead: false' if arm == 'no-ahead' else ''}}}",
+        f"drain_timeout_s: {args.drain_timeout_s * scale:g}{policy_keys(scale)}{', wake_ahead: false' if arm == 'no-ahead' else ''}}}",
         queue_keys(scale),
         f"gpus: [{{index: 0, memory_gb: {GPU_GB:g}}}, {{index: 1, memory_gb: {GPU_GB:g}}}]",
         host_keys(args),

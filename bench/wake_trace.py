@@ -49,6 +49,7 @@ from wake_roster import MAX_WAIT_S, MODELS, TRACE, Req, batch_flood, batch_max_w
 from replay import Failed, at_arrival_times, lru_cost, running_router  # bench/replay.py: the in-process router
 from wake_report import WITHIN_S, Result, report, section, summary  # bench/wake_report.py: the section it writes
 
+log = logging.getLogger("bench")
 ARMS = ("hotswap", "no-ahead", "lru", "before", "batch")
 BATCH_HEADER = {"X-Hotswap-Class": "batch"}
 CALIBRATION_REQUESTS = 20
@@ -167,7 +168,10 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
 
         async def answer(r: Req) -> None:
             at = time.monotonic()
+            # In the router's log (this process's): a request's wait read beside the scheduler's decisions.
+            log.info("bench: #%d %s sent (trace %.1f s)", r.i, r.model, r.t - trace[0].t)
             status, lat, err = await send(r)
+            log.info("bench: #%d %s answered %d, first token after %.2f s real", r.i, r.model, status, lat / scale)
             if status != 200:
                 res.errors.append(f"#{r.i} {r.model}{' (batch)' if r.batch else ''}: {status} {err}")
                 return
@@ -227,6 +231,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "and the disk, the page cache and staging are in the wait)")
     p.add_argument("--max-hold-s", type=float, default=30.0,
                    help="swap.max_hold_s, real seconds: how long a waiter lets busy engines keep the room (default 30)")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="swap.drain_timeout_s, real seconds: how long a parked engine's streams may run on before they are "
+                        "cut (default 30; near 0 prices a park as if it could preempt its streams, which vLLM's gate forbids)")
     p.add_argument("--disk-gb-per-s", type=float, default=2.0, help="a cold read from disk (default %(default)s)")
     p.add_argument("--page-cache-gb", type=float, default=128.0,
                    help="the host's page cache: the sims evict the least recently read checkpoint past it (default %(default)s)")
@@ -264,7 +271,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.passthrough = ["--trace", str(a.trace), "--time-scale", f"{a.time_scale!r}", "--ram-budget-gb", f"{a.ram_budget_gb!r}",
                      "--disk-gb-per-s", f"{a.disk_gb_per_s!r}", "--page-cache-gb", f"{a.page_cache_gb!r}",
                      "--page-cache-budget-gb", f"{a.page_cache_budget_gb!r}", "--max-seconds", f"{a.max_seconds!r}",
-                     "--max-hold-s", f"{a.max_hold_s!r}", "--batch-model", a.batch_model,
+                     "--max-hold-s", f"{a.max_hold_s!r}", "--drain-timeout-s", f"{a.drain_timeout_s!r}", "--batch-model", a.batch_model,
                      "--batch-requests", str(a.batch_requests), "--batch-at-minute", f"{a.batch_at_minute!r}",
                      "--batch-tokens", str(a.batch_tokens), "--batch-concurrency", str(a.batch_concurrency), "--no-docs"]
     if a.reps < 1:

@@ -110,12 +110,12 @@ def test_the_wake_bench_roster_serves_every_model_of_the_trace_on_two_gpus_at_h2
 
     header, reqs = wake_trace.load_trace(TRACE, None)
     assert {r.model for r in reqs} == set(wake_trace.MODELS) == set(MODELS)
-    args = wake_trace.parse_args(["--max-hold-s", "20"])
+    args = wake_trace.parse_args(["--max-hold-s", "20", "--drain-timeout-s", "10"])
     roster = parse_roster(wake_trace.roster(18080, args, tmp_path), "<wake bench>")
     shares = sum(m.gpu_share * len(m.devices) for m in roster.models)
     assert {d for m in roster.models for d in m.devices} == {0, 1} and 2.7 <= shares <= 3.0
     assert roster.swap.demand_tau_s == pytest.approx(30.0) and roster.swap.reuse_horizon_s == pytest.approx(6.0) \
-        and roster.swap.max_hold_s == pytest.approx(2.0), \
+        and roster.swap.max_hold_s == pytest.approx(2.0) and roster.swap.drain_timeout_s == pytest.approx(1.0), \
         "the policy's time constants scale with the trace"
     assert roster.host.page_cache_budget_gb == 96.0
     big = wake_trace.MODELS["llama-70b"]
