@@ -15,7 +15,7 @@ each, in parallel), times `--time-scale`:
   Level-2 wake    the reload reads the page cache at 6 GB/s when the checkpoint is resident there,
                   else the disk at --disk-gb-per-s (the sims' disk model, engines/sim/page_cache.py:
                   one page cache for the host, LRU within --page-cache-gb; a stage makes a checkpoint
-                  resident); the draft's reload 6 GB/s
+                  resident; reads from the disk at once share it); the draft's reload 6 GB/s
   cold boot       20 s (process, CUDA graphs) + the weights from disk at --disk-gb-per-s
   decode          each model's tokens/s (`MODELS`), with a draft accepting 2.6 tokens a step
 """

@@ -16,12 +16,18 @@ shares one (a JSON file under `flock`, shared_file.py, as the GPU ledger in memo
 MODEL path (two engines of one checkpoint share its pages), each with the time it was last read; over
 `HOTSWAP_SIM_PAGE_CACHE_GB` (unset: unbounded) the least recently read are evicted. Without the file,
 the cache is this process's own.
+
+So is the disk: reads from it at once share its bandwidth (`SharedDisk`, the file beside the cache's:
+`cache.disk.json`), as on a real host, where a stage ahead and another engine's cold reload read one
+device. Each reader counts the others every `TICK_S` and advances at the disk's speed over their number;
+one that stops counting (its process killed mid-read) is forgotten after `STALE_S`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import time
 from collections.abc import Iterator
@@ -30,6 +36,8 @@ from pathlib import Path
 from engines.sim import shared_file
 
 CACHE_ENV = "HOTSWAP_SIM_PAGE_CACHE"
+TICK_S = 0.05  # how often a read recounts the readers sharing the disk
+STALE_S = 1.0  # a reader not heard from for this long is gone
 CAPACITY_ENV = "HOTSWAP_SIM_PAGE_CACHE_GB"
 DEFAULT_PAGE_CACHE_GB_S = 6.0
 
@@ -85,6 +93,47 @@ class PageCache:
                     "resident": {k: dict(v) for k, v in entries.items()}}
 
 
+class SharedDisk:
+    """The host's disk: reads at once share `gb_s` between them (an own disk without a file)."""
+
+    def __init__(self, path: str | os.PathLike | None, gb_s: float) -> None:
+        self.path = Path(path) if path else None
+        self.gb_s = gb_s
+        self._own: dict[str, dict] = {}
+        self._ids = itertools.count()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, dict]]:
+        if self.path is None:
+            yield self._own
+            return
+        with shared_file.locked(self.path, "readers") as readers:
+            yield readers
+
+    def _count(self, me: str) -> int:
+        """Readers now, this one included (its heartbeat; the stale ones dropped)."""
+        now = time.time()
+        with self._locked() as readers:
+            readers[me] = now
+            for other in [k for k, at in readers.items() if now - at > STALE_S]:
+                del readers[other]
+            return len(readers)
+
+    async def read(self, gb: float) -> None:
+        """Read `gb` from the disk, at its speed over the readers sharing it, recounted every TICK_S."""
+        me = f"{os.getpid()}:{next(self._ids)}"
+        left = gb
+        try:
+            while left > 1e-9:
+                rate = self.gb_s / self._count(me)
+                tick = min(TICK_S, left / rate)
+                await asyncio.sleep(tick)
+                left -= tick * rate
+        finally:
+            with self._locked() as readers:
+                readers.pop(me, None)
+
+
 class DiskModel:
     """One engine's checkpoint on a disk with a page cache in front of it."""
 
@@ -92,6 +141,7 @@ class DiskModel:
         self.key, self.weights_gb = key, weights_gb
         self.disk_gb_s, self.page_cache_gb_s = disk_gb_s, page_cache_gb_s
         self.cache = cache
+        self.disk = SharedDisk(None if cache.path is None else cache.path.with_suffix(".disk.json"), disk_gb_s)
         self.worker = asyncio.Lock()  # vLLM's engine core runs utility calls one at a time
 
     @classmethod
@@ -115,7 +165,7 @@ class DiskModel:
             resident = self.cache.resident(self.key)
             reads = read and not resident
             if reads:
-                await asyncio.sleep(self.weights_gb / self.disk_gb_s)
+                await self.disk.read(self.weights_gb)
             if read:
                 self.cache.touch(self.key, self.weights_gb)
             size = round(self.weights_gb * 1e9)
@@ -127,7 +177,10 @@ class DiskModel:
         files both times); True if it was resident."""
         async with self.worker:
             resident = self.cache.resident(self.key)
-            await asyncio.sleep(self.weights_gb / (self.page_cache_gb_s if resident else self.disk_gb_s))
+            if resident:
+                await asyncio.sleep(self.weights_gb / self.page_cache_gb_s)  # RAM: each engine copies to its own GPU
+            else:
+                await self.disk.read(self.weights_gb)
             self.cache.touch(self.key, self.weights_gb)
             return resident
 

@@ -104,6 +104,16 @@ async def test_sims_share_the_hosts_page_cache_and_the_least_recently_read_check
     assert set(cache["resident"]) == {"a"}, cache
 
 
+async def test_two_cold_reloads_at_once_share_the_hosts_disk_and_each_takes_twice_as_long(http, host, tmp_path):
+    """A stage ahead and another engine's cold reload read one device: neither gets the whole disk."""
+    a, b = host("a", None, *DISK), host("b", None, *DISK)
+    drop_page_cache(tmp_path)
+    (_, a_s), (_, b_s) = await asyncio.gather(rpc(http, a, "reload_weights"), rpc(http, b, "reload_weights"))
+    # alone each takes COLD_S; begun d seconds apart, each takes 2 * COLD_S - d
+    assert min(a_s, b_s) >= 1.5 * COLD_S, (a_s, b_s)
+    assert json.loads((tmp_path / "page-cache.disk.json").read_text()) == {"readers": {}}, "both readers signed off"
+
+
 async def test_two_engines_of_one_checkpoint_share_its_pages(http, host):
     first, second = host("same", None, *DISK), host("same", None, *DISK)
     await rpc(http, first, "hotswap_stage_weights")
