@@ -30,7 +30,6 @@ import contextlib
 import itertools
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from engines.sim import shared_file
@@ -56,13 +55,8 @@ class PageCache:
         capacity = env.get(CAPACITY_ENV)
         return cls(env.get(CACHE_ENV) or None, float(capacity) if capacity else None)
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[dict[str, dict]]:
-        if self.path is None:
-            yield self._own
-            return
-        with shared_file.locked(self.path, "resident") as entries:
-            yield entries
+    def _locked(self) -> contextlib.AbstractContextManager[dict[str, dict]]:
+        return shared_file.locked_or_own(self.path, "resident", self._own)
 
     def resident(self, key: str) -> bool:
         with self._locked() as entries:
@@ -102,13 +96,8 @@ class SharedDisk:
         self._own: dict[str, dict] = {}
         self._ids = itertools.count()
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[dict[str, dict]]:
-        if self.path is None:
-            yield self._own
-            return
-        with shared_file.locked(self.path, "readers") as readers:
-            yield readers
+    def _locked(self) -> contextlib.AbstractContextManager[dict[str, dict]]:
+        return shared_file.locked_or_own(self.path, "readers", self._own)
 
     def _count(self, me: str) -> int:
         """Readers now, this one included (its heartbeat; the stale ones dropped)."""

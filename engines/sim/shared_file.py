@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
 
 
 @contextlib.contextmanager
@@ -31,3 +32,13 @@ def locked(path: Path, key: str) -> Iterator[dict]:
                 f.flush()
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def locked_or_own(path: Optional[Path], key: str, own: dict) -> Iterator[dict]:
+    """`locked(path, key)`, or `own` (this process's) when there is no file to share."""
+    if path is None:
+        yield own
+        return
+    with locked(path, key) as data:
+        yield data
