@@ -130,7 +130,6 @@ class Stager:
             return report
         self.last = report
         self.done_at = time.monotonic()
-        self.failure = None
         log.info("engine %s: staged %d files, %.2f GB (%.2f GB read, %.0f%% resident before) in %.2f s (%s)", self.name,
                  report.get("files", 0), report.get("bytes", 0) / 1e9, report.get("read_bytes", 0) / 1e9,
                  100 * float(report.get("resident_before", 0)), time.monotonic() - started, self.why)
@@ -153,6 +152,12 @@ class Stager:
             return None
         if not report.get("files"):
             self._failed(f"nothing to stage: {report.get('reason') or 'the worker found no weight files'}")
+        elif self.failure is not None:
+            # Any answer with files, a wake's look included, shows the cause has passed (a cause that lasts,
+            # a loader without files, fails the look too): else one timeout would end staging ahead for good,
+            # since a wake never stages for itself and staging ahead skips an engine whose last stage failed.
+            log.info("engine %s: staging works again (it had failed: %s)", self.name, self.failure)
+            self.failure = None
         return report
 
     def _failed(self, why: str) -> None:
