@@ -35,7 +35,7 @@ class Stager:
 
     def __init__(self, name: str, enabled: bool):
         self.name = name
-        self.enabled = enabled
+        self.enabled = enabled  # its process loads the worker extension (engines.process `loads_extension`)
         self.task: Optional[asyncio.Task[Optional[dict[str, Any]]]] = None
         self.last: Optional[dict[str, Any]] = None  # the last report (None: none since the last reload)
         self.done_at: Optional[float] = None  # time.monotonic() of the last successful stage
@@ -104,6 +104,14 @@ class Stager:
         """When its checkpoint was last read into the page cache, by a load or a stage (None: never, as far as
         the router knows): its place among the checkpoints the page cache keeps, newest first."""
         return max((t for t in (self.done_at, self.loaded_at) if t is not None), default=None)
+
+    def booting(self, enabled: bool) -> None:
+        """A new process: whether it stages is whether its argv loads the worker extension (a reload can change
+        sleep_level in place, for the next process only), and nothing of the last process's stages holds."""
+        self.forget()
+        self.enabled = enabled
+        self.last = self.done_at = self.failure = self.cached = None
+        self.found_resident = False
 
     def reloaded(self) -> None:
         """A load (a boot's, a Level-2 reload) read the checkpoint: the next Level-2 sleep's pages are the
