@@ -56,7 +56,7 @@ class WakeAhead(Actions):
         if not self.swap.wake_ahead:
             return []
         wanted = {d for e in self.engines if self.waiting[e.name] and e.state is not State.AWAKE for d in e.spec.devices}
-        wanted |= {d for name in self.making_room for d in self._engine(name).spec.devices}
+        wanted |= {d for name in self.making_room if (e := self._engine(name)) is not None for d in e.spec.devices}
         sleepers = [e for e in self.engines if e.state is State.SLEEPING and e.name not in self.busy and e.name not in moving
                     and e.name not in self.ahead and e.name not in self.put_to_sleep and not set(e.spec.devices) & wanted and not self.backoff.waiting(e, now)
                     and self.demand.rate(e.name, now) > 0 and clear(e)]
