@@ -93,6 +93,7 @@ class Scheduler(WakeAhead):
 
         A boot has its devices to itself (`boot_devices`): it starts only where no action is
         running, and nothing else starts on its devices until it ends (its end pokes the loop)."""
+        self._forget_abandoned_rooms()
         decisions: list[Decision] = []
         booting = self.boot_devices()
         changing = {d for e in self.engines if e.name in self.busy for d in e.spec.devices}  # an action moves memory there
@@ -179,6 +180,24 @@ class Scheduler(WakeAhead):
             started(decision.engine)
         return Plan(tuple(decisions), min(waits) if waits and not decisions else None)
 
+    def _forget_abandoned_rooms(self) -> None:
+        """Promise 5: no `making_room` entry outlives its waiters. Room is made for a target until its wake
+        takes the entry; one whose waiters all left (or that left the roster) never wakes, and its entry
+        would keep wake-ahead off its GPUs, staging and the host-RAM sums treating it as about to wake,
+        and its name in a table whose engine a reload removed. It goes once its victims' actions end
+        (while they run, it is what keeps their room from being counted twice), or at once when the
+        target left the roster."""
+        engines = {e.name: e for e in self.engines}
+        for name, (victims, _) in list(self.making_room.items()):
+            target = engines.get(name)
+            if target is None or not (self.waiting.get(name) or self._boots_unasked(target)
+                                      or any(v in self.busy for v in victims)):
+                del self.making_room[name]
+
+    def _boots_unasked(self, engine: Engine) -> bool:
+        """A boot nobody asked for, made room for like a waiter's: at start, or new in a reload."""
+        return engine.state is State.COLD and (engine.name in self.to_boot or engine.name in self.startup)
+
     def _targets(self, now: float, moving: set[str]) -> list[tuple[Engine, float]]:
         """Engines with waiters that are not awake, oldest waiter first; then those to boot in the
         background (at start, or new in a reload), as if asked for just now (so no busy engine is
@@ -186,8 +205,7 @@ class Scheduler(WakeAhead):
         out = []
         for engine in self.engines:
             queue = self.waiting[engine.name]
-            background = engine.state is State.COLD and (engine.name in self.to_boot or engine.name in self.startup)
-            if not (queue or background) or engine.name in self.busy or engine.name in moving or engine.state is State.AWAKE:
+            if not (queue or self._boots_unasked(engine)) or engine.name in self.busy or engine.name in moving or engine.state is State.AWAKE:
                 continue
             if self.backoff.waiting(engine, now):
                 self._fail_waiters(engine, self.backoff.unavailable(engine))

@@ -42,6 +42,75 @@ def leaves(s, waiter: Waiter) -> None:
     s._forget(waiter)
 
 
+async def test_a_reload_that_removes_a_target_whose_waiter_left_mid_swap_does_not_stop_the_scheduler(clock):
+    a, t, other = awake("a", clock, share=0.6), Moving("t", share=0.6), Moving("other", share=0.3)
+    s = scheduler(a, t, other, clock=clock, gpus={0: 100.0})
+    parked = asyncio.Event()
+
+    async def park(engine, why, level):  # a drain that lasts until the test says
+        await parked.wait()
+        engine.state, engine.sleep_level = State.SLEEPING, level
+
+    s._park = park
+    waiter = wait_for(s, t, clock.now)
+    s.start()
+    try:
+        await until(lambda: "a" in s.busy)
+        leaves(s, waiter)  # while its victim still parks
+        parked.set()
+        await until(lambda: "a" not in s.busy)
+        s.retire(t)  # a reload removes t
+        await until(lambda: t not in s.engines)
+        waiter = wait_for(s, other, clock.now)
+        s.poke()
+        await until(waiter.future.done)
+        assert waiter.future.exception() is None and other.state is State.AWAKE, "the loop still wakes, parks and grants"
+        assert not s._task.done()
+    finally:
+        await s.stop()
+
+
+async def test_a_swap_whose_waiters_all_left_is_forgotten_once_its_victims_are_parked(clock):
+    a, t = awake("a", clock, share=0.6), FakeEngine("t", share=0.6)
+    s = scheduler(a, t, clock=clock, gpus={0: 100.0})
+    waiter = wait_for(s, t, clock.now)
+    assert actions(s.decide(clock.now)) == [("park", "a")] and "t" in s.making_room
+    s.busy["a"] = asyncio.get_running_loop().create_future()  # its park runs
+    leaves(s, waiter)
+    s.decide(clock.now)
+    assert "t" in s.making_room, "while its victim parks, the room it makes is still counted as t's"
+    del s.busy["a"]
+    a.state, a.sleep_level = State.SLEEPING, 2
+    s.decide(clock.now)
+    assert s.making_room == {}, "nobody waits for t: the swap is over"
+
+
+async def test_a_swap_whose_target_left_the_roster_is_forgotten_at_once(clock):
+    a, t = awake("a", clock, share=0.6), FakeEngine("t", share=0.6)
+    s = scheduler(a, t, clock=clock, gpus={0: 100.0})
+    wait_for(s, t, clock.now)
+    s.decide(clock.now)
+    s.busy["a"] = asyncio.get_running_loop().create_future()
+    s.engines.remove(t)  # what `_retire` leaves
+    s.decide(clock.now)
+    assert s.making_room == {}
+
+
+async def test_an_abandoned_swap_leaves_its_gpu_to_wake_ahead_and_its_target_is_not_staged_for_a_wake_to_come(clock):
+    a, t, popular = awake("a", clock, share=0.6), FakeEngine("t", share=0.6), FakeEngine("popular", share=0.6)
+    t.stager.enabled = True
+    s = scheduler(a, t, popular, clock=clock, gpus={0: 100.0})
+    priced(s, "popular")
+    waiter = wait_for(s, t, clock.now)
+    assert actions(s.decide(clock.now)) == [("park", "a")]
+    leaves(s, waiter)  # before its victim's park even began to matter
+    a.state, a.sleep_level = State.SLEEPING, 2
+    asked(s, "popular", 20, clock.now - 5)
+    assert actions(s.decide(clock.now)) == [("wake", "popular")], "the room t's swap made goes to the likeliest"
+    s.stage_ahead(clock.now)
+    assert not t.stager.running and "t" not in s.staged_for, "t is no wake's target: its checkpoint is not read for one"
+
+
 async def test_a_wake_whose_victim_a_reload_removed_wakes_and_grants_its_waiter(clock):
     v, t = awake("v", clock, share=0.6), Moving("t", share=0.6)
     s = scheduler(v, t, clock=clock, gpus={0: 100.0})
