@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from typing import Optional
 
 from engines.engine import Engine, State
@@ -30,8 +31,16 @@ from router.scheduling.placement import Ledger, Victim
 from router.scheduling.state import BOOTING_ACTIONS, Decision, Plan
 from router.tasks import spawn
 
+log = logging.getLogger("hotswap")
+
+# After a defect in the policy, the loop looks again this long later, pokes or not: a defect that
+# repeats on every look must not spin the CPU, nor end scheduling for good.
+DEFECT_PAUSE_S = 1.0
+
 
 class Scheduler(WakeAhead):
+    defect_pause_s = DEFECT_PAUSE_S
+
     # -- the loop ----------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -55,12 +64,20 @@ class Scheduler(WakeAhead):
                                                      "shutting_down", retry_after=5))
 
     async def _run(self) -> None:
+        """Promise 5: the loop never dies. A defect in the policy is logged (its traceback once), shown in
+        /admin/status (`scheduler_defect`), and the loop looks again after `defect_pause_s`: a loop that
+        stopped would leave every sleeping model unreachable until the router restarts."""
         while not self._stopping:
             self._poke.clear()
-            plan = self.decide(self.clock())
-            for decision in plan.decisions:
-                self._start(decision)
-            self.stage_ahead(self.clock())  # overlaps a target's stage with its victims' drain and sleep
+            try:
+                plan = self.decide(self.clock())
+                for decision in plan.decisions:
+                    self._start(decision)
+                self.stage_ahead(self.clock())  # overlaps a target's stage with its victims' drain and sleep
+            except Exception as exc:
+                self._loop_defect(exc)
+                await asyncio.sleep(self.defect_pause_s)
+                continue
             if plan.decisions:
                 continue
             try:
@@ -70,6 +87,15 @@ class Scheduler(WakeAhead):
                     await self._poke.wait()
             except TimeoutError:
                 pass
+
+    def _loop_defect(self, exc: Exception) -> None:
+        what = f"{type(exc).__name__}: {exc}"
+        last = self.defect
+        if last is None or last["error"] != what:
+            log.exception("internal error in the scheduler's decisions; it looks again in %g s", self.defect_pause_s)
+            self.defect = {"error": what, "count": 0, "first": self.clock()}
+        self.defect["count"] += 1
+        self.defect["last"] = self.clock()
 
     def _start(self, decision: Decision) -> None:
         name = decision.engine.name

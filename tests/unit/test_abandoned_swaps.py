@@ -65,7 +65,7 @@ async def test_a_reload_that_removes_a_target_whose_waiter_left_mid_swap_does_no
         s.poke()
         await until(waiter.future.done)
         assert waiter.future.exception() is None and other.state is State.AWAKE, "the loop still wakes, parks and grants"
-        assert not s._task.done()
+        assert not s._task.done() and s.defect is None
     finally:
         await s.stop()
 
@@ -126,3 +126,28 @@ async def test_a_wake_whose_victim_a_reload_removed_wakes_and_grants_its_waiter(
     assert waiter.future.done() and waiter.future.exception() is None, "its client is answered, not sent a 503"
     assert s.last_swap.result == "ok" and s.last_swap.from_models == ["v"]
 
+
+async def test_a_defect_in_the_decisions_is_logged_once_shown_and_the_loop_goes_on(clock, caplog):
+    a = awake("a", clock)
+    s = scheduler(a, clock=clock)
+    s.defect_pause_s = 0.001
+    decide, calls = s.decide, []
+
+    def broken(now):
+        calls.append(now)
+        if len(calls) <= 3:
+            raise KeyError("gone")
+        return decide(now)
+
+    s.decide = broken
+    waiter = wait_for(s, a, clock.now)
+    with caplog.at_level(logging.ERROR, logger="hotswap"):
+        s.start()
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future), timeout=10)  # a deadline, not a pause
+        finally:
+            await s.stop()
+    assert len(calls) >= 4 and a.in_flight == 1, "it looked again after each defect and granted the waiter"
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == [
+        "internal error in the scheduler's decisions; it looks again in 0.001 s"], "one traceback, not one a look"
+    assert s.defect["error"] == "KeyError: 'gone'" and s.defect["count"] == 3
