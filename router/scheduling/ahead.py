@@ -51,7 +51,11 @@ class WakeAhead(Actions):
 
     def ahead_decisions(self, ledger: Ledger, now: float, moving: set[str],
                         clear: Callable[[Engine], bool]) -> list[Decision]:
-        """At most one pre-wake (or the parks that make its room), where no waiter needs the room."""
+        """At most one pre-wake (or the parks that make its room), where no waiter needs the room.
+
+        The promises it keeps (DESIGN.md, "The scheduler's promises"): a group is exclusive,
+        so a sleeper whose group has another engine awake, on its way, or asked for is never woken ahead, nor
+        anything parked for it (1)."""
         self._settle_ahead()
         if not self.swap.wake_ahead:
             return []
@@ -59,7 +63,7 @@ class WakeAhead(Actions):
         wanted |= {d for name in self.making_room if (e := self._engine(name)) is not None for d in e.spec.devices}
         sleepers = [e for e in self.engines if e.state is State.SLEEPING and e.name not in self.busy and e.name not in moving
                     and e.name not in self.ahead and e.name not in self.put_to_sleep and not set(e.spec.devices) & wanted and not self.backoff.waiting(e, now)
-                    and self.demand.rate(e.name, now) > 0 and clear(e)]
+                    and self.demand.rate(e.name, now) > 0 and clear(e) and not self._rival_stirs(e, ledger, moving)]
         for target in sorted(sleepers, key=lambda e: -self.demand.rate(e.name, now)):
             chance = self._reuse(target, now)
             saved = chance * self.waited(target, self.costs.wake_s(target.name, target.sleep_level), now)
@@ -71,16 +75,30 @@ class WakeAhead(Actions):
                 self.events.woke_ahead(target, "woken")
                 return [Decision("wake", target, f"ahead of demand: {chance:.0%} likely asked for within "
                                                     f"{self.reuse_horizon_s:g} s, saves {saved:.1f} s expected")]
-            victims = [Victim(e, "park", ledger.parked_frees(e), self.cost(e, "park", now)) for e in self.engines
-                       if e.state is State.AWAKE and e.name not in self.busy and e.name not in moving and not e.spec.pin
-                       and not e.in_flight and set(e.spec.devices) & set(target.spec.devices) and clear(e)
-                       and self._evictable_in(e, now, now) == 0 and now - self.demand.last(e.name) > self.reuse_horizon_s]
-            chosen = placement.cheapest(ledger, target, victims, [])
+            chosen = placement.cheapest(ledger, target, self._ahead_victims(target, ledger, now, moving, clear), [])
             if chosen and sum(v.cost for v in chosen) < saved - unused:
                 return [d for v in chosen for d in self._move(v, f"room to wake {target.name} ahead of demand "
                                                                  f"({chance:.0%} likely asked for within {self.reuse_horizon_s:g} s)",
                                                               ledger, now)]
         return []
+
+    def _rival_stirs(self, engine: Engine, ledger: Ledger, moving: set[str]) -> bool:
+        """Whether another engine of `engine`'s group is awake, on its way (an action, or this round's
+        decisions), or asked for: then `engine` is no guess to wake, its group being exclusive."""
+        group = engine.spec.group
+        return group is not None and any(
+            e is not engine and e.spec.group == group and (
+                e.state in placement.HOLDS_SHARE or e.name in ledger.reserved or e.name in self.busy
+                or e.name in moving or self.waiting[e.name] or e.name in self.making_room)
+            for e in self.engines)
+
+    def _ahead_victims(self, target: Engine, ledger: Ledger, now: float, moving: set[str],
+                       clear: Callable[[Engine], bool]) -> list[Victim]:
+        """The awake engines a guess may park: idle on the target's devices, not asked for within reuse_horizon_s."""
+        return [Victim(e, "park", ledger.parked_frees(e), self.cost(e, "park", now)) for e in self.engines
+                if e.state is State.AWAKE and e.name not in self.busy and e.name not in moving and not e.spec.pin
+                and not e.in_flight and set(e.spec.devices) & set(target.spec.devices) and clear(e)
+                and self._evictable_in(e, now, now) == 0 and now - self.demand.last(e.name) > self.reuse_horizon_s]
 
     def ahead_level(self, engine: Engine) -> Optional[int]:
         """The level an unused pre-woken engine goes back to: Level 2 when it came from there (a drop, at

@@ -142,3 +142,32 @@ async def test_a_model_an_operator_put_to_sleep_is_not_woken_ahead_until_a_reque
     assert actions(s.decide(clock.now)) == [], "the operator wants it asleep"
     s.put_to_sleep.discard("popular")  # what a request for it does (acquire)
     assert actions(s.decide(clock.now)) == [("wake", "popular")]
+
+
+async def test_a_parked_group_rival_is_never_woken_ahead_beside_the_awake_one(clock):
+    amber, birch = awake("amber", clock, share=0.3, group="g"), FakeEngine("birch", share=0.3, group="g")
+    s = scheduler(amber, birch, clock=clock, gpus={0: 100.0})
+    priced(s, "amber", "birch")
+    asked(s, "birch", 20, clock.now - 5)
+    assert actions(s.decide(clock.now)) == [], "the memory fits, but a group is exclusive"
+
+
+async def test_wake_ahead_parks_nothing_to_make_room_for_a_rival_of_an_awake_engine(clock):
+    amber, birch = awake("amber", clock, share=0.3, group="g"), FakeEngine("birch", share=0.6, group="g")
+    idle = awake("idle", clock, share=0.6)
+    idle.last_used = clock.now - 100
+    s = scheduler(amber, birch, idle, clock=clock, gpus={0: 100.0})
+    priced(s, "amber", "birch", "idle", wake_s=10.0)
+    asked(s, "birch", 20, clock.now - 5)
+    assert actions(s.decide(clock.now)) == [], "idle's room would only wake birch beside amber"
+
+
+async def test_nothing_is_woken_ahead_beside_a_group_rival_on_its_way_to_a_waiter_on_another_gpu(clock):
+    amber = FakeEngine("amber", share=0.6, group="g", devices=[1])
+    birch = FakeEngine("birch", share=0.3, group="g", devices=[0])
+    s = scheduler(amber, birch, clock=clock, gpus={0: 100.0, 1: 100.0})
+    priced(s, "amber", "birch")
+    asked(s, "birch", 20, clock.now - 5)
+    wait_for(s, amber, clock.now)
+    assert actions(s.decide(clock.now)) == [("wake", "amber")], "amber wakes for its waiter; birch, its rival, stays parked"
+
