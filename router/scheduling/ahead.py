@@ -56,7 +56,6 @@ class WakeAhead(Actions):
         The promises it keeps (DESIGN.md, "The scheduler's promises"): a group is exclusive,
         so a sleeper whose group has another engine awake, on its way, or asked for is never woken ahead, nor
         anything parked for it (1)."""
-        self._settle_ahead()
         if not self.swap.wake_ahead:
             return []
         wanted = {d for e in self.engines if self.waiting[e.name] and e.state is not State.AWAKE for d in e.spec.devices}
@@ -107,8 +106,8 @@ class WakeAhead(Actions):
         return 2 if woken is not None and woken.outcome is None and woken.level == 2 and engine.spec.reloads_weights else None
 
     def _settle_ahead(self) -> None:
-        """Outcomes of the pre-wakes: used once it served a request; unused once parked (or stopped)
-        before it did."""
+        """Outcomes of the pre-wakes: used once it took a request (in flight counts: a park after its first
+        request began must not drop it as unused); unused once parked (or stopped) before it did."""
         engines = {e.name: e for e in self.engines}
         for name, woken in list(self.ahead.items()):
             engine = engines.get(name)
@@ -117,7 +116,7 @@ class WakeAhead(Actions):
                 continue
             if name in self.busy and engine.state is not State.AWAKE:
                 continue  # its wake is still running
-            if engine.state is State.AWAKE and engine.last_used >= engine.since and name not in self.busy:
+            if engine.state is State.AWAKE and (engine.in_flight or engine.last_used >= engine.since):
                 self._ahead_ended(engine, "used")
             elif engine.state is not State.AWAKE and name not in self.busy:
                 self._ahead_ended(engine, "unused" if engine.state is not State.FAILED else "failed")

@@ -120,6 +120,7 @@ class Scheduler(WakeAhead):
         A boot has its devices to itself (`boot_devices`): it starts only where no action is
         running, and nothing else starts on its devices until it ends (its end pokes the loop)."""
         self._forget_abandoned_rooms()
+        self._settle_ahead()  # before any park's level is chosen: a used pre-wake parks as any engine would
         decisions: list[Decision] = []
         booting = self.boot_devices()
         changing = {d for e in self.engines if e.name in self.busy for d in e.spec.devices}  # an action moves memory there

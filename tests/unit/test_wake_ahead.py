@@ -171,3 +171,35 @@ async def test_nothing_is_woken_ahead_beside_a_group_rival_on_its_way_to_a_waite
     wait_for(s, amber, clock.now)
     assert actions(s.decide(clock.now)) == [("wake", "amber")], "amber wakes for its waiter; birch, its rival, stays parked"
 
+
+async def test_a_pre_woken_engine_that_was_used_parks_at_the_level_any_park_would_choose(clock):
+    popular, other = FakeEngine("popular", share=0.6), FakeEngine("other", share=0.6)
+    # No GPU sizes: no KV park is offered, so the park is a full one and its level the question.
+    s = scheduler(popular, other, clock=clock, estimates={"popular": 1.0, "other": 1.0})
+    s.events = heard = Heard()
+    priced(s, "popular", "other")
+    asked(s, "popular", 20, clock.now - 5)
+    assert actions(s.decide(clock.now)) == [("wake", "popular")]
+    popular.state, popular.since, popular.sleep_level = State.AWAKE, clock.now, None
+    clock.now += 3
+    popular.last_used = clock.now  # it served a request: the guess paid
+    clock.now += 10  # past min_active_s
+    wait_for(s, other, clock.now)
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("park", "popular")] and plan.decisions[0].level == 1, "host RAM has room for level 1"
+    assert heard.ahead == [("popular", "woken"), ("popular", "used")]
+
+
+
+async def test_a_pre_woken_engine_still_serving_its_first_request_counts_as_used(clock):
+    popular = FakeEngine("popular", share=0.6)
+    s = scheduler(popular, clock=clock, estimates={"popular": 1.0})
+    s.events = heard = Heard()
+    priced(s, "popular")
+    asked(s, "popular", 20, clock.now - 5)
+    s.decide(clock.now)
+    popular.state, popular.since, popular.sleep_level = State.AWAKE, clock.now, None
+    popular.in_flight = 1  # a long stream, begun on the pre-woken engine
+    s.decide(clock.now + 1)
+    assert heard.ahead == [("popular", "woken"), ("popular", "used")]
+    assert s.ahead_level(popular) is None, "were it parked now, its level is chosen as for any park"
