@@ -18,6 +18,7 @@ out, and the engine is where it would be had it never woken). Each pre-wake and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -48,6 +49,7 @@ class WakeAhead(Actions):
 
     ahead: dict[str, WokenAhead]  # engine -> its pre-wake, until the outcome is known
     ahead_done: list[WokenAhead]  # the last outcomes, newest last (for /admin/status)
+    quiet_since: dict[str, float]  # engine -> when it was last woken ahead or parked for idleness
 
     def ahead_decisions(self, ledger: Ledger, now: float, moving: set[str],
                         clear: Callable[[Engine], bool]) -> list[Decision]:
@@ -55,14 +57,16 @@ class WakeAhead(Actions):
 
         The promises it keeps (DESIGN.md, "The scheduler's promises"): a group is exclusive,
         so a sleeper whose group has another engine awake, on its way, or asked for is never woken ahead, nor
-        anything parked for it (1)."""
+        anything parked for it (1); and no wake/park cycle without demand, so an engine already woken ahead, or
+        parked for idleness, is not woken ahead again before a request arrives for it (6)."""
         if not self.swap.wake_ahead:
             return []
         wanted = {d for e in self.engines if self.waiting[e.name] and e.state is not State.AWAKE for d in e.spec.devices}
         wanted |= {d for name in self.making_room if (e := self._engine(name)) is not None for d in e.spec.devices}
         sleepers = [e for e in self.engines if e.state is State.SLEEPING and e.name not in self.busy and e.name not in moving
                     and e.name not in self.ahead and e.name not in self.put_to_sleep and not set(e.spec.devices) & wanted and not self.backoff.waiting(e, now)
-                    and self.demand.rate(e.name, now) > 0 and clear(e) and not self._rival_stirs(e, ledger, moving)]
+                    and self.demand.rate(e.name, now) > 0 and clear(e) and not self._rival_stirs(e, ledger, moving)
+                    and self.demand.last(e.name) > self.quiet_since.get(e.name, -math.inf)]
         for target in sorted(sleepers, key=lambda e: -self.demand.rate(e.name, now)):
             chance = self._reuse(target, now)
             saved = chance * self.waited(target, self.costs.wake_s(target.name, target.sleep_level), now)
@@ -71,6 +75,7 @@ class WakeAhead(Actions):
                 continue
             if ledger.fits(target):
                 self.ahead[target.name] = WokenAhead(target.name, target.sleep_level, now, chance)
+                self.quiet_since[target.name] = now
                 self.events.woke_ahead(target, "woken")
                 return [Decision("wake", target, f"ahead of demand: {chance:.0%} likely asked for within "
                                                     f"{self.reuse_horizon_s:g} s, saves {saved:.1f} s expected")]

@@ -196,6 +196,7 @@ class Scheduler(WakeAhead):
             if idle_for >= idle and awake_for >= self.swap.min_active_s:
                 moves = self._move(Victim(engine, "park", {}, 0.0), f"idle for {idle_for:.0f} s", ledger, now)
                 if all(clear(d.engine) for d in moves):
+                    self.quiet_since[engine.name] = now  # not woken ahead again before someone asks for it
                     decisions += moves
                     for move in moves:
                         started(move.engine)

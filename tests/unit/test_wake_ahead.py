@@ -144,6 +144,21 @@ async def test_a_model_an_operator_put_to_sleep_is_not_woken_ahead_until_a_reque
     assert actions(s.decide(clock.now)) == [("wake", "popular")]
 
 
+def run(s, clock, seconds: float, step: float = 1.0) -> list[tuple[str, str]]:
+    """The loop's decisions over `seconds` of the fake clock, each action done at once; what was started."""
+    started = []
+    for _ in range(int(seconds / step)):
+        for decision in s.decide(clock.now).decisions:
+            engine = decision.engine
+            started.append((decision.action, engine.name))
+            if decision.action == "wake":
+                engine.state, engine.since, engine.sleep_level = State.AWAKE, clock.now, None
+            elif decision.action == "park":
+                engine.state, engine.since, engine.sleep_level = State.SLEEPING, clock.now, decision.level or 2
+        clock.now += step
+    return started
+
+
 async def test_a_parked_group_rival_is_never_woken_ahead_beside_the_awake_one(clock):
     amber, birch = awake("amber", clock, share=0.3, group="g"), FakeEngine("birch", share=0.3, group="g")
     s = scheduler(amber, birch, clock=clock, gpus={0: 100.0})
@@ -170,6 +185,29 @@ async def test_nothing_is_woken_ahead_beside_a_group_rival_on_its_way_to_a_waite
     asked(s, "birch", 20, clock.now - 5)
     wait_for(s, amber, clock.now)
     assert actions(s.decide(clock.now)) == [("wake", "amber")], "amber wakes for its waiter; birch, its rival, stays parked"
+
+
+async def test_an_engine_parked_for_idleness_is_not_woken_ahead_before_a_request_asks_for_it_again(clock):
+    popular = awake("popular", clock, share=0.6)
+    s = scheduler(popular, clock=clock, gpus={0: 100.0}, idle_sleep_s=10)
+    s.events = heard = Heard()
+    priced(s, "popular")
+    asked(s, "popular", 20, clock.now - 15)
+    popular.last_used = clock.now - 15
+    assert run(s, clock, 60) == [("park", "popular")], "parked once for idleness, and left parked"
+    assert heard.ahead == []
+    s.demand.arrived("popular", clock.now)  # a request after the park: demand again (served, say, by a peer)
+    assert actions(s.decide(clock.now)) == [("wake", "popular")]
+
+
+async def test_with_no_requests_an_engine_is_woken_ahead_once_not_woken_and_parked_in_a_cycle(clock):
+    popular = FakeEngine("popular", share=0.6)
+    s = scheduler(popular, clock=clock, gpus={0: 100.0}, idle_sleep_s=10)
+    s.events = heard = Heard()
+    priced(s, "popular")
+    asked(s, "popular", 20, clock.now - 5)
+    assert run(s, clock, 60) == [("wake", "popular"), ("park", "popular")], "one guess, given back unused, not repeated"
+    assert heard.ahead == [("popular", "woken"), ("popular", "unused")]
 
 
 async def test_a_pre_woken_engine_that_was_used_parks_at_the_level_any_park_would_choose(clock):
