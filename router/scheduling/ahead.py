@@ -1,8 +1,8 @@
 """Waking a parked engine before anyone asks for it (`swap.wake_ahead`).
 
 A wake a request waits for costs it the wake and the canary. When a device has room nobody waits
-for, or room held only by idle engines nobody has asked for within `reuse_horizon_s` (no demand),
-the parked engine most likely to be asked for next is woken then, so its next request finds it awake. What it may cost is bounded
+for, or room held only by idle engines nobody has used within `reuse_horizon_s` and no interactive
+demand holds (no demand), the parked engine most likely to be asked for next is woken then, so its next request finds it awake. What it may cost is bounded
 by the numbers: the chance it is asked for within `reuse_horizon_s` times the waiting it saves must
 beat what the idle engines parked for it are expected to cost (the same `expected_cost` victims are
 ranked by) plus, should it go unused, the sleep that gives its room back.
@@ -57,8 +57,9 @@ class WakeAhead(Actions):
 
         The promises it keeps (DESIGN.md, "The scheduler's promises"): a group is exclusive,
         so a sleeper whose group has another engine awake, on its way, or asked for is never woken ahead, nor
-        anything parked for it (1); and no wake/park cycle without demand, so an engine already woken ahead, or
-        parked for idleness, is not woken ahead again before a request arrives for it (6)."""
+        anything parked for it (1); no wake/park cycle without demand, so an engine already woken ahead, or
+        parked for idleness, is not woken ahead again before a request arrives for it (6); and a guess never
+        takes the room of a model in use (`_ahead_victims`)."""
         if not self.swap.wake_ahead:
             return []
         wanted = {d for e in self.engines if self.waiting[e.name] and e.state is not State.AWAKE for d in e.spec.devices}
@@ -98,11 +99,14 @@ class WakeAhead(Actions):
 
     def _ahead_victims(self, target: Engine, ledger: Ledger, now: float, moving: set[str],
                        clear: Callable[[Engine], bool]) -> list[Victim]:
-        """The awake engines a guess may park: idle on the target's devices, not asked for within reuse_horizon_s."""
+        """The awake engines a guess may park: idle on the target's devices, nobody's interactive demand (in
+        flight, queued, or within swap.interactive_hold_s), and not used within reuse_horizon_s, counted from
+        a request's end as well as its arrival (a request longer than the horizon is still demand)."""
         return [Victim(e, "park", ledger.parked_frees(e), self.cost(e, "park", now)) for e in self.engines
                 if e.state is State.AWAKE and e.name not in self.busy and e.name not in moving and not e.spec.pin
                 and not e.in_flight and set(e.spec.devices) & set(target.spec.devices) and clear(e)
-                and self._evictable_in(e, now, now) == 0 and now - self.demand.last(e.name) > self.reuse_horizon_s]
+                and self._evictable_in(e, now, now) == 0 and self.interactive_demand(e, now)[0] is None
+                and now - max(e.last_used, self.demand.last(e.name)) > self.reuse_horizon_s]
 
     def ahead_level(self, engine: Engine) -> Optional[int]:
         """The level an unused pre-woken engine goes back to: Level 2 when it came from there (a drop, at

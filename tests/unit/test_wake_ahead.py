@@ -210,6 +210,30 @@ async def test_with_no_requests_an_engine_is_woken_ahead_once_not_woken_and_park
     assert heard.ahead == [("popular", "woken"), ("popular", "unused")]
 
 
+async def test_wake_ahead_does_not_park_a_model_with_interactive_demand(clock):
+    chat, popular = awake("chat", clock, share=0.6), FakeEngine("popular", share=0.6)
+    s = scheduler(chat, popular, clock=clock, gpus={0: 100.0}, interactive_hold_s=300)
+    priced(s, "chat", "popular", wake_s=10.0)
+    asked(s, "popular", 20, clock.now - 5)
+    asked(s, "chat", 1, clock.now - 110)
+    chat.last_used = s.interactive_seen["chat"] = clock.now - 100  # a user's request, ended 100 s ago
+    assert s.interactive_demand(chat, clock.now)[0] is not None
+    assert actions(s.decide(clock.now)) == [], "within swap.interactive_hold_s the user's model keeps its room"
+
+
+async def test_a_request_longer_than_the_reuse_horizon_is_still_demand_for_wake_ahead(clock):
+    chat, popular = awake("chat", clock, share=0.6), FakeEngine("popular", share=0.6)
+    s = scheduler(chat, popular, clock=clock, gpus={0: 100.0}, interactive_hold_s=0)
+    priced(s, "chat", "popular", wake_s=10.0)
+    asked(s, "popular", 20, clock.now - 5)
+    asked(s, "chat", 1, clock.now - 70)  # beyond the 60 s horizon when it arrived ...
+    chat.last_used = clock.now - 1  # ... and it ended a second ago
+    assert actions(s.decide(clock.now)) == [], "chat was used a second ago"
+    clock.now += 60
+    plan = s.decide(clock.now)
+    assert actions(plan) == [("park", "chat")] and "ahead of demand" in plan.decisions[0].why, "unused for the horizon: fair game"
+
+
 async def test_a_pre_woken_engine_that_was_used_parks_at_the_level_any_park_would_choose(clock):
     popular, other = FakeEngine("popular", share=0.6), FakeEngine("other", share=0.6)
     # No GPU sizes: no KV park is offered, so the park is a full one and its level the question.
@@ -226,7 +250,6 @@ async def test_a_pre_woken_engine_that_was_used_parks_at_the_level_any_park_woul
     plan = s.decide(clock.now)
     assert actions(plan) == [("park", "popular")] and plan.decisions[0].level == 1, "host RAM has room for level 1"
     assert heard.ahead == [("popular", "woken"), ("popular", "used")]
-
 
 
 async def test_a_pre_woken_engine_still_serving_its_first_request_counts_as_used(clock):
