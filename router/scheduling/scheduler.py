@@ -233,7 +233,8 @@ class Scheduler(WakeAhead):
         out = []
         for engine in self.engines:
             queue = self.waiting[engine.name]
-            if not (queue or self._boots_unasked(engine)) or engine.name in self.busy or engine.name in moving or engine.state is State.AWAKE:
+            if not (queue or self._boots_unasked(engine)) or engine.name in self.busy or engine.name in moving \
+                    or engine.state is State.AWAKE:
                 continue
             if self.backoff.waiting(engine, now):
                 self._fail_waiters(engine, self.backoff.unavailable(engine))
