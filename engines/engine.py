@@ -220,6 +220,7 @@ class Engine:
     async def _boot(self, reason: Optional[str]) -> None:
         self.last_phases = {}
         self.host.reset(self.spec)  # a new process holds nothing for sleep
+        self.stager.booting(loads_extension(self.spec))  # as the argv this boot composes from the entry in force
         deadline = self.progress.booting(reason, self.swap.boot_timeout_s)
         self._enter(State.BOOTING)
         started = time.monotonic()

@@ -35,7 +35,7 @@ class Stager:
 
     def __init__(self, name: str, enabled: bool):
         self.name = name
-        self.enabled = enabled
+        self.enabled = enabled  # its process loads the worker extension (engines.process `loads_extension`)
         self.task: Optional[asyncio.Task[Optional[dict[str, Any]]]] = None
         self.last: Optional[dict[str, Any]] = None  # the last report (None: none since the last reload)
         self.done_at: Optional[float] = None  # time.monotonic() of the last successful stage
@@ -105,6 +105,14 @@ class Stager:
         the router knows): its place among the checkpoints the page cache keeps, newest first."""
         return max((t for t in (self.done_at, self.loaded_at) if t is not None), default=None)
 
+    def booting(self, enabled: bool) -> None:
+        """A new process: whether it stages is whether its argv loads the worker extension (a reload can change
+        sleep_level in place, for the next process only), and nothing of the last process's stages holds."""
+        self.forget()
+        self.enabled = enabled
+        self.last = self.done_at = self.failure = self.cached = None
+        self.found_resident = False
+
     def reloaded(self) -> None:
         """A load (a boot's, a Level-2 reload) read the checkpoint: the next Level-2 sleep's pages are the
         kernel's to keep or drop."""
@@ -130,7 +138,6 @@ class Stager:
             return report
         self.last = report
         self.done_at = time.monotonic()
-        self.failure = None
         log.info("engine %s: staged %d files, %.2f GB (%.2f GB read, %.0f%% resident before) in %.2f s (%s)", self.name,
                  report.get("files", 0), report.get("bytes", 0) / 1e9, report.get("read_bytes", 0) / 1e9,
                  100 * float(report.get("resident_before", 0)), time.monotonic() - started, self.why)
@@ -153,6 +160,12 @@ class Stager:
             return None
         if not report.get("files"):
             self._failed(f"nothing to stage: {report.get('reason') or 'the worker found no weight files'}")
+        elif self.failure is not None:
+            # Any answer with files, a wake's look included, shows the cause has passed (a cause that lasts,
+            # a loader without files, fails the look too): else one timeout would end staging ahead for good,
+            # since a wake never stages for itself and staging ahead skips an engine whose last stage failed.
+            log.info("engine %s: staging works again (it had failed: %s)", self.name, self.failure)
+            self.failure = None
         return report
 
     def _failed(self, why: str) -> None:

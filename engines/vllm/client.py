@@ -192,7 +192,7 @@ class VLLMClient:
 
     async def reset_prefix_cache(self, timeout: float = 30) -> bool:
         answer = await self.request("POST", "/reset_prefix_cache", timeout=timeout)
-        # vLLM 0.33 answers {"success": bool}; older versions answered an empty 200.
+        # vLLM 0.32 and 0.33 answer {"success": bool} (entrypoints/serve/dev/cache/api_router.py:44); older ones an empty 200.
         return True if answer is None else bool(answer.get("success", True))
 
 

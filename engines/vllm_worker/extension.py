@@ -33,7 +33,7 @@ import time
 from typing import Any, Iterable, Iterator
 
 from engines.vllm_worker.host_memory import HostMemoryMethods
-from engines.vllm_worker.staging import StagingMethods
+from engines.vllm_worker.staging import StagingMethods, draft_model
 
 PROBE_ROWS = 4
 PROBE_SEED = 0x5EED
@@ -59,7 +59,7 @@ class HotswapWorkerExtension(HostMemoryMethods, StagingMethods):
         )
         from vllm.model_executor.model_loader.utils import get_draft_load_config
 
-        draft = _draft_model(self)
+        draft = draft_model(self)
         if draft is None:
             return {"reloaded": False, "reason": "no draft model"}
         vllm_config = self.vllm_config
@@ -115,7 +115,7 @@ class HotswapWorkerExtension(HostMemoryMethods, StagingMethods):
         deterministic function of the packed weight); every non-empty parameter and
         buffer is hashed by value.
         """
-        draft = _draft_model(self)
+        draft = draft_model(self)
         return None if draft is None else _model_digest(draft)
 
     def hotswap_target_digest(self) -> str:
@@ -140,7 +140,7 @@ class HotswapWorkerExtension(HostMemoryMethods, StagingMethods):
 
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-        draft = _draft_model(self)
+        draft = draft_model(self)
         if draft is None:
             return {"discarded": False, "reason": "no draft model"}
         if fill not in ("zeros", "noise"):
@@ -241,14 +241,6 @@ class HotswapWorkerExtension(HostMemoryMethods, StagingMethods):
 
 
 # --- helpers (module level so they never collide with worker attributes) ----------------
-
-
-def _draft_model(worker: Any) -> Any:
-    get = getattr(worker, "get_draft_model", None) or getattr(worker.model_runner, "get_draft_model", None)
-    if get is not None:
-        return get()
-    drafter = getattr(worker.model_runner, "drafter", None)
-    return getattr(drafter, "model", None)
 
 
 def _storage_ptr(t: Any) -> int:

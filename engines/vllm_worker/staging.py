@@ -43,6 +43,16 @@ class StagingMethods:
         return {"files": files, "resident": page_cache.residency(files), **({"reason": why} if why else {})}
 
 
+def draft_model(worker: Any) -> Any:
+    """The worker's draft module, or None. vLLM's worker asks its runner (`get_draft_model`, gpu_worker.py:1132 in
+    0.32): Model Runner V2, the default on GPU, keeps the draft in `speculator`, not in a `drafter`."""
+    get = getattr(worker, "get_draft_model", None) or getattr(worker.model_runner, "get_draft_model", None)
+    if get is not None:
+        return get()
+    drafter = getattr(worker.model_runner, "drafter", None)
+    return getattr(drafter, "model", None)
+
+
 def _checkpoint_files(worker: Any) -> tuple[list[str], str]:
     """The weight files vLLM's loader reads for the target and the draft, and why none when empty."""
     from vllm.model_executor.model_loader import get_model_loader
@@ -55,8 +65,7 @@ def _checkpoint_files(worker: Any) -> tuple[list[str], str]:
     spec = vllm_config.speculative_config
     draft_cfg = getattr(spec, "draft_model_config", None) if spec is not None else None
     if draft_cfg is not None and draft_cfg.model != vllm_config.model_config.model:
-        draft = getattr(getattr(worker.model_runner, "drafter", None), "model", None)
-        sources.append((draft_cfg, get_draft_load_config(vllm_config), draft))
+        sources.append((draft_cfg, get_draft_load_config(vllm_config), draft_model(worker)))
     files: list[str] = []
     reasons = []
     for model_config, load_config, module in sources:

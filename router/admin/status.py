@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Optional
 
 from engines.engine import Engine
 from router.admin.reload import Reloads
@@ -16,12 +16,23 @@ def router_status(router: Router, reloads: Reloads) -> dict[str, Any]:
     return {
         "ready": router.ready,
         "booted": scheduler.booted,
+        "scheduler_defect": defect_status(router),
         "placement": placement_status(router),
         "engines": [engine_status(router, e) for e in router.engines.values()],
         "last_swap": scheduler.last_swap.as_dict() if scheduler.last_swap else None,
         "swaps": [r.as_dict() for r in reversed(scheduler.history)],
         "roster": {"source": router.roster.source, "last_reload": reloads.last},
     }
+
+
+def defect_status(router: Router) -> Optional[dict[str, Any]]:
+    """Null unless the scheduler's decisions raised (its loop goes on, looking again each second): a bug to
+    report, with the traceback the router logged the first time."""
+    defect, now = router.placement.defect, router.placement.clock()
+    if defect is None:
+        return None
+    return {"error": defect["error"], "count": defect["count"], "first_ago_s": round(now - defect["first"], 3),
+            "last_ago_s": round(now - defect["last"], 3)}
 
 
 def placement_status(router: Router) -> dict[str, Any]:

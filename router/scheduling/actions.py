@@ -117,7 +117,9 @@ class Actions(Costs, RosterChanges, Staging):
                      f"level {level}" if level else target.state.value, self.queued(target), predicted)
         self.to_boot.discard(target.name)
         woke = time.monotonic()
-        phases = {p: s for name in moved for p, s in self._engine(name).last_phases.items()}
+        # A victim a reload removed since its park has no phases left to report (and no engine to read).
+        victims = [e for e in map(self._engine, moved) if e is not None]
+        phases = {p: s for victim in victims for p, s in victim.last_phases.items()}
         try:
             if restart is not None:
                 await target.restart(restart)
@@ -220,8 +222,10 @@ class Actions(Costs, RosterChanges, Staging):
             log.error("waking %s failed after %.2f s: %s", target.name, record.seconds, (error or "").splitlines()[0])
         self.events.swap_done(record)
 
-    def _engine(self, name: str) -> Engine:
-        return next(e for e in self.engines if e.name == name)
+    def _engine(self, name: str) -> Optional[Engine]:
+        """The engine of that name, None once a reload removed it: names outlive engines in the
+        scheduler's tables, and a bare lookup raising inside the loop would end it."""
+        return next((e for e in self.engines if e.name == name), None)
 
     # -- admin actions ------------------------------------------------------------------------
     # An operator's action runs as a task the scheduler owns, not in the HTTP handler that asked

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from typing import Optional
 
 from engines.engine import Engine, State
@@ -30,8 +31,16 @@ from router.scheduling.placement import Ledger, Victim
 from router.scheduling.state import BOOTING_ACTIONS, Decision, Plan
 from router.tasks import spawn
 
+log = logging.getLogger("hotswap")
+
+# After a defect in the policy, the loop looks again this long later, pokes or not: a defect that
+# repeats on every look must not spin the CPU, nor end scheduling for good.
+DEFECT_PAUSE_S = 1.0
+
 
 class Scheduler(WakeAhead):
+    defect_pause_s = DEFECT_PAUSE_S
+
     # -- the loop ----------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -55,12 +64,20 @@ class Scheduler(WakeAhead):
                                                      "shutting_down", retry_after=5))
 
     async def _run(self) -> None:
+        """Promise 5: the loop never dies. A defect in the policy is logged (its traceback once), shown in
+        /admin/status (`scheduler_defect`), and the loop looks again after `defect_pause_s`: a loop that
+        stopped would leave every sleeping model unreachable until the router restarts."""
         while not self._stopping:
             self._poke.clear()
-            plan = self.decide(self.clock())
-            for decision in plan.decisions:
-                self._start(decision)
-            self.stage_ahead(self.clock())  # overlaps a target's stage with its victims' drain and sleep
+            try:
+                plan = self.decide(self.clock())
+                for decision in plan.decisions:
+                    self._start(decision)
+                self.stage_ahead(self.clock())  # overlaps a target's stage with its victims' drain and sleep
+            except Exception as exc:
+                self._loop_defect(exc)
+                await asyncio.sleep(self.defect_pause_s)
+                continue
             if plan.decisions:
                 continue
             try:
@@ -70,6 +87,15 @@ class Scheduler(WakeAhead):
                     await self._poke.wait()
             except TimeoutError:
                 pass
+
+    def _loop_defect(self, exc: Exception) -> None:
+        what = f"{type(exc).__name__}: {exc}"
+        last = self.defect
+        if last is None or last["error"] != what:
+            log.exception("internal error in the scheduler's decisions; it looks again in %g s", self.defect_pause_s)
+            self.defect = {"error": what, "count": 0, "first": self.clock()}
+        self.defect["count"] += 1
+        self.defect["last"] = self.clock()
 
     def _start(self, decision: Decision) -> None:
         name = decision.engine.name
@@ -93,6 +119,8 @@ class Scheduler(WakeAhead):
 
         A boot has its devices to itself (`boot_devices`): it starts only where no action is
         running, and nothing else starts on its devices until it ends (its end pokes the loop)."""
+        self._forget_abandoned_rooms()
+        self._settle_ahead()  # before any park's level is chosen: a used pre-wake parks as any engine would
         decisions: list[Decision] = []
         booting = self.boot_devices()
         changing = {d for e in self.engines if e.name in self.busy for d in e.spec.devices}  # an action moves memory there
@@ -168,6 +196,7 @@ class Scheduler(WakeAhead):
             if idle_for >= idle and awake_for >= self.swap.min_active_s:
                 moves = self._move(Victim(engine, "park", {}, 0.0), f"idle for {idle_for:.0f} s", ledger, now)
                 if all(clear(d.engine) for d in moves):
+                    self.quiet_since[engine.name] = now  # not woken ahead again before someone asks for it
                     decisions += moves
                     for move in moves:
                         started(move.engine)
@@ -179,6 +208,24 @@ class Scheduler(WakeAhead):
             started(decision.engine)
         return Plan(tuple(decisions), min(waits) if waits and not decisions else None)
 
+    def _forget_abandoned_rooms(self) -> None:
+        """Promise 5: no `making_room` entry outlives its waiters. Room is made for a target until its wake
+        takes the entry; one whose waiters all left (or that left the roster) never wakes, and its entry
+        would keep wake-ahead off its GPUs, staging and the host-RAM sums treating it as about to wake,
+        and its name in a table whose engine a reload removed. It goes once its victims' actions end
+        (while they run, it is what keeps their room from being counted twice), or at once when the
+        target left the roster."""
+        engines = {e.name: e for e in self.engines}
+        for name, (victims, _) in list(self.making_room.items()):
+            target = engines.get(name)
+            if target is None or not (self.waiting.get(name) or self._boots_unasked(target)
+                                      or any(v in self.busy for v in victims)):
+                del self.making_room[name]
+
+    def _boots_unasked(self, engine: Engine) -> bool:
+        """A boot nobody asked for, made room for like a waiter's: at start, or new in a reload."""
+        return engine.state is State.COLD and (engine.name in self.to_boot or engine.name in self.startup)
+
     def _targets(self, now: float, moving: set[str]) -> list[tuple[Engine, float]]:
         """Engines with waiters that are not awake, oldest waiter first; then those to boot in the
         background (at start, or new in a reload), as if asked for just now (so no busy engine is
@@ -186,8 +233,8 @@ class Scheduler(WakeAhead):
         out = []
         for engine in self.engines:
             queue = self.waiting[engine.name]
-            background = engine.state is State.COLD and (engine.name in self.to_boot or engine.name in self.startup)
-            if not (queue or background) or engine.name in self.busy or engine.name in moving or engine.state is State.AWAKE:
+            if not (queue or self._boots_unasked(engine)) or engine.name in self.busy or engine.name in moving \
+                    or engine.state is State.AWAKE:
                 continue
             if self.backoff.waiting(engine, now):
                 self._fail_waiters(engine, self.backoff.unavailable(engine))

@@ -99,6 +99,8 @@ class SchedulerState:
         self.put_to_sleep: set[str] = set()  # slept by an operator (admin sleep), until a request asks for it
         self.ahead: dict[str, Any] = {}  # engine -> its pre-wake (router.scheduling.ahead.WokenAhead), until its outcome
         self.ahead_done: list[Any] = []  # the last pre-wakes with their outcomes, newest last
+        self.quiet_since: dict[str, float] = {}  # engine -> last woken ahead or idle-parked (ahead.py: once per quiet period)
+        self.defect: Optional[dict[str, Any]] = None  # the loop's last internal error (scheduler.py _run), for /admin/status
         self.host_why: dict[str, Optional[str]] = {}  # engine -> why its last park was not at Level 1 (numbers)
         self.to_boot: set[str] = set()  # new in a reload (or restarted from a changed entry): boot in the background
         self.startup: set[str] = set()  # not booted yet since the router started (first boots are not swaps)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.engine import State
+from engines.process import WORKER_EXTENSION
 from tests.support import ask, client, eventually, roster_dict, sim_model
 
 DISK = ("--sim-disk-gb-per-s", "2", "--sim-weights-gb", "2")  # a cold reload: 1 s; from the page cache: 0.33 s
@@ -110,3 +112,37 @@ async def test_within_the_page_cache_budget_a_parked_model_is_staged_ahead_of_it
     swap = (await router.status())["last_swap"]
     assert swap["to"] == "b" and swap["phases"]["reload_weights"] < COLD_S / 2, swap["phases"]
     assert swap["phases"]["stage"] < COLD_S / 2, "the wake's stage only looked: the pages were there"
+
+
+async def stage_calls(engine) -> int:
+    """The stages the engine was asked for (each answered, or refused when it has no extension)."""
+    async with engine.session.get(f"http://127.0.0.1:{engine.port}/sim/log") as resp:
+        return sum(e.get("method") == "hotswap_stage_weights" for e in await resp.json(content_type=None))
+
+
+async def test_a_sleep_level_reload_changes_staging_with_the_next_process_not_before_it(engine_factory):
+    # sleep_level: 1 -> auto, applied in place by a reload: the process started without the worker
+    # extension keeps running without it; it stages once a restart composes its argv from the new entry.
+    engine = engine_factory(sim_model("b", sleep_level=1))
+    await engine.boot()
+    assert WORKER_EXTENSION not in engine.process.argv and not engine.stager.enabled
+    engine.adopt(engine.spec.model_copy(update={"sleep_level": "auto"}))  # what a reload applies in place
+    await engine.sleep(2)
+    await engine.wake()
+    assert await stage_calls(engine) == 0, "its process has no extension: asking would be refused"
+    await engine.restart("gate")  # any restart boots from the entry in force
+    assert WORKER_EXTENSION in engine.process.argv and engine.stager.enabled
+    await engine.sleep(2)
+    await engine.wake()
+    assert await stage_calls(engine) == 1 and "stage" in engine.last_phases and engine.stager.failure is None
+
+    # The reverse, auto -> 1: the next process has no extension, and no stage is sent to it. A Level-1
+    # sleeper still reaches Level 2 when host RAM is needed (a demotion).
+    engine.adopt(engine.spec.model_copy(update={"sleep_level": 1}))
+    await engine.restart("gate")
+    assert WORKER_EXTENSION not in engine.process.argv and not engine.stager.enabled
+    await engine.sleep(1)
+    await engine.demote()
+    await engine.wake()
+    assert engine.state is State.AWAKE
+    assert await stage_calls(engine) == 0 and "stage" not in engine.last_phases and engine.stager.failure is None

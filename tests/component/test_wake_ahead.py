@@ -12,12 +12,15 @@ from tests.support import ask, client, eventually, http, roster_dict, sim_model
 
 # A wake costs a second, a sleep next to nothing: a pre-wake pays when the engine is about as likely to be
 # asked for as not. Without it the two are the sims' bare round trips, and on a loaded machine the
-# sleep can measure the dearer: the router then rightly declines the pre-wake.
+# sleep can measure the dearer: the router then rightly declines the pre-wake. The sims' weights are of
+# unknown size, so they sleep at Level 2, whose wake is tagged: the delay goes on its `wake_weights`
+# step (the untagged `wake` step is a Level-1 wake's, which these never make).
 WAKE_S = "1.0"
 
 
 def model(name: str, share: float, **extra) -> dict:
-    return sim_model(name, args=("--gpu-memory-utilization", str(share), "--sim-step-delay", f"wake={WAKE_S}"), **extra)
+    return sim_model(name, args=("--gpu-memory-utilization", str(share), "--sim-step-delay", f"wake_weights={WAKE_S}"),
+                     **extra)
 
 
 async def ahead_count(router, name: str, outcome: str) -> float:

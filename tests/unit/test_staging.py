@@ -12,6 +12,7 @@ import pytest
 
 from engines.engine import State
 from engines.stage import Stager
+from engines.vllm import EngineTimeout
 from router.scheduling.estimates import WakeCosts
 from tests.unit.test_scheduler import Clock, FakeEngine, awake, clock, scheduler  # noqa: F401 (clock: the fixture)
 
@@ -227,6 +228,40 @@ async def test_a_sleeper_whose_stage_failed_is_not_staged_again_ahead_of_its_nex
     assert not broken.stager.staged and "ShardedStateLoader" in broken.stager.failure
     s.stage_ahead(clock.now)
     assert not broken.stager.running and broken.client.calls == 1
+
+
+class OnceTimedOutStagingClient(StagingClient):
+    """An engine whose first stage ran out of time (a disk busy with another reload), and answers since."""
+
+    async def collective_rpc(self, method: str, timeout: float, args=(), kwargs=None) -> list[Any]:
+        if self.calls + self.looks == 0:
+            self.calls += 1
+            raise EngineTimeout("POST /collective_rpc", f"no answer within {timeout:.3g} s")
+        return await super().collective_rpc(method, timeout, args, kwargs)
+
+
+async def test_a_sleeper_whose_stage_failed_once_is_staged_ahead_again_once_its_wake_found_staging_works(clock):
+    sleeper = stages(FakeEngine("sleeper"))
+    sleeper.client = OnceTimedOutStagingClient()
+    s = scheduler(sleeper, clock=clock)
+    s.weights["sleeper"] = 1.0
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=10.0)  # host.page_cache_budget_gb: 10
+    demand(s, "sleeper", 3, clock)
+    s.stage_ahead(clock.now)
+    await settle(sleeper)
+    assert sleeper.stager.failure and not sleeper.stager.staged
+    s.stage_ahead(clock.now)
+    assert not sleeper.stager.running, "a failed one waits for its next wake"
+    # Its wake: the stage step looks (mincore), and the extension answers; the reload reads the disk.
+    assert await sleeper.stager.step(sleeper.client, 5.0)
+    sleeper.stager.reloaded()
+    assert sleeper.stager.failure is None, "the wake's own stage step worked: staging does"
+    # Parked at Level 2 again, still asked for: staged ahead of its next wake, as before the timeout.
+    clock.now += 60
+    s.stage_ahead(clock.now)
+    assert sleeper.stager.running and sleeper.stager.why == "ahead"
+    await settle(sleeper)
+    assert sleeper.stager.staged and sleeper.client.calls == 2
 
 
 async def test_a_level1_sleeper_or_an_engine_without_the_extension_is_never_staged(clock):
