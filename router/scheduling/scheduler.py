@@ -258,9 +258,9 @@ class Scheduler(WakeAhead):
             return None, None
         waits: list[float] = []
         forced, candidates, blocked = [], [], False
-        # Batch work never parks, stops or preempts an engine with interactive demand: for a target only
-        # batch requests wait for, such an engine is no victim (a group rival holding its share blocks it).
-        batch = self.batch_only(target)
+        # Batch work, and a boot nobody waits for (in the background), never parks, stops or preempts an engine with
+        # interactive demand: for such a target it is no victim (a group rival holding its share blocks it).
+        batch = self.batch_only(target) or not self.queued(target)
         held: list[str] = []
         held_waits: list[float] = []  # when a hold ends by time alone (interactive_hold_s): look again then
         self.held_by.pop(target.name, None)

@@ -143,3 +143,13 @@ async def test_acquire_counts_interactive_leases_and_batch_times_out_naming_the_
     assert "chat" not in s.interactive_leases
     await s.acquire(chat, klass=BATCH)
     assert "chat" not in s.interactive_leases, "a batch lease is no interactive demand"
+
+
+async def test_a_model_a_reload_added_boots_in_the_background_without_parking_the_model_a_user_just_used(clock):
+    chat, added = awake("chat", clock), FakeEngine("added", State.COLD)
+    s = scheduler(chat, added, clock=clock, hold_s=60)
+    s.to_boot.add("added")  # new in a reload: nobody waits for it
+    s.interactive_seen["chat"] = clock.now - 10
+    assert s.decide(clock.now) == Plan(wait_s=pytest.approx(50)), "the boot waits for chat's interactive hold to end"
+    clock.now += 50
+    assert actions(s.decide(clock.now)) == [("park", "chat")], "idle for the whole hold: the boot may take its room"
