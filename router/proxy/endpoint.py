@@ -15,7 +15,6 @@ nginx's "client closed request", so that a disconnect is never counted as a serv
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any, Awaitable, Optional
 from urllib.parse import quote
@@ -32,7 +31,7 @@ from router.errors import CLIENT_CLOSED, APIError, sse_error
 from router.keys import Grant
 from router.live import ROUTED_MODEL, ROUTER_KEY, Router
 from router.metrics import UNKNOWN_MODEL
-from router.proxy.body import read_json
+from router.proxy.body import encoded, read_json
 from router.proxy.forward import ANSWER_NUMBERS, NONE, ClientClosed, forward, json_for, read_numbers
 from router.proxy.responses import Pin, ResponseIds, StreamSniffer, id_in_answer
 from router.scheduling import Lease
@@ -215,7 +214,7 @@ class Walk:
         if self.form is None and self.asked is None and self.name in self.engine.other_names:
             # A follow-up of an adapter's conversation stays on the adapter (a key may be scoped to it alone).
             self.body["model"] = self.name
-            self.raw = json.dumps(self.body).encode()
+            self.raw = encoded(self.body)
         self.request[ROUTED_MODEL] = self.engine.name
         return True
 
@@ -263,7 +262,7 @@ class Walk:
                 kw.update(_pinning(self.request, engine, self.name, self.body))
             if route.endpoint in PRIORITY_ENDPOINTS and "priority" not in self.body and uses_priority(engine):
                 self.body["priority"] = PRIORITY[self.klass or INTERACTIVE]  # never over a priority the client set
-                self.raw = json.dumps(self.body).encode()
+                self.raw = encoded(self.body)
             return await forward(self.request, router.upstreams, engine, route.path, json_for(engine, self.body, self.raw),
                                  anthropic=route.anthropic, **kw)
         except APIError as exc:
