@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-from config.argv import flag_value
 from config.virtual import VirtualModel
 from engines.engine import Engine, State
 from router.keys import Grant
@@ -74,7 +73,7 @@ def _soonest(scheduler: Scheduler, parked: Sequence[Engine]) -> Optional[tuple[E
 
 
 def max_num_seqs(engine: Engine) -> int:
-    text = flag_value(engine.spec.args, "--max-num-seqs")
+    text = engine.spec.flag("--max-num-seqs")
     return int(text) if text is not None and text.isdigit() and int(text) > 0 else VLLM_DEFAULT_MAX_NUM_SEQS
 
 

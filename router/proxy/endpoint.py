@@ -21,7 +21,6 @@ from urllib.parse import quote
 
 from aiohttp import web
 
-from config.argv import flag_value
 from config.sections import INTERACTIVE, REQUEST_CLASSES
 from engines.engine import Engine
 from router.proxy import keepalive, multipart, routes
@@ -75,8 +74,8 @@ def request_class(request: web.Request, grant: Grant) -> str:
 
 
 def uses_priority(engine: Engine) -> bool:
-    """Whether the engine runs vLLM's priority scheduling (`--scheduling-policy priority` in its args)."""
-    return flag_value(engine.spec.args, "--scheduling-policy") == "priority"
+    """Whether the engine runs vLLM's priority scheduling (`--scheduling-policy priority` in its args or command)."""
+    return engine.spec.flag("--scheduling-policy") == "priority"
 
 
 def default_model(router, grant: Grant) -> str:

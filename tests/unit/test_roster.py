@@ -152,6 +152,19 @@ def spec_with_args(*args: str):
     return ModelSpec(name="a", model="/m/a", args=list(args))
 
 
+def test_a_command_engine_runs_with_the_flags_its_command_says_not_its_args():
+    (m,) = load("""
+        models:
+          - name: own
+            command: [my-vllm, --port, "{port}", --gpu-memory-utilization, 0.3, --api-key=engine-key, --load-format, dummy,
+                      --scheduling-policy, priority]
+            args: [--gpu-memory-utilization, 0.8, --api-key, unused]
+        """).models
+    assert (m.gpu_share, m.engine_api_key, m.reloads_weights, m.flag("--scheduling-policy")) == (0.3, "engine-key", False, "priority")
+    (m,) = load("models: [{name: a, model: /m/a, args: [--api-key, first, --api-key=last, --gpu-memory-utilization, 0.5]}]").models
+    assert (m.gpu_share, m.engine_api_key) == (0.5, "last"), "the last of a flag wins, as in vLLM's argparse"
+
+
 def test_an_error_in_appended_args_points_at_whoever_wrote_the_item():
     found = errors("""
         defaults:
