@@ -39,7 +39,8 @@ RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
 CLASS_HEADER = "X-Hotswap-Class"
 # Endpoints whose vLLM request takes `priority` (vLLM 0.32: chat_completion/protocol.py:388,
-# completion/protocol.py:136, pooling/embed/protocol.py, responses/protocol.py).
+# completion/protocol.py:136, pooling/embed/protocol.py, responses/protocol.py): each is given its class's.
+# A `priority` a client wrote on any other route is bounded all the same.
 PRIORITY_ENDPOINTS = frozenset({"chat", "completions", "embeddings", "responses"})
 # vLLM's priority scheduler serves lower values first ("lower means earlier handling; default: 0",
 # vllm/entrypoints/openai/chat_completion/protocol.py:393 in vLLM 0.32), and refuses any value but 0
@@ -71,6 +72,24 @@ def request_class(request: web.Request, grant: Grant) -> str:
         raise APIError(400, f"{CLASS_HEADER} must be one of {', '.join(REQUEST_CLASSES)} (found {text[:40]!r})", "invalid_header")
     # Lowering only: a key whose class is batch stays batch whatever its client sends.
     return max(asked, grant.klass, key=REQUEST_CLASSES.index)
+
+
+def class_priority(asked: Any, klass: str) -> Any:
+    """The `priority` an engine with priority scheduling gets: the class's, or the client's own when that is
+    served later. A key's class bounds its place in the engine's queue as it bounds its class: lowered, never
+    raised, so a batch key's `priority: -10` is not served before interactive traffic."""
+    floor = PRIORITY[klass]
+    if asked is None:
+        return floor
+    if isinstance(asked, bool) or not isinstance(asked, (int, float)):
+        # vLLM would take "-10" as -10: a string is refused here, not passed on past the bound.
+        raise APIError(400, f"'priority' must be an integer, lower served earlier (found {json_type(asked)}).",
+                       "invalid_request", param="priority")
+    return asked if asked >= floor else floor  # NaN compares false: the class's
+
+
+def json_type(value: Any) -> str:
+    return {str: "a string", bool: "a boolean", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
 
 def uses_priority(engine: Engine) -> bool:
@@ -259,9 +278,12 @@ class Walk:
                 return await forward(self.request, router.upstreams, engine, route.path, data, content_type=form_type, **kw)
             if route.creates_response:
                 kw.update(_pinning(self.request, engine, self.name, self.body))
-            if route.endpoint in PRIORITY_ENDPOINTS and "priority" not in self.body and uses_priority(engine):
-                self.body["priority"] = PRIORITY[self.klass or INTERACTIVE]  # never over a priority the client set
-                self.raw = encoded(self.body)
+            if (route.endpoint in PRIORITY_ENDPOINTS or "priority" in self.body) and uses_priority(engine):
+                asked = self.body.get("priority")
+                priority = class_priority(asked, self.klass or INTERACTIVE)
+                if priority is not asked:  # a priority the client may have is forwarded as it wrote it
+                    self.body["priority"] = priority
+                    self.raw = encoded(self.body)
             return await forward(self.request, router.upstreams, engine, route.path, json_for(engine, self.body, self.raw),
                                  anthropic=route.anthropic, **kw)
         except APIError as exc:

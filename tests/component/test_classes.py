@@ -207,3 +207,23 @@ async def test_an_engine_with_priority_scheduling_gets_the_class_as_priority_unl
     assert await sim_priorities(router, "prio") == [0, 1, 7], "interactive 0, batch 1, the client's own kept"
     assert await sim_priorities(router, "fifo") == [None, None], "an engine without priority scheduling is sent none"
     assert await sim_priorities(router, "own") == [0, 1], "a command engine's --scheduling-policy is read from its command"
+
+
+async def test_a_client_priority_may_ask_to_be_served_later_never_before_its_class(prio_router):
+    router = prio_router
+
+    async def asking(key: str, priority) -> tuple[int, dict]:
+        async with session.post(router.url + "/v1/chat/completions", headers=bearer(key),
+                                json={"model": "prio", "max_tokens": 4, "priority": priority,
+                                      "messages": [{"role": "user", "content": "hi"}]}) as r:
+            return r.status, await r.json()
+
+    async with aiohttp.ClientSession() as session:
+        assert (await asking("EVALS_KEY", -10))[0] == 200
+        assert (await asking("EVALS_KEY", 0))[0] == 200
+        assert (await asking("USERS_KEY", -10))[0] == 200
+        assert (await asking("USERS_KEY", 5))[0] == 200
+        status, body = await asking("EVALS_KEY", "-10")
+    assert await sim_priorities(router, "prio") == [1, 1, 0, 5], \
+        "a batch key is served no earlier than batch (1), an interactive one no earlier than 0; later is its own choice"
+    assert status == 400 and body["error"]["param"] == "priority" and "must be an integer" in body["error"]["message"], body
