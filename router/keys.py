@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from engines.engine import Engine
 
 
+# The request's class, lowered by its client (never raised: `router.proxy.endpoint.request_class`), and sent on
+# with a request passed to a peer, which lowers its own key's class by it in turn.
+CLASS_HEADER = "X-Hotswap-Class"
+
+
 @dataclass(frozen=True)
 class Grant:
     """One key's scope. `name` is what logs and metrics say; the key itself appears nowhere."""

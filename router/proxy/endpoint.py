@@ -27,7 +27,7 @@ from router.proxy import keepalive, multipart, routes
 from router.auth import grant_of
 from router.fleet import PEERS_KEY
 from router.errors import CLIENT_CLOSED, APIError, sse_error
-from router.keys import Grant
+from router.keys import CLASS_HEADER, Grant
 from router.live import ROUTED_MODEL, ROUTER_KEY, Router
 from router.metrics import UNKNOWN_MODEL
 from router.proxy.body import encoded, read_json
@@ -37,7 +37,6 @@ from router.scheduling import Lease
 
 RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
-CLASS_HEADER = "X-Hotswap-Class"
 # Endpoints whose vLLM request takes `priority` (vLLM 0.32: chat_completion/protocol.py:388,
 # completion/protocol.py:136, pooling/embed/protocol.py, responses/protocol.py): each is given its class's.
 # A `priority` a client wrote on any other route is bounded all the same.
@@ -239,8 +238,10 @@ class Walk:
     async def hand_off(self, route: routes.Route) -> web.StreamResponse:
         """The request to the peer node that serves its model (router.fleet.peers), or the 404."""
         assert self.not_here is not None
+        # The class decided here travels with it: the peer lowers its own key's class by it, never raises it.
+        self.klass = request_class(self.request, grant_of(self.request))
         passed = await self.request.app[PEERS_KEY].hand_off(self.request, self.router, route.path, self.raw,
-                                                            self.body["model"], self.not_here)
+                                                            self.body["model"], self.not_here, self.klass)
         self.peer = passed.peer
         if passed.first_byte_at is not None:
             self.request["first_byte_at"] = passed.first_byte_at
