@@ -38,6 +38,11 @@ class Grant:
     def may_use(self, names: Iterable[str]) -> bool:
         return _matches(self.models, tuple(names))
 
+    def names(self, name: str) -> bool:
+        """Whether `name` is written in this key's scope as it is, not matched by a glob: a virtual model
+        named so is given whole (`router.virtuals`)."""
+        return name in self.models
+
     def allows(self, engine: Engine, name: str) -> bool:
         """Whether this key may use `engine` for a request that names it `name`: the one scope check
         of name resolution, Responses pins and model lists. A glob matching one of the engine's roster
