@@ -37,10 +37,12 @@ from router.scheduling import Lease
 
 RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
-# Endpoints whose vLLM request takes `priority` (vLLM 0.32: chat_completion/protocol.py:388,
-# completion/protocol.py:136, pooling/embed/protocol.py, responses/protocol.py): each is given its class's.
-# A `priority` a client wrote on any other route is bounded all the same.
-PRIORITY_ENDPOINTS = frozenset({"chat", "completions", "embeddings", "responses"})
+# Endpoints whose vLLM request takes `priority` (vLLM 0.32 and 0.33: chat_completion/protocol.py:388,
+# completion/protocol.py:136, responses/protocol.py:327; every pooling request, by PoolingBasicRequestMixin
+# in pooling/base/protocol.py:70: embeddings, /v2/embed, pooling, classify, score, rerank): each is given
+# its class's. A `priority` a client wrote on any other route is bounded all the same.
+PRIORITY_ENDPOINTS = frozenset({"chat", "completions", "embeddings", "responses", "embed_v2", "pooling", "classify",
+                                "score", "rerank"})
 # vLLM's priority scheduler serves lower values first ("lower means earlier handling; default: 0",
 # vllm/entrypoints/openai/chat_completion/protocol.py:393 in vLLM 0.32), and refuses any value but 0
 # from an engine without `--scheduling-policy priority`: so only such an engine is sent one.

@@ -227,3 +227,24 @@ async def test_a_client_priority_may_ask_to_be_served_later_never_before_its_cla
     assert await sim_priorities(router, "prio") == [1, 1, 0, 5], \
         "a batch key is served no earlier than batch (1), an interactive one no earlier than 0; later is its own choice"
     assert status == 400 and body["error"]["param"] == "priority" and "must be an integer" in body["error"]["message"], body
+
+
+POOLING_ROUTES = [("/v1/embeddings", {"input": "press"}), ("/v2/embed", {"texts": ["press"], "embedding_types": ["float"]}),
+                  ("/pooling", {"input": "press"}), ("/classify", {"input": ["press"]}),
+                  ("/v1/score", {"text_1": "press", "text_2": "a printing press"}),
+                  ("/v1/rerank", {"query": "press", "documents": ["a printing press"]})]
+
+
+async def test_every_pooling_route_tells_the_engine_a_batch_requests_class(prio_router):
+    # vLLM's pooling requests all take `priority` (PoolingBasicRequestMixin): batch embeddings and reranks
+    # are served after interactive ones there too.
+    router = prio_router
+    async with aiohttp.ClientSession() as session:
+        for path, body in POOLING_ROUTES:
+            async with session.post(router.url + path, headers=bearer("EVALS_KEY"), json={"model": "prio", **body}) as r:
+                assert r.status == 200, (path, await r.text())
+        port = (await router.engine("prio"))["port"]
+        async with session.get(f"http://127.0.0.1:{port}/sim/log") as r:
+            routes = {path for path, _ in POOLING_ROUTES}  # not the gate's canaries
+            sent = [(e["path"], e.get("priority")) for e in await r.json() if e["step"] == "generate" and e["path"] in routes]
+    assert sent == [(path, 1) for path, _ in POOLING_ROUTES]
