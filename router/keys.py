@@ -38,7 +38,7 @@ class Grant:
     def may_use(self, names: Iterable[str]) -> bool:
         return _matches(self.models, tuple(names))
 
-    def names(self, name: str) -> bool:
+    def names_exactly(self, name: str) -> bool:
         """Whether `name` is written in this key's scope as it is, not matched by a glob: a virtual model
         named so is given whole (`router.virtuals`)."""
         return name in self.models

@@ -46,7 +46,7 @@ class Virtuals:
         if name not in self.table or not grant.may_use([name]):
             return []
         members = self.table[name][1]
-        return members if grant.names(name) else [e for e in members if grant.may_use(e.spec.names)]
+        return members if grant.names_exactly(name) else [e for e in members if grant.may_use(e.spec.names)]
 
     def members(self, name: str, grant: Grant = EVERYTHING) -> list[Engine]:
         """Its members `grant` reaches, in roster order, without those a reload is taking away."""
