@@ -74,7 +74,7 @@ def check_placement(report: Report, entries: list[Any], defaults: dict[str, Any]
             room = 1.0 - taken
             fix = (f"lower its --gpu-memory-utilization to at most {_num(room)}" if room > 1e-9
                    else "move it to another GPU")
-            report(p.blame(("args", p.share_at)) if p.share_at is not None else p.path, (
+            report(p.blame((p.argv_key, p.share_at)) if p.share_at is not None else p.path, (
                 f"'{p.name}' {p.share_words} of GPU {device} when awake, but the pinned models there always "
                 f"hold {_num(taken)} ({_shares(others)}): {_num(taken + p.share)} > 1.0, so it could never wake; "
                 f"{fix}, or unpin one of them"))
@@ -91,7 +91,8 @@ class _Placed:
     pin: bool
     group: Optional[str]
     share: Optional[float]  # None: the schema refuses the value
-    share_at: Optional[int]  # index in the merged args of the item holding the value; None: vLLM's default
+    share_at: Optional[int]  # index in the merged argv of the item holding the value; None: vLLM's default
+    argv_key: str  # where the engine's flags are: `command` for a command engine (its args are not used), else `args`
     entry: dict[str, Any]
     defaults: Mapping[str, Any]
 
@@ -103,12 +104,14 @@ class _Placed:
         devices = merged.get("devices", [0])
         if not isinstance(devices, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices):
             devices = []
-        args = [a if isinstance(a, str) else str(a) for a in as_argv(merged.get("args", []))]
+        argv_key = "command" if merged.get("command") is not None else "args"
+        args = [a if isinstance(a, str) else str(a) for a in as_argv(merged.get(argv_key, []))]
         share, share_at = _share(args)
         group = merged.get("group")
         name = merged.get("name")
         return cls(("models", index), name if isinstance(name, str) else f"models[{index}]", devices,
-                   merged.get("pin") is True, group if isinstance(group, str) else None, share, share_at, entry, defaults)
+                   merged.get("pin") is True, group if isinstance(group, str) else None, share, share_at, argv_key, entry,
+                   defaults)
 
     def blame(self, loc: Path_) -> Path_:
         return blame(self.entry, self.defaults, self.path[1], loc)
@@ -116,12 +119,12 @@ class _Placed:
     @property
     def share_words(self) -> str:
         if self.share_at is None:
-            return f"sets no {GPU_SHARE_FLAG} in args, so vLLM takes its default {_num(VLLM_DEFAULT_GPU_SHARE)}"
+            return f"sets no {GPU_SHARE_FLAG} in {self.argv_key}, so vLLM takes its default {_num(VLLM_DEFAULT_GPU_SHARE)}"
         return f"takes {_num(self.share)} ({GPU_SHARE_FLAG})"
 
 
 def _share(args: list[str]) -> tuple[Optional[float], Optional[int]]:
-    """The model's GPU share from its args and the index of the item holding it (None: the default)."""
+    """The model's GPU share from its argv and the index of the item holding it (None: the default)."""
     text = flag_value(args, GPU_SHARE_FLAG)
     if text is None:
         return VLLM_DEFAULT_GPU_SHARE, None

@@ -152,7 +152,10 @@ class ModelSpec(Section):
         "0 when releasing the KV cache makes the room needed and costs less (weights_gb and gpus known), else 1 while host.ram_budget_gb holds what it would hold there, else 2 (else a stop, for a --load-format vLLM cannot "
         "reload from: dummy, ipc_cache, modelexpress, sharded_state, runai_streamer_sharded, tensorizer; 2 is refused for those).")
     # After sleep_level, so that its validator sees it (pydantic validates fields in this order).
-    command: Optional[Argv] = Field(None, description="Full argv; {port}, {model}, {name} are filled in.")
+    # Its share is read from it (`vllm_argv`), so it is held to the rule `args` are held to.
+    command: Optional[Annotated[Argv, AfterValidator(gpu_share_in)]] = Field(
+        None, description="Full argv; {port}, {model}, {name} are filled in. The vLLM flags the router reads "
+        "(--gpu-memory-utilization, --max-num-seqs, --scheduling-policy, --load-format, --api-key) are read here, not in args.")
     draft_restore: Optional[Literal["reload", "preserve", "none"]] = Field(
         None,
         validate_default=True,
@@ -301,26 +304,29 @@ class ModelSpec(Section):
     @property
     def engine_api_key(self) -> Optional[str]:
         """The key the engine itself demands on /v1 (its `--api-key` or VLLM_API_KEY), for the router's own calls."""
-        for i, arg in enumerate(self.args):
-            if flag_name(arg) != "--api-key":
-                continue
-            if "=" in arg:
-                return arg.split("=", 1)[1]
-            if i + 1 < len(self.args):
-                return self.args[i + 1]
-        return self.env.get("VLLM_API_KEY")
+        return self.flag("--api-key") or self.env.get("VLLM_API_KEY")
+
+    @property
+    def vllm_argv(self) -> list[str]:
+        """Where this engine's vLLM flags are written: a `command:` engine's own argv (the engine never
+        sees its `args`), else `args`."""
+        return self.command if self.command is not None else self.args
+
+    def flag(self, name: str) -> Optional[str]:
+        """The value the engine runs with for vLLM flag `name` (None: unset, vLLM's default)."""
+        return flag_value(self.vllm_argv, name)
 
     @property
     def gpu_share(self) -> float:
         """The fraction of each of its devices this engine takes when awake (vLLM's default when unset)."""
-        text = flag_value(self.args, GPU_SHARE_FLAG)
+        text = self.flag(GPU_SHARE_FLAG)
         return float(text) if text is not None else VLLM_DEFAULT_GPU_SHARE
 
     @property
     def reloads_weights(self) -> bool:
         """Whether vLLM can reload this engine's weights from disk, as a Level-2 wake must (an attached
         `url:` engine's format is not known here: assumed yes, as before)."""
-        return flag_value(self.command or self.args, LOAD_FORMAT_FLAG) not in NO_RELOAD_FORMATS
+        return self.flag(LOAD_FORMAT_FLAG) not in NO_RELOAD_FORMATS
 
     @property
     def managed(self) -> bool:

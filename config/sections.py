@@ -21,7 +21,9 @@ RequestClass = Literal[REQUEST_CLASSES]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No float key means anything at inf or nan (YAML's `.inf`, `.nan`): refused here once for every
+    # section, model and default, where a key-by-key bound would miss the next float added.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Listen(Section):

@@ -3,6 +3,7 @@ among them (`router.virtuals`)."""
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any, Callable, Literal
 
 from pydantic import Field, field_validator
@@ -67,3 +68,29 @@ def check_virtual_models(report: Callable[..., None], entries: Any, owners: dict
                 report((*base, "models", j), f"'{member}' is model '{model}' again (listed as '{seen[model]}')")
             else:
                 seen[model] = member
+
+
+def scope_warnings(keys: list[Any], virtual_models: list[VirtualModel], names_of: dict[str, list[str]]) -> list[tuple[Path_, str]]:
+    """Where a key's glob matches a virtual model's name but not all its members (`auth.keys[].models`):
+    through that name the key reaches only the members its globs match (`router.virtuals`), which is
+    valid and safe, but rarely what was meant. `names_of`: each model name and alias, to all the names
+    of its model. A warning, not an error: the router keeps the key in its scope either way, and a
+    virtual model added later must not make a roster that loads today refuse to reload."""
+    found = []
+    for i, key in enumerate(keys):
+        globs = list(key.models)
+        for virtual in virtual_models:
+            matching = [j for j, glob in enumerate(globs) if fnmatch.fnmatchcase(virtual.name, glob)]
+            if not matching or virtual.name in globs:  # written as it is: the whole virtual model is given
+                continue
+            inside = [m for m in virtual.models if any(fnmatch.fnmatchcase(n, g) for n in names_of[m] for g in globs)]
+            outside = [m for m in virtual.models if m not in inside]
+            if not outside:
+                continue
+            reach = (f"through it this key reaches only {', '.join(inside)}" if inside else
+                     f"this key cannot use '{virtual.name}' at all (404)")
+            found.append((("auth", "keys", i, "models", matching[0]),
+                          f"'{globs[matching[0]]}' matches virtual model '{virtual.name}' but not its member(s) "
+                          f"{', '.join(outside)}: {reach}; to give the key the whole virtual model, "
+                          f"add '{virtual.name}' to its models"))
+    return found

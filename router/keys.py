@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from engines.engine import Engine
 
 
+# The request's class, lowered by its client (never raised: `router.proxy.endpoint.request_class`), and sent on
+# with a request passed to a peer, which lowers its own key's class by it in turn.
+CLASS_HEADER = "X-Hotswap-Class"
+
+
 @dataclass(frozen=True)
 class Grant:
     """One key's scope. `name` is what logs and metrics say; the key itself appears nowhere."""
@@ -32,6 +37,11 @@ class Grant:
 
     def may_use(self, names: Iterable[str]) -> bool:
         return _matches(self.models, tuple(names))
+
+    def names_exactly(self, name: str) -> bool:
+        """Whether `name` is written in this key's scope as it is, not matched by a glob: a virtual model
+        named so is given whole (`router.virtuals`)."""
+        return name in self.models
 
     def allows(self, engine: Engine, name: str) -> bool:
         """Whether this key may use `engine` for a request that names it `name`: the one scope check

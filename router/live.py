@@ -99,8 +99,8 @@ class Router(Observer, Events):
         """The engine serving roster name or alias `model`, if `grant` may use it; else the 404 of
         an unknown model, listing only the names `grant` may use."""
         engine = self.by_name.get(model)
-        if engine is None and model in self.virtuals and grant.may_use([model]):  # the admin API acts on one engine
-            members = ", ".join(e.name for e in self.virtuals.members(model))
+        if engine is None and self.virtuals.reachable(grant, model):  # the admin API acts on one engine
+            members = ", ".join(e.name for e in self.virtuals.members(model, grant))
             raise APIError(400, f"'{model}' is a virtual model, which stands for any of its members ({members}); "
                                 "name the member to act on", "virtual_model", param="model")
         if engine is None or not grant.allows(engine, model):
@@ -108,10 +108,12 @@ class Router(Observer, Events):
         return engine
 
     def pick_member(self, virtual: str, grant: Grant = EVERYTHING) -> Engine:
-        """The member engine a request for virtual model `virtual` goes to now, if `grant` may use the name."""
-        if not grant.may_use([virtual]):
+        """The member engine a request for virtual model `virtual` goes to now, among those `grant` reaches
+        through it; none: the 404 of a model it may not use, as a request by a member's name would get."""
+        engine = self.virtuals.pick(virtual, self.placement, grant)
+        if engine is None:
             raise self.unknown_model(virtual, grant)
-        return self.virtuals.pick(virtual, self.placement)
+        return engine
 
     def usable_names(self, grant: Grant) -> str:
         """The roster names, aliases and virtual names `grant` may use, for messages that list them."""

@@ -6,18 +6,22 @@ A member that is awake costs nothing to use; a parked one costs its wake (`Sched
 the `wake_estimate_s` of /v1/models, which counts the park that makes its room). So `awake` and
 `balance` wake a member only when that is the shorter wait, and `first` is the operator's own order.
 
-A key that may use a virtual name reaches its members through it, whatever the key's globs say of
-the members' own names: "any good 8B chat model" is what the key was given, not the 8Bs themselves.
+A key whose scope names a virtual model as it is (`models: [chat]`) reaches all its members through
+it, whatever the key's globs say of the members' own names: "any good 8B chat model" is what the key
+was given, not the 8Bs themselves. A glob that merely matches a virtual name (`chat-*` over
+`chat-any`) gives no member it does not match itself: the operator wrote it for models, and a
+virtual model added later must not open a model the key was kept from. Such a key picks among the
+members its globs match; with none, the virtual name is unknown to it (`hotswap check` warns of
+both: `config.virtual.scope_warnings`).
 """
 
 from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-from config.argv import flag_value
 from config.virtual import VirtualModel
 from engines.engine import Engine, State
-from router.keys import Grant
+from router.keys import EVERYTHING, Grant
 from router.scheduling import Scheduler, never_fits
 
 # vLLM 0.32's --max-num-seqs for `vllm serve` on an H100/H200-class GPU when the args do not set it
@@ -34,18 +38,30 @@ class Virtuals:
         return name in self.table
 
     def names(self, grant: Grant) -> list[str]:
-        return [name for name in self.table if grant.may_use([name])]
+        """The virtual names `grant` may use: those through which it reaches a member."""
+        return [name for name in self.table if self.reachable(grant, name)]
 
-    def members(self, name: str) -> list[Engine]:
-        """Its members in roster order, without those a reload is taking away."""
-        return [e for e in self.table[name][1] if not e.retiring]
+    def reachable(self, grant: Grant, name: str) -> list[Engine]:
+        """The members `grant` reaches through virtual name `name`, in roster order (none: not its name)."""
+        if name not in self.table or not grant.may_use([name]):
+            return []
+        members = self.table[name][1]
+        return members if grant.names_exactly(name) else [e for e in members if grant.may_use(e.spec.names)]
 
-    def pick(self, name: str, scheduler: Scheduler) -> Engine:
-        return pick(self.table[name][0], self.members(name) or self.table[name][1], scheduler)
+    def members(self, name: str, grant: Grant = EVERYTHING) -> list[Engine]:
+        """Its members `grant` reaches, in roster order, without those a reload is taking away."""
+        return [e for e in self.reachable(grant, name) if not e.retiring]
+
+    def pick(self, name: str, scheduler: Scheduler, grant: Grant = EVERYTHING) -> Optional[Engine]:
+        """The member a request by `grant` for `name` goes to now; None when it reaches none."""
+        reachable = self.reachable(grant, name)
+        if not reachable:
+            return None
+        return pick(self.table[name][0], self.members(name, grant) or reachable, scheduler)
 
     def reaches(self, grant: Grant, name: str, engine: Engine) -> bool:
         """Whether `grant`, asking by virtual name `name`, may use member `engine` (a Responses follow-up)."""
-        return name in self.table and grant.may_use([name]) and any(e is engine for e in self.table[name][1])
+        return any(e is engine for e in self.reachable(grant, name))
 
 
 def pick(virtual: VirtualModel, members: Sequence[Engine], scheduler: Scheduler) -> Engine:
@@ -74,7 +90,7 @@ def _soonest(scheduler: Scheduler, parked: Sequence[Engine]) -> Optional[tuple[E
 
 
 def max_num_seqs(engine: Engine) -> int:
-    text = flag_value(engine.spec.args, "--max-num-seqs")
+    text = engine.spec.flag("--max-num-seqs")
     return int(text) if text is not None and text.isdigit() and int(text) > 0 else VLLM_DEFAULT_MAX_NUM_SEQS
 
 

@@ -66,9 +66,10 @@ class PoolingRoutes:
     def __init__(self, server: "SimServer") -> None:
         self.server = server
 
-    async def _pass(self, request: web.Request, model: str, texts: list[str]) -> int:
-        """Wait for an awake engine, as vLLM's pooling requests do; the prompt token count."""
-        await self.server._enter_generate(request, model)
+    async def _pass(self, request: web.Request, model: str, texts: list[str], priority: object = None) -> int:
+        """Wait for an awake engine, as vLLM's pooling requests do; the prompt token count. `priority`: the
+        body's, which vLLM 0.32's pooling requests take (entrypoints/pooling/base/protocol.py:70)."""
+        await self.server._enter_generate(request, model, priority)
         tokens = sum(lm.count_tokens(t) for t in texts)
         gen = Generation("\n".join(texts), tokens, 0, True, "")
         async with contextlib.aclosing(self.server.engine.generate(gen)) as it:
@@ -93,7 +94,7 @@ class PoolingRoutes:
             raise bad_request(f"{left} must be one text or as many as {right}.", left)
         pairs = [(one[0] if len(one) == 1 else one[i], t) for i, t in enumerate(two)]
         try:
-            tokens = await self._pass(request, model, [x for p in pairs for x in p])
+            tokens = await self._pass(request, model, [x for p in pairs for x in p], body.get("priority"))
         except GenerationAborted as e:
             return error_response(500, str(e), "InternalServerError")
         return web.json_response({
@@ -113,7 +114,7 @@ class PoolingRoutes:
         if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
             raise bad_request("top_n must be an integer >= 0.", "top_n")
         try:
-            tokens = await self._pass(request, model, [query, *docs])
+            tokens = await self._pass(request, model, [query, *docs], body.get("priority"))
         except GenerationAborted as e:
             return error_response(500, str(e), "InternalServerError")
         results = sorted(({"index": i, "document": {"text": d, "multi_modal": None}, "relevance_score": self._score(query, d)}
@@ -127,7 +128,7 @@ class PoolingRoutes:
         model = self.server._check_model(body)
         texts = _texts(body.get("input"), "input")
         try:
-            tokens = await self._pass(request, model, texts)
+            tokens = await self._pass(request, model, texts, body.get("priority"))
         except GenerationAborted as e:
             return error_response(500, str(e), "InternalServerError")
         return web.json_response({
@@ -141,7 +142,7 @@ class PoolingRoutes:
         model = self.server._check_model(body)
         texts = _texts(body.get("input"), "input")
         try:
-            tokens = await self._pass(request, model, texts)
+            tokens = await self._pass(request, model, texts, body.get("priority"))
         except GenerationAborted as e:
             return error_response(500, str(e), "InternalServerError")
         data = []
@@ -160,7 +161,7 @@ class PoolingRoutes:
         if not isinstance(types, list) or any(t not in ("float", "base64") for t in types):
             raise bad_request("embedding_types: the simulator serves 'float' and 'base64'.", "embedding_types")
         try:
-            tokens = await self._pass(request, model, texts)
+            tokens = await self._pass(request, model, texts, body.get("priority"))
         except GenerationAborted as e:
             return error_response(500, str(e), "InternalServerError")
         vectors = [self.server.engine.embed(t) for t in texts]

@@ -347,7 +347,7 @@ class SimServer:
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
             raise bad_request("encoding_format must be 'float' or 'base64'.", "encoding_format")
-        await self._enter_generate(request, model)
+        await self._enter_generate(request, model, body.get("priority"))
         # A pooling request still waits for the engine to be awake.
         gen = Generation("\n".join(texts), ptoks, 0, True, "")
         try:

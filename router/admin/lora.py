@@ -28,7 +28,7 @@ async def admin_lora(request: web.Request, router) -> web.Response:
     engine = router.lookup(model)
     try:
         body: Any = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # json's parser recurses per nesting level
         raise APIError(400, 'The body must be JSON: {"lora_name": ..., "lora_path": ...} (unload: lora_name only).', "invalid_json") from None
     name = body.get("lora_name") if isinstance(body, dict) else None
     if not isinstance(name, str) or not name or (action == "load" and not isinstance(body.get("lora_path"), str)):

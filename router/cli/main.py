@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import yaml
 
 from config import DEMO_ROSTER, Issue, Roster, RosterError, RosterFile, exposed_agent, load_roster
+from config.virtual import scope_warnings
 from engines.process import compose_argv
 
 EXIT_OK = 0
@@ -147,8 +148,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def check_warnings(roster: Roster) -> list[Issue]:
-    """What is valid but will not work here: a managed engine's program (launcher[0] or
-    command[0]) that is not on PATH. One warning per place in the file, so a launcher set in
+    """What is valid but will not work here, or not as written: a managed engine's program (launcher[0] or
+    command[0]) that is not on PATH; a key's glob that matches a virtual model but not all its members
+    (`config.virtual.scope_warnings`). One warning per place in the file, so a launcher set in
     `defaults` is reported once."""
     found: dict[tuple[str, int, int], Issue] = {}
     for i, model in enumerate(roster.models):
@@ -167,7 +169,12 @@ def check_warnings(roster: Roster) -> list[Issue]:
             what = "vLLM" if program == "vllm" else "it"
             message = f"{written!r} is not on PATH (install {what} in this environment, or set {key} to its full path)"
         found.setdefault((field, line, col), Issue(roster.source, line, col, field, message))
-    return sorted(found.values())
+    issues = list(found.values())
+    names_of = {name: m.names for m in roster.models for name in m.names}
+    for path, message in scope_warnings(roster.auth.keys, roster.virtual_models, names_of):
+        field, line, col = roster.locate(path) or (".".join(map(str, path)), 1, 1)
+        issues.append(Issue(roster.source, line, col, field, message))
+    return sorted(issues)
 
 
 def cmd_schema(args: argparse.Namespace) -> int:

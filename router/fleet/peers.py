@@ -16,6 +16,10 @@ once, which a client or a front retries, rather than a wait in a connector's que
 deadline bounds. Peers' addresses and what failed on each go to the log and /admin/status,
 never into a client's answer.
 
+The request keeps its class: this node's (its key's, lowered by the client's X-Hotswap-Class) goes
+with it as X-Hotswap-Class, which the peer reads as any client's header, to lower the class of the
+key it checks, never to raise it; a batch request stays batch, and nobody is promoted by a hop.
+
 One hop only: the forwarded request carries `HOP_HEADER`, and a node that receives it answers
 its own 404, so two nodes that each think the other has a model cannot pass it back and forth.
 The client's key travels with the request and the peer checks it (the fleet shares its keys);
@@ -39,6 +43,7 @@ from config.schema import Roster
 from router.errors import CLIENT_CLOSED, APIError, anthropic_path, sse_error
 from router.fleet.listings import Listings
 from router.fleet.node import NODE_HEADER, card
+from router.keys import CLASS_HEADER
 
 HOP_HEADER = "X-Hotswap-Forwarded-By"  # its value: the name of the node that passed the request on
 PASSED_ON_HEADER = "X-Hotswap-Passed-On-By"  # on the answer, for the client: this node passed it on (X-Hotswap-Node served it)
@@ -85,12 +90,13 @@ class Peers:
             await self._session.close()
 
     async def hand_off(self, request: web.Request, router, path: str, body: bytes, model: str,
-                       not_here: APIError) -> Passed:
-        """Answer the request from the peer that serves `model`, or raise `not_here` (no peer has it: said, not named)."""
+                       not_here: APIError, klass: str) -> Passed:
+        """Answer the request from the peer that serves `model`, or raise `not_here` (no peer has it: said, not named).
+        `klass`: the request's class here, which the peer may only lower (by its own key's class)."""
         peers = router.roster.node.peer_urls()
         if not peers or HOP_HEADER in request.headers:
             raise not_here
-        headers = _passed_on(request)
+        headers = {**_passed_on(request), CLASS_HEADER: klass}
         peer = await self._where(peers, model, _credential(headers, anthropic_path(path)), router.roster.node.peer_connections,
                                  not_here)
         node = self.listings.of(peer).node or "a peer"

@@ -119,6 +119,21 @@ async def read_json(request: web.Request, listen: Listen) -> tuple[dict[str, Any
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"The request body is not valid JSON: {exc}", "invalid_json") from None
+    except RecursionError:  # json's C parser recurses once per nesting level: a body of '[' exhausts the stack
+        raise too_deep() from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", "invalid_request")
     return body, raw
+
+
+def encoded(body: dict[str, Any]) -> bytes:
+    """A body the router changed, as JSON again. The encoder recurses as the parser did, from a frame or two
+    deeper: a body parsed with barely any stack to spare may not encode, and is the client's 400 as well."""
+    try:
+        return json.dumps(body).encode()
+    except RecursionError:
+        raise too_deep() from None
+
+
+def too_deep() -> APIError:
+    return APIError(400, "The request body is not valid JSON: it is nested too deeply.", "invalid_json")

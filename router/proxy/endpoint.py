@@ -15,34 +15,34 @@ nginx's "client closed request", so that a disconnect is never counted as a serv
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any, Awaitable, Optional
 from urllib.parse import quote
 
 from aiohttp import web
 
-from config.argv import flag_value
 from config.sections import INTERACTIVE, REQUEST_CLASSES
 from engines.engine import Engine
 from router.proxy import keepalive, multipart, routes
 from router.auth import grant_of
 from router.fleet import PEERS_KEY
 from router.errors import CLIENT_CLOSED, APIError, sse_error
-from router.keys import Grant
+from router.keys import CLASS_HEADER, Grant
 from router.live import ROUTED_MODEL, ROUTER_KEY, Router
 from router.metrics import UNKNOWN_MODEL
-from router.proxy.body import read_json
+from router.proxy.body import encoded, read_json
 from router.proxy.forward import ANSWER_NUMBERS, NONE, ClientClosed, forward, json_for, read_numbers
 from router.proxy.responses import Pin, ResponseIds, StreamSniffer, id_in_answer
 from router.scheduling import Lease
 
 RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
-CLASS_HEADER = "X-Hotswap-Class"
-# Endpoints whose vLLM request takes `priority` (vLLM 0.32: chat_completion/protocol.py:388,
-# completion/protocol.py:136, pooling/embed/protocol.py, responses/protocol.py).
-PRIORITY_ENDPOINTS = frozenset({"chat", "completions", "embeddings", "responses"})
+# Endpoints whose vLLM request takes `priority` (vLLM 0.32 and 0.33: chat_completion/protocol.py:388,
+# completion/protocol.py:136, responses/protocol.py:327; every pooling request, by PoolingBasicRequestMixin
+# in pooling/base/protocol.py:70: embeddings, /v2/embed, pooling, classify, score, rerank): each is given
+# its class's. A `priority` a client wrote on any other route is bounded all the same.
+PRIORITY_ENDPOINTS = frozenset({"chat", "completions", "embeddings", "responses", "embed_v2", "pooling", "classify",
+                                "score", "rerank"})
 # vLLM's priority scheduler serves lower values first ("lower means earlier handling; default: 0",
 # vllm/entrypoints/openai/chat_completion/protocol.py:393 in vLLM 0.32), and refuses any value but 0
 # from an engine without `--scheduling-policy priority`: so only such an engine is sent one.
@@ -75,9 +75,27 @@ def request_class(request: web.Request, grant: Grant) -> str:
     return max(asked, grant.klass, key=REQUEST_CLASSES.index)
 
 
+def class_priority(asked: Any, klass: str) -> Any:
+    """The `priority` an engine with priority scheduling gets: the class's, or the client's own when that is
+    served later. A key's class bounds its place in the engine's queue as it bounds its class: lowered, never
+    raised, so a batch key's `priority: -10` is not served before interactive traffic."""
+    floor = PRIORITY[klass]
+    if asked is None:
+        return floor
+    if isinstance(asked, bool) or not isinstance(asked, (int, float)):
+        # vLLM would take "-10" as -10: a string is refused here, not passed on past the bound.
+        raise APIError(400, f"'priority' must be an integer, lower served earlier (found {json_type(asked)}).",
+                       "invalid_request", param="priority")
+    return asked if asked >= floor else floor  # NaN compares false: the class's
+
+
+def json_type(value: Any) -> str:
+    return {str: "a string", bool: "a boolean", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
 def uses_priority(engine: Engine) -> bool:
-    """Whether the engine runs vLLM's priority scheduling (`--scheduling-policy priority` in its args)."""
-    return flag_value(engine.spec.args, "--scheduling-policy") == "priority"
+    """Whether the engine runs vLLM's priority scheduling (`--scheduling-policy priority` in its args or command)."""
+    return engine.spec.flag("--scheduling-policy") == "priority"
 
 
 def default_model(router, grant: Grant) -> str:
@@ -215,15 +233,17 @@ class Walk:
         if self.form is None and self.asked is None and self.name in self.engine.other_names:
             # A follow-up of an adapter's conversation stays on the adapter (a key may be scoped to it alone).
             self.body["model"] = self.name
-            self.raw = json.dumps(self.body).encode()
+            self.raw = encoded(self.body)
         self.request[ROUTED_MODEL] = self.engine.name
         return True
 
     async def hand_off(self, route: routes.Route) -> web.StreamResponse:
         """The request to the peer node that serves its model (router.fleet.peers), or the 404."""
         assert self.not_here is not None
+        # The class decided here travels with it: the peer lowers its own key's class by it, never raises it.
+        self.klass = request_class(self.request, grant_of(self.request))
         passed = await self.request.app[PEERS_KEY].hand_off(self.request, self.router, route.path, self.raw,
-                                                            self.body["model"], self.not_here)
+                                                            self.body["model"], self.not_here, self.klass)
         self.peer = passed.peer
         if passed.first_byte_at is not None:
             self.request["first_byte_at"] = passed.first_byte_at
@@ -261,9 +281,12 @@ class Walk:
                 return await forward(self.request, router.upstreams, engine, route.path, data, content_type=form_type, **kw)
             if route.creates_response:
                 kw.update(_pinning(self.request, engine, self.name, self.body))
-            if route.endpoint in PRIORITY_ENDPOINTS and "priority" not in self.body and uses_priority(engine):
-                self.body["priority"] = PRIORITY[self.klass or INTERACTIVE]  # never over a priority the client set
-                self.raw = json.dumps(self.body).encode()
+            if (route.endpoint in PRIORITY_ENDPOINTS or "priority" in self.body) and uses_priority(engine):
+                asked = self.body.get("priority")
+                priority = class_priority(asked, self.klass or INTERACTIVE)
+                if priority is not asked:  # a priority the client may have is forwarded as it wrote it
+                    self.body["priority"] = priority
+                    self.raw = encoded(self.body)
             return await forward(self.request, router.upstreams, engine, route.path, json_for(engine, self.body, self.raw),
                                  anthropic=route.anthropic, **kw)
         except APIError as exc:

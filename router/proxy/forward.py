@@ -32,6 +32,7 @@ from engines import watch
 from engines.engine import Engine
 from engines.gate import answer_spec_counts, mean_acceptance_length
 from router.errors import APIError, for_clients, sse_error
+from router.proxy.body import encoded
 from router.proxy.relay import ClientStalled, Relay
 from router.proxy.responses import StreamSniffer
 from router.proxy.exchange import ClientGone, Exchange, Unreachable, UpstreamError
@@ -76,7 +77,7 @@ def json_for(engine: Engine, body: dict[str, Any], raw: bytes) -> bytes:
     """The request body for `engine`: as received, unless the engine serves the model under another name."""
     if body.get("model") not in engine.served_names:  # only attached engines that serve other names, or no model given
         body["model"] = engine.served_name
-        return json.dumps(body).encode()
+        return encoded(body)
     return raw
 
 
@@ -221,7 +222,7 @@ async def _inside_stream(response: web.StreamResponse, status: int, payload: byt
 def _engine_message(payload: bytes) -> Optional[str]:
     try:
         error = json.loads(payload).get("error")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
     message = error.get("message") if isinstance(error, dict) else error
     return message if isinstance(message, str) else None

@@ -32,9 +32,12 @@ def _model_cards(router: Router, grant: Grant) -> list[dict]:
     cards = [card(name, engine, engine.spec.model or engine.name, alias_of=None if name == engine.name else engine.name)
              for name, engine in router.by_name.items() if grant.allows(engine, name)]
     # A virtual model's card is its member's of the moment (state, wake estimate): what a request now would meet.
+    # Its members are those the key reaches through it: a key is told of no model outside its scope.
     for name in router.virtuals.names(grant):
-        picked = router.virtuals.pick(name, scheduler)
-        cards.append({**card(name, picked, name), "members": [e.name for e in router.virtuals.members(name)],
+        picked = router.virtuals.pick(name, scheduler, grant)
+        if picked is None:  # names() lists only those through which the key reaches a member
+            continue
+        cards.append({**card(name, picked, name), "members": [e.name for e in router.virtuals.members(name, grant)],
                       "picks": picked.name, "group": None})
     # An adapter's parent is its engine's roster name: the name clients use (vLLM's card says the served name).
     return cards + [card(name, engine, root, parent=engine.name) for name, engine, root in router.adapters()

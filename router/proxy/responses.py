@@ -59,7 +59,7 @@ class ResponseIds:
 def id_in_answer(payload: bytes) -> Optional[str]:
     try:
         answer = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):  # vLLM echoes a client's tools and metadata, nested as the client wrote them
         return None
     rid = answer.get("id") if isinstance(answer, dict) else None
     return rid if isinstance(rid, str) and rid else None

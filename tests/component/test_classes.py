@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import RouterProcess, eventually, http, roster_dict, sim_model
+from tests.support import FAST_SIM, SIM_LAUNCHER, RouterProcess, eventually, http, roster_dict, sim_model
 
 SHARE = "--gpu-memory-utilization"
 KEYS = {"USERS_KEY": "users-secret-0001", "EVALS_KEY": "evals-secret-0002", "OPS_KEY": "ops-secret-0003"}
@@ -158,9 +158,13 @@ def _gauges(text: str) -> str:
 
 @pytest.fixture
 async def prio_router(start_router):
+    # `own` is started from its own argv (`command:`): its scheduling policy is the one written there.
+    own = {"name": "own", "default": True, "command": [*SIM_LAUNCHER, "sim/own", "--port", "{port}", "--served-model-name",
+                                                       "{name}", "--enable-sleep-mode", *FAST_SIM, SHARE, "0.2",
+                                                       "--scheduling-policy", "priority"]}
     return await start_router(roster_dict(
         sim_model("prio", args=(SHARE, "0.3", "--scheduling-policy", "priority"), default=True),
-        sim_model("fifo", args=(SHARE, "0.3"), default=True), auth=AUTH), env=KEYS, admin_key=KEYS["OPS_KEY"])
+        sim_model("fifo", args=(SHARE, "0.3"), default=True), own, auth=AUTH), env=KEYS, admin_key=KEYS["OPS_KEY"])
 
 
 async def sim_priorities(router: RouterProcess, name: str) -> list:
@@ -193,7 +197,7 @@ async def test_the_class_header_lowers_a_key_class_never_raises_it_and_a_bad_one
 async def test_an_engine_with_priority_scheduling_gets_the_class_as_priority_unless_the_client_set_one(prio_router):
     router = prio_router
     async with aiohttp.ClientSession() as session:
-        for model in ("prio", "fifo"):
+        for model in ("prio", "fifo", "own"):
             assert (await chat(session, router, model, "USERS_KEY"))[0] == 200
             assert (await chat(session, router, model, "EVALS_KEY"))[0] == 200
         async with session.post(router.url + "/v1/chat/completions", headers=bearer("EVALS_KEY"),
@@ -202,3 +206,45 @@ async def test_an_engine_with_priority_scheduling_gets_the_class_as_priority_unl
             assert r.status == 200
     assert await sim_priorities(router, "prio") == [0, 1, 7], "interactive 0, batch 1, the client's own kept"
     assert await sim_priorities(router, "fifo") == [None, None], "an engine without priority scheduling is sent none"
+    assert await sim_priorities(router, "own") == [0, 1], "a command engine's --scheduling-policy is read from its command"
+
+
+async def test_a_client_priority_may_ask_to_be_served_later_never_before_its_class(prio_router):
+    router = prio_router
+
+    async def asking(key: str, priority) -> tuple[int, dict]:
+        async with session.post(router.url + "/v1/chat/completions", headers=bearer(key),
+                                json={"model": "prio", "max_tokens": 4, "priority": priority,
+                                      "messages": [{"role": "user", "content": "hi"}]}) as r:
+            return r.status, await r.json()
+
+    async with aiohttp.ClientSession() as session:
+        assert (await asking("EVALS_KEY", -10))[0] == 200
+        assert (await asking("EVALS_KEY", 0))[0] == 200
+        assert (await asking("USERS_KEY", -10))[0] == 200
+        assert (await asking("USERS_KEY", 5))[0] == 200
+        status, body = await asking("EVALS_KEY", "-10")
+    assert await sim_priorities(router, "prio") == [1, 1, 0, 5], \
+        "a batch key is served no earlier than batch (1), an interactive one no earlier than 0; later is its own choice"
+    assert status == 400 and body["error"]["param"] == "priority" and "must be an integer" in body["error"]["message"], body
+
+
+POOLING_ROUTES = [("/v1/embeddings", {"input": "press"}), ("/v2/embed", {"texts": ["press"], "embedding_types": ["float"]}),
+                  ("/pooling", {"input": "press"}), ("/classify", {"input": ["press"]}),
+                  ("/v1/score", {"text_1": "press", "text_2": "a printing press"}),
+                  ("/v1/rerank", {"query": "press", "documents": ["a printing press"]})]
+
+
+async def test_every_pooling_route_tells_the_engine_a_batch_requests_class(prio_router):
+    # vLLM's pooling requests all take `priority` (PoolingBasicRequestMixin): batch embeddings and reranks
+    # are served after interactive ones there too.
+    router = prio_router
+    async with aiohttp.ClientSession() as session:
+        for path, body in POOLING_ROUTES:
+            async with session.post(router.url + path, headers=bearer("EVALS_KEY"), json={"model": "prio", **body}) as r:
+                assert r.status == 200, (path, await r.text())
+        port = (await router.engine("prio"))["port"]
+        async with session.get(f"http://127.0.0.1:{port}/sim/log") as r:
+            routes = {path for path, _ in POOLING_ROUTES}  # not the gate's canaries
+            sent = [(e["path"], e.get("priority")) for e in await r.json() if e["step"] == "generate" and e["path"] in routes]
+    assert sent == [(path, 1) for path, _ in POOLING_ROUTES]

@@ -6,6 +6,7 @@ library would send these)."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import io
 import math
@@ -98,6 +99,43 @@ def test_a_chunked_json_body_over_the_limit_gets_413_in_openais_shape(router):
         status, answer = read_answer(sock)
     assert status.startswith(b"HTTP/1.1 413") and answer["error"]["code"] == "body_too_large", (status, answer)
     assert set(answer["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("path, anthropic", [("/v1/chat/completions", False), ("/v1/messages", True)])
+def test_a_body_nested_too_deeply_gets_400_invalid_json_in_the_routes_shape(router, path, anthropic):
+    """400 KB of '[' is within max_body_mb, but json's parser recurses once per level: past Python's stack
+    it is still the client's malformed JSON, never the router's 500."""
+    body = b"[" * 400_000
+    with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % (path.encode(), len(body)) + body)
+        status, answer = read_answer(sock)
+    assert status.startswith(b"HTTP/1.1 400"), (status, answer)
+    if anthropic:
+        assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error", answer
+    else:
+        assert answer["error"]["code"] == "invalid_json" and set(answer["error"]) == {"message", "type", "param", "code"}
+    assert "nested too deeply" in answer["error"]["message"], answer
+    assert "RecursionError" not in router.log()
+
+
+def test_no_depth_of_nesting_is_a_500_even_where_the_router_rewrites_the_body(router):
+    """A body without `model` is rewritten for the default model, and json's encoder recurses from a frame or
+    two deeper than its parser did: at some depth a body that parsed cannot be encoded again. Every depth
+    around Python's stack limit is answered by the engine or with the client's 400, never a 500."""
+    answered: dict[int, list[int]] = {}
+    conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=10)
+    try:
+        for depth in range(800, 1_100):
+            body = b'{"prompt": "hi", "max_tokens": 1, "x": ' + b"[" * depth + b"]" * depth + b"}"
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            answer = conn.getresponse()
+            answer.read()
+            answered.setdefault(answer.status, []).append(depth)
+    finally:
+        conn.close()
+    assert set(answered) == {200, 400}, {status: depths[:5] for status, depths in answered.items()}
+    assert max(answered[200]) < min(answered[400]), "shallower bodies are served, deeper ones refused"
 
 
 def until_closed(sock: socket.socket, within: float) -> bytes:

@@ -93,3 +93,7 @@ async def test_runtime_adapters_are_an_admin_action_only(start_router):
     async with aiohttp.ClientSession() as s:
         async with s.post(router.url + "/admin/lora/load?model=chat", json={"lora_name": "y", "lora_path": "/y"}) as r:
             assert r.status == 401
+        # json's parser recurses per level: a body nested past Python's stack is malformed JSON, not a 500
+        async with s.post(router.url + "/admin/lora/load?model=chat", data=b"[" * 100_000,
+                          headers={"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_json"

@@ -111,3 +111,29 @@ async def test_a_peer_that_is_down_is_skipped_and_named_to_the_operator_only(sta
     assert a.log().count(f"peer {gone}: its /v1/models did not answer") == 1
     down = next(p for p in (await a.status())["peers"] if p["url"] == gone)
     assert down["state"] == "skipped" and "did not answer (ClientConnectorError" in down["problem"], down
+
+
+async def test_a_request_passed_on_keeps_its_class_and_no_hop_raises_it(start_router):
+    keys = {**ENV, "BATCH_KEY": "fleet-batch-key"}
+    auth = {"keys": [{"key": "${FLEET_KEY}", "name": "users", "models": ["*"]},
+                     {"key": "${BATCH_KEY}", "name": "evals", "models": ["*"], "class": "batch"}]}
+    a_port, b_port = free_port(), free_port()
+    a = await start_router(roster_dict(sim_model("alpha"), node={"name": "node-a", "peers": [f"http://127.0.0.1:{b_port}"]},
+                                       auth=auth), env=keys, port=a_port)
+    b = await start_router(roster_dict(sim_model("beta"), node={"name": "node-b", "peers": []}, auth=auth), env=keys,
+                           port=b_port)
+    asked = [(KEY, "batch"), (keys["BATCH_KEY"], "interactive"), (KEY, None)]
+    for key, klass in asked:
+        headers = {"Authorization": f"Bearer {key}", **({"X-Hotswap-Class": klass} if klass else {})}
+        status, answer_headers, body = await http(a, "POST", "/v1/completions", headers=headers,
+                                                  json={"model": "beta", "prompt": "hi", "max_tokens": 4})
+        assert status == 200 and answer_headers["X-Hotswap-Node"] == "node-b", body
+
+    async def classes(router: RouterProcess) -> list[tuple[str, str]]:
+        status, _, body = await http(router, "GET", "/admin/activity?model=beta")  # loopback: no admin key set
+        assert status == 200, body
+        return [(r["key_name"], r["class"]) for r in reversed(body["records"])]
+
+    expected = [("users", "batch"), ("evals", "batch"), ("users", "interactive")]
+    assert await classes(b) == expected, "the peer serves each request in the class it had where it arrived"
+    assert await classes(a) == expected, "and the node that passed it on records that class too"

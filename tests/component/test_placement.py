@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engines.sim.memory import read_ledger
-from tests.support import RouterProcess, ask, client, dev_steps, eventually, roster_dict, sim_model
+from tests.support import FAST_SIM, SIM_LAUNCHER, RouterProcess, ask, client, dev_steps, eventually, roster_dict, sim_model
 
 SHARE = "--gpu-memory-utilization"
 
@@ -58,6 +58,21 @@ async def test_two_small_models_alternate_with_zero_swaps_and_a_big_one_parks_ex
     assert swap["to"] == "big" and len(swap["from"]) == 1
     used = ledger(router)["devices"]["0"]["used_gb"]
     assert used == pytest.approx(80 * 0.9 + 1.0, abs=0.01), "the oracle holds two shares and one residual"
+
+
+async def test_two_command_engines_that_fit_together_alternate_with_zero_swaps(start_router):
+    # The router adds nothing to a `command:` engine's argv: its share is the one written there, not in args.
+    def command_engine(name: str) -> dict:
+        return {"name": name, "default": True, "command": [*SIM_LAUNCHER, f"sim/{name}", "--port", "{port}",
+                "--served-model-name", "{name}", "--enable-sleep-mode", *FAST_SIM, SHARE, "0.3"]}
+
+    router = await start_router(roster_dict(command_engine("small1"), command_engine("small2")))
+    assert await states(router) == {"small1": "awake", "small2": "awake"}, "0.3 + 0.3 fit: both boot awake"
+    assert {e["name"]: e["gpu_share"] for e in (await router.status())["engines"]} == {"small1": 0.3, "small2": 0.3}
+    c = client(router)
+    for name in ["small1", "small2"] * 2:
+        assert await ask(c, name)
+    assert (await router.status())["swaps"] == [], "both fit: alternating needs no swap at all"
 
 
 async def test_a_big_model_waits_for_room_while_both_small_ones_serve_then_takes_it_after_max_hold(start_router):

@@ -137,6 +137,29 @@ async def test_a_key_given_the_virtual_name_reaches_its_members_only_through_it(
         assert "Available: chat" in hidden.value.body["message"]
 
 
+async def test_a_glob_that_matches_a_virtual_name_reaches_only_the_members_it_matches(start_router):
+    # 'chat-*' was written for the chat models; chat-any (private first) and chat-hidden only match it by name.
+    env = {"APP_KEY": "app-secret-0001", "ADMIN_KEY": "admin-secret-0002"}
+    auth = {"keys": [{"key": "${APP_KEY}", "name": "app", "models": ["chat-*"]}], "admin_key": "${ADMIN_KEY}"}
+    router = await start_router(roster_dict(
+        model("chat-a", 0.3), model("chat-b", 0.3), model("private", 0.3),
+        virtual_models=[{"name": "chat-any", "models": ["private", "chat-a"], "pick": "first"},
+                        {"name": "chat-hidden", "models": ["private"]}], auth=auth), env=env, admin_key=env["ADMIN_KEY"])
+    app = client(router, env["APP_KEY"])
+    assert [m.id async for m in app.models.list()] == ["chat-a", "chat-b", "chat-any"]
+    assert (await card(router, "chat-any", env["APP_KEY"]))["members"] == ["chat-a"], "no member outside the key is named"
+    for _ in range(3):
+        answer = await app.completions.create(model="chat-any", prompt="hello", max_tokens=4, temperature=0)
+        assert answer.model == "chat-a", "the first member the key may use answers, never private"
+    for name in ("chat-hidden", "private"):
+        with pytest.raises(openai.NotFoundError) as hidden:
+            await ask(app, name)
+        assert hidden.value.body["code"] == "model_not_found", hidden.value.body
+        assert hidden.value.body["message"].endswith("Available: chat-a, chat-any, chat-b"), hidden.value.body
+    served = await records(router, "chat-any", 3)
+    assert {r["engine"] for r in served} == {"chat-a"}
+
+
 async def test_a_responses_follow_up_by_the_virtual_name_stays_on_the_member_that_holds_the_conversation(start_router):
     store = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}  # vLLM keeps a response for its follow-ups only with this
     router = await start_router(roster_dict(model("chat-a", 0.3, env=store), model("chat-b", 0.3, env=store),

@@ -120,6 +120,36 @@ def test_a_launcher_from_defaults_is_reported_once_where_it_is_written(tmp_path:
     ]
 
 
+def test_check_warns_of_a_glob_that_matches_a_virtual_model_but_not_all_its_members(tmp_path: Path):
+    roster = tmp_path / "roster.yaml"
+    roster.write_text(
+        "auth:\n"
+        "  keys:\n"
+        "    - {key: '${APP_KEY}', name: app, models: [embed, 'chat-*']}\n"      # 3: a glob over chat models
+        "    - {key: '${WHOLE_KEY}', name: whole, models: [chat-any]}\n"          # the virtual model, written as it is
+        "defaults: {launcher: [python, -m, engines.sim, serve]}\n"
+        "models:\n"
+        "  - {name: chat-a, model: /m/a}\n"
+        "  - {name: chat-b, model: /m/b, aliases: [b]}\n"
+        "  - {name: private, model: /m/p}\n"
+        "virtual_models:\n"
+        "  - {name: chat-any, models: [private, chat-a]}\n"
+        "  - {name: chat-hidden, models: [private]}\n"
+        "  - {name: chat-pair, models: [chat-a, b]}\n"                          # b is chat-b: within the glob
+    )
+    run = subprocess.run([*HOTSWAP, "check", "--config", str(roster)], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "APP_KEY": "app-secret", "WHOLE_KEY": "whole-secret"})
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.splitlines() == [
+        f"{roster}:3:54: auth.keys[0].models[1]: 'chat-*' matches virtual model 'chat-any' but not its member(s) private: "
+        "through it this key reaches only chat-a; to give the key the whole virtual model, add 'chat-any' to its models",
+        f"{roster}:3:54: auth.keys[0].models[1]: 'chat-*' matches virtual model 'chat-hidden' but not its member(s) private: "
+        "this key cannot use 'chat-hidden' at all (404); to give the key the whole virtual model, add 'chat-hidden' to its "
+        "models",
+        f"{roster}: 2 warnings; the roster is valid",
+    ]
+
+
 def test_check_of_the_demo_roster_warns_about_nothing():
     run = subprocess.run([*HOTSWAP, "check", "--config", str(EXAMPLES / "demo.yaml")], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert (run.returncode, run.stderr) == (0, "")

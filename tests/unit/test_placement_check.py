@@ -160,6 +160,29 @@ def test_placements_that_can_be_satisfied_load(roster):
     load(roster)
 
 
+def test_a_command_engines_share_is_read_from_its_command():
+    # Its args never reach the engine; what it runs with is what its command says.
+    assert errors("""
+        models:
+          - {name: chat, model: /m/chat, pin: true, args: [--gpu-memory-utilization, 0.1]}
+          - {name: own, command: [my-vllm, --port, "{port}", --gpu-memory-utilization, 0.95], args: [--gpu-memory-utilization, 0.1]}
+        """) == [
+        "roster.yaml:4:80: models[1].command[4]: 'own' takes 0.95 (--gpu-memory-utilization) of GPU 0 when awake, "
+        "but the pinned models there always hold 0.1 (chat: 0.1): 1.05 > 1.0, so it could never wake; "
+        "lower its --gpu-memory-utilization to at most 0.9, or unpin one of them",
+    ]
+    load("""
+        models:
+          - {name: a, pin: true, command: [my-vllm, --port, "{port}", --gpu-memory-utilization=0.3]}
+          - {name: b, pin: true, command: "my-vllm --port {port} --gpu-memory-utilization 0.3"}
+        """)
+    assert errors("""
+        models:
+          - {name: a, command: [my-vllm, --port, "{port}", --gpu-memory-utilization, 1.5]}
+        """) == ["roster.yaml:3:24: models[0].command: --gpu-memory-utilization must be in (0, 1]: "
+                 "the fraction of each of the model's devices it uses when awake (found 1.5)"]
+
+
 def test_a_share_the_schema_refuses_gets_only_the_schemas_message():
     assert errors("""
         models:

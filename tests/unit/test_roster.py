@@ -152,6 +152,19 @@ def spec_with_args(*args: str):
     return ModelSpec(name="a", model="/m/a", args=list(args))
 
 
+def test_a_command_engine_runs_with_the_flags_its_command_says_not_its_args():
+    (m,) = load("""
+        models:
+          - name: own
+            command: [my-vllm, --port, "{port}", --gpu-memory-utilization, 0.3, --api-key=engine-key, --load-format, dummy,
+                      --scheduling-policy, priority]
+            args: [--gpu-memory-utilization, 0.8, --api-key, unused]
+        """).models
+    assert (m.gpu_share, m.engine_api_key, m.reloads_weights, m.flag("--scheduling-policy")) == (0.3, "engine-key", False, "priority")
+    (m,) = load("models: [{name: a, model: /m/a, args: [--api-key, first, --api-key=last, --gpu-memory-utilization, 0.5]}]").models
+    assert (m.gpu_share, m.engine_api_key) == (0.5, "last"), "the last of a flag wins, as in vLLM's argparse"
+
+
 def test_an_error_in_appended_args_points_at_whoever_wrote_the_item():
     found = errors("""
         defaults:
@@ -427,6 +440,31 @@ def test_check_refuses_a_name_or_alias_the_agent_line_and_the_front_rule_cannot_
 def test_check_of_a_missing_file_exits_2():
     run = hotswap("check", "--config", "/nonexistent/roster.yaml")
     assert run.returncode == 2 and "/nonexistent/roster.yaml:1:1: roster: cannot read file" in run.stderr
+
+
+def test_check_refuses_an_infinite_body_limit_that_serve_would_crash_on(tmp_path: Path):
+    roster = tmp_path / "inf.yaml"
+    roster.write_text("listen:\n  max_body_mb: .inf\nmodels: [{name: a, model: /m/a}]\n")
+    run = hotswap("check", "--config", str(roster))
+    assert run.returncode == 2 and run.stdout == "", run.stdout
+    assert run.stderr.splitlines()[0] == f"{roster}:2:16: listen.max_body_mb: must be a finite number (found inf)"
+
+
+@pytest.mark.parametrize("text, expected", [
+    pytest.param("swap: {min_active_s: .nan}", "roster.yaml:1:22: swap.min_active_s: must be a finite number (found nan)",
+                 id="nan-in-a-section"),
+    pytest.param("queue: {stream_keepalive_s: -.inf}", "roster.yaml:1:29: queue.stream_keepalive_s: must be a finite number",
+                 id="optional-float"),
+    pytest.param("gpus: [{index: 0, memory_gb: .inf}]", "roster.yaml:1:30: gpus[0].memory_gb: must be a finite number",
+                 id="a-gpu"),
+    pytest.param("defaults: {weights_gb: .Inf}", "roster.yaml:1:24: defaults.weights_gb: must be a finite number",
+                 id="a-default"),
+    pytest.param("defaults: {gate: {midlife_window_s: .inf}}", "roster.yaml:1:37: defaults.gate.midlife_window_s: must be a "
+                 "finite number", id="a-nested-default"),
+])
+def test_no_float_key_takes_infinity_or_nan(text, expected):
+    found = errors(text + "\nmodels: [{name: a, model: /m/a}]\n")
+    assert len(found) == 1 and found[0].startswith(expected), found
 
 
 def test_help_describes_every_command():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from config.schema import ModelSpec
 from config.virtual import VirtualModel
 from engines.engine import State
 from router.virtuals import pick, queue_wait_s
@@ -69,6 +70,12 @@ def test_balance_wakes_another_member_only_when_the_queue_on_the_awake_one_is_th
     a.in_flight = 3
     assert queue_wait_s(a) == 5.0 and pick(balance, [a, b], s) is b
     assert pick(chat("awake", "a", "b"), [a, b], s) is a, "awake never wakes while a member is awake"
+
+
+def test_a_command_engines_queue_is_sized_by_the_max_num_seqs_in_its_command():
+    a = held(FakeEngine("a"), 3, 5.0)
+    a.spec = ModelSpec(name="a", command=["my-vllm", "--port", "{port}", "--max-num-seqs", "2"], args=["--max-num-seqs", "64"])
+    assert queue_wait_s(a) == 5.0, "two requests past its 2 sequences, served 2 at a time at 5 s each"
 
 
 def test_balance_wakes_nobody_before_it_has_measured_how_long_a_request_holds_the_engine():
