@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from config.schema import ModelSpec
 from engines.engine import EngineFailed, State
+from engines.leases import Leases
 from engines.memory import PRIOR_FACTOR
 from engines.memory.host import GB, HostMemory
 from engines.stage import Stager
@@ -123,7 +124,7 @@ class SimEngine:
         self.since = world.loop.now
         self.last_used = world.loop.now
         self.sleep_level: Optional[int] = None
-        self.leases = 0
+        self.leases = Leases(spec.name, lambda: world.swap.demand_tau_s)  # the real count, and its mean time held
         self.gate = SimpleNamespace(needs_restart=None)
         self.retiring = False
         self.failure: Optional[str] = None
@@ -147,7 +148,7 @@ class SimEngine:
 
     @property
     def in_flight(self) -> int:
-        return self.leases
+        return self.leases.count
 
     @property
     def holds_process(self) -> bool:
@@ -156,14 +157,13 @@ class SimEngine:
     def try_lease(self) -> bool:
         if self.state is not State.AWAKE:
             return False
-        self.leases += 1
+        self.leases.take()
         self._idle.clear()
         return True
 
     def release(self) -> None:
-        self.leases -= 1
-        self.last_used = self.world.loop.now
-        if self.leases == 0:
+        self.last_used = self.leases.give_back()
+        if self.leases.count == 0:
             self._idle.set()
 
     async def serve(self, seconds: float) -> bool:
@@ -184,6 +184,8 @@ class SimEngine:
         self.state, self.since = state, self.world.loop.now
         if state in (State.AWAKE, State.COLD):
             self.sleep_level = None
+        if state is State.AWAKE:
+            self._cut = asyncio.Event()  # what serves now was not there when the last streams were cut
 
     def fail(self, what: str) -> EngineFailed:
         if self.state is not State.FAILED:

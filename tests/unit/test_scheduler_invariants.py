@@ -35,6 +35,7 @@ from config.placement_check import check_placement
 from config.schema import ModelSpec, Queue, Swap
 from config.sections import BATCH, INTERACTIVE
 from config.virtual import VirtualModel
+from engines import leases as leases_module
 from engines.engine import State
 from engines.memory import PRIOR_FACTOR
 from router import virtuals
@@ -308,8 +309,9 @@ class SchedulerRun(RuleBasedStateMachine):
         self.virtual = VirtualModel(**roster["virtual"]) if roster["virtual"] else None
         world = self.world = World(swap)
         world.gpus = {i: GPU_GB for i in range(roster["gpus"])}
+        # The clocks the actions and the leases read: virtual, so a run replays exactly.
         self.saved_time = actions_module.time
-        actions_module.time = SimpleNamespace(monotonic=world.loop.time)  # durations the actions measure: virtual, so a run replays exactly
+        actions_module.time = leases_module.time = SimpleNamespace(monotonic=world.loop.time)
         self.errors = InternalErrors()
         self.logger = logging.getLogger("hotswap")
         self.logger.addHandler(self.errors)
@@ -472,7 +474,7 @@ class SchedulerRun(RuleBasedStateMachine):
                 task.cancel()
             loop.run_virtually(_ended(pending))
             loop.close()
-            actions_module.time = self.saved_time
+            actions_module.time = leases_module.time = self.saved_time
             self.logger.removeHandler(self.errors)
             self.logger.setLevel(self.level)
 
@@ -565,3 +567,46 @@ def test_each_promise_catches_a_bug_planted_for_it(promise: int, monkeypatch) ->
     with pytest.raises(BaseException) as caught:
         run(max_examples=300, phases=[Phase.generate])
     assert promise in promises_in(caught.value), f"the plant for promise {promise} was reported as: {caught.value}"
+
+
+# -- runs the simulation found, kept as scenarios (each failed before its fix) ---------------------------------
+
+def two_models(**swap: Any) -> dict[str, Any]:
+    def model(name: str) -> tuple[dict[str, Any], Timing, HostModel]:
+        return {"name": name, "model": f"/m/{name}", "args": ["--gpu-memory-utilization", "0.4"], "devices": [0],
+                "weights_gb": 2.0}, Timing(), HostModel()
+    return {"gpus": 1, "models": [model("m0"), model("m1")], "virtual": None, "swap": swap, "queue": {}, "ram_gb": 100.0}
+
+
+def test_a_model_an_operator_put_to_sleep_stays_asleep_through_a_change_of_its_roster_entry_regression() -> None:
+    state = SchedulerRun()
+    state.boot(roster=two_models())
+    state.time_passes(seconds=200.0)
+    state.an_operator_puts_a_model_to_sleep(which=0)
+    state.time_passes(seconds=10.0)
+    state.promises_hold()
+    state.a_reload_changes_a_model(which=0, share=0.5)
+    state.time_passes(seconds=200.0)
+    state.promises_hold()
+    assert state.world.engines["m0"].state is State.COLD, "restarted from its new entry, it waits for a request to boot"
+    state.request(which=0, klass=INTERACTIVE, n=1, hold_s=0.5, by_virtual=False)
+    state.time_passes(seconds=200.0)
+    state.promises_hold()
+    assert state.world.clients[-1].outcome == "granted"
+    state.teardown()
+
+
+def test_a_model_a_reload_added_does_not_park_the_model_a_user_just_used_regression() -> None:
+    state = SchedulerRun()
+    state.boot(roster=two_models(interactive_hold_s=60.0, wake_ahead=False))
+    state.time_passes(seconds=200.0)
+    state.request(which=0, klass=INTERACTIVE, n=1, hold_s=5.0, by_virtual=False)
+    state.time_passes(seconds=10.0)
+    state.a_reload_changes_a_model(which=1, share=0.9)  # m1 restarts at 0.9: it fits only once m0 parks
+    state.time_passes(seconds=30.0)
+    state.promises_hold()
+    assert state.world.engines["m0"].state is State.AWAKE, "m0 keeps its room while its user may come back"
+    state.time_passes(seconds=200.0)
+    state.promises_hold()
+    assert state.world.engines["m1"].state is State.AWAKE, "once m0's interactive hold is over, m1 boots"
+    state.teardown()
