@@ -266,10 +266,14 @@ class Actions(Costs, RosterChanges, Staging):
         return self._outcome(engine)
 
     async def _sleep(self, engine: Engine) -> str:
+        # By an operator: not woken ahead of demand nor booted in the background, only by a request, from the
+        # moment asked (a reload may restart it while this waits for its turn).
+        if engine.state in (State.AWAKE, State.SLEEPING):
+            self.put_to_sleep.add(engine.name)
+
         async def action() -> str:
             if engine.state is not State.AWAKE:
                 return f"not awake ({engine.state.value})"
-            self.put_to_sleep.add(engine.name)  # by an operator: not woken ahead of demand, only by a request
             level = self._level_alone(engine)
             reason = self.level_reason(engine, level)
             if level is None:

@@ -198,8 +198,6 @@ class Checker:
 
     def starting(self, decision: Any) -> None:
         engine, action = decision.engine, decision.action
-        if decision.action.startswith("admin"):
-            self.log.append(f"t={self.world.loop.now:.2f} {action} {engine.name} ({engine.state.value})")
         if action in TAKES_ROOM and (demand := self.interactive_demand(engine)):
             users = [c for c in self.world.waiting() if c.klass == INTERACTIVE and c.engine is not engine]
             if not users and not decision.why.startswith(("idle", "host RAM over")):
@@ -404,8 +402,9 @@ class SchedulerRun(RuleBasedStateMachine):
     def an_operator_puts_a_model_to_sleep(self, which: int) -> None:
         engines = self.serving()
         engine = engines[which % len(engines)]
-        if engine.state is State.AWAKE and engine.name not in self.s.busy:
+        if engine.state in (State.AWAKE, State.SLEEPING):
             self.checker.slept_by_operator.add(engine.name)
+        self.checker.log.append(f"t={self.world.loop.now:.2f} an operator puts {engine.name} ({engine.state.value}) to sleep")
         self.world.loop.create_task(self._admin_sleep(engine))
         self.world.loop.settle()
 
