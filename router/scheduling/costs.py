@@ -46,7 +46,7 @@ class Costs(SchedulerState):
     def _choose_level(self, engine: Engine, now: float, waking: Collection[str] = (),
                       ledger: Optional[Ledger] = None) -> tuple[Optional[int], list[Engine]]:
         """The level to park `engine` at, and the Level-1 sleepers to demote to make RAM for it.
-        `waking`: engines about to wake, whose host copy goes once their wake empties the cache. `ledger`:
+        `waking`: engines about to wake, never demoted for it (their room is being made). `ledger`:
         the GPU as planned, to tell a sleeper that can pass through it to Level 2 from one that
         would have to be stopped (and pay a cold boot later); without one, demote nobody.
         None: not Level 1, and its --load-format cannot reload from disk, so not Level 2 either:
@@ -57,7 +57,9 @@ class Costs(SchedulerState):
         need = self.level1_need_gb(engine)
         if need is None:
             return otherwise, []
-        used = self.level1_gb(exclude=self._leaving(engine, waking))
+        # Engines about to wake still count: their copy goes only once their wake ends, after this park has
+        # copied out beside it (the wake waits for the room this park makes).
+        used = self.level1_gb(exclude={engine.name})
         budget = self.capacity.ram_budget_gb
         if used + need <= budget:
             return 1, []
@@ -82,19 +84,14 @@ class Costs(SchedulerState):
                 return 1, chosen
         return otherwise, []
 
-    def _leaving(self, engine: Engine, waking: Collection[str]) -> set[str]:
-        """Who the sum for `engine`'s Level 1 leaves out: itself (its own need is counted apart) and the
-        engines about to wake whose wake gives their host copy back."""
-        return {engine.name, *self._releasing(waking)}
-
     def _releasing(self, waking: Collection[str]) -> set[str]:
         """Of the engines about to wake, those whose wake empties their host cache (the worker extension)."""
         return {e.name for e in self.engines if e.name in waking and e.host.releases}
 
-    def level_reason(self, engine: Engine, level: Optional[int], waking: Collection[str] = ()) -> str:
+    def level_reason(self, engine: Engine, level: Optional[int]) -> str:
         """Why an `auto` engine parks at `level` (or stops, None) rather than Level 1, with the numbers;
         kept for /admin/status. Empty for Level 1 and for a fixed level."""
-        reason = "" if level == 1 or engine.spec.sleep_level != "auto" else self.level1_why(engine, waking)
+        reason = "" if level == 1 or engine.spec.sleep_level != "auto" else self.level1_why(engine)
         self.host_why[engine.name] = reason or None
         # An unknown size was said once at start (sizing.level1_weights); every park need not repeat it.
         return reason if self.level1_need_gb(engine) is not None else ""
@@ -104,8 +101,8 @@ class Costs(SchedulerState):
         that held more than its first guess): the least valuable Level-1 sleepers to demote (True) or stop
         (False) until it is not. An awake engine's cached copy is not moved: only its stop would free it."""
         budget = self.capacity.ram_budget_gb
-        # Engines whose wake is under way or waits for its room give their copy back once woken, as the
-        # parks made for them counted (`_leaving`): they are neither counted nor moved here.
+        # Engines whose wake is under way or waits for its room give their copy back once woken: an excess
+        # they make ends with that wake, and moving a sleeper for it would cost its next wake for nothing.
         waking = {n for n in self.making_room} | {n for n, (action, *_) in self.doing.items() if action == "wake"}
         excess = self.level1_gb(exclude=self._releasing(waking)) - budget
         if excess <= 0:
@@ -172,12 +169,12 @@ class Costs(SchedulerState):
         weights = self.weights.get(engine.name)
         return None if weights is None else weights * PRIOR_FACTOR
 
-    def level1_why(self, engine: Engine, waking: Collection[str] = ()) -> str:
+    def level1_why(self, engine: Engine) -> str:
         """The numbers behind a Level-1 refusal, for the log and /admin/status."""
         need, measured = self.level1_need_gb(engine), engine.host.level1_gb is not None
         if need is None:
             return f"its weights' size is unknown ({engine.name}: set weights_gb), so level 1 cannot be sized"
-        others = self.level1_gb(exclude=self._leaving(engine, waking))
+        others = self.level1_gb(exclude={engine.name})
         how = "measured at its last level-1 sleep" if measured else \
             f"estimated: {self.weights.get(engine.name) or 0:.2f} GB checkpoint x {PRIOR_FACTOR:g}"
         return (f"host RAM for level 1: it would hold {need:.2f} GB ({how}) beside {others:.2f} GB the others hold "

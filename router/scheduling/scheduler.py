@@ -329,7 +329,7 @@ class Scheduler(WakeAhead):
             return [Decision("park", engine, f"{why}; its KV cache only (level 0)", KV_PARKED)]
         back = self.ahead_level(engine)
         level, demoted = (back, []) if back is not None else self._choose_level(engine, now, waking=ledger.reserved, ledger=ledger)
-        reason = self.level_reason(engine, level, ledger.reserved)
+        reason = self.level_reason(engine, level)
         if level is None:
             numbers = f"; {reason}" if reason else ""
             return [Decision("stop", engine, f"{why}; no room for it at level 1 in host RAM, and {NO_LEVEL2}{numbers}")]

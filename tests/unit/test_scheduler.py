@@ -857,16 +857,34 @@ async def test_a_level1_sleep_that_held_more_than_its_guess_over_the_budget_send
     assert actions(s.decide(clock.now)) == [], "within the budget: nobody moves"
 
 
+async def test_a_victims_level1_copy_is_sized_beside_the_copy_its_target_still_holds_until_that_wake(clock):
+    """Issue 54: a, b, c in one group round-robin under host.ram_budget_gb=0.34, each Level-1 copy 0.143 GB.
+    c's park for a copies out before a's wake (which waits for that room) gives a's copy back: the three
+    copies are held at once, 0.43 GB, if c's level is chosen as if a's were gone already."""
+    a = measured(FakeEngine("a", share=0.6, level=1, group="g"), 0.143, level1=0.143)
+    b = measured(FakeEngine("b", share=0.6, level=1, group="g"), 0.143, level1=0.143)
+    c = awake("c", clock, share=0.6, group="g")
+    for sleeper in (a, b):
+        sleeper.host.release_ok = True  # the worker extension empties the cache after the wake
+    s = scheduler(a, b, c, clock=clock, ram_gb=0.34, estimates={"a": 0.135, "b": 0.135, "c": 0.135})
+    wait_for(s, a, clock.now)
+    plan = s.decide(clock.now)
+    assert [(d.action, d.engine.name, d.level) for d in plan.decisions] == [("park", "c", 2)], \
+        "a's 0.143 GB and b's are held while c parks: c's 0.135 GB would break the budget"
+    assert "beside 0.29 GB the others hold for sleep" in plan.decisions[0].why
+
+
 async def test_a_sleeper_whose_room_is_being_made_is_not_sent_down_for_the_ram_its_own_wake_gives_back(clock):
     target = measured(FakeEngine("target", share=0.6, level=1), 12, level1=12)
     target.host.release_ok = True
     parking = awake("parking", clock, share=0.6)
-    s = scheduler(target, parking, clock=clock, ram_gb=20, estimates={"target": 12, "parking": 12})
+    s = scheduler(target, parking, clock=clock, ram_gb=20, estimates={"target": 12, "parking": 6})
     wait_for(s, target, clock.now)
     assert [(d.action, d.engine.name, d.level) for d in s.decide(clock.now).decisions] == [("park", "parking", 1)], \
-        "the target's wake will empty its cache: parking fits at level 1 beside it"
+        "by its estimate, parking's copy fits beside the one the target holds until its wake"
     s.busy["parking"], s.doing["parking"] = asyncio.get_running_loop().create_future(), ("park", clock.now, 0.0)
     s.parking_level["parking"] = 1
+    measured(parking, 12, level1=12)  # it held twice its guess
     assert s.decide(clock.now) == Plan(), "12 + 12 GB over 20 while the park runs, but target's 12 are on their way out"
 
 
