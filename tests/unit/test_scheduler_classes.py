@@ -143,3 +143,24 @@ async def test_acquire_counts_interactive_leases_and_batch_times_out_naming_the_
     assert "chat" not in s.interactive_leases
     await s.acquire(chat, klass=BATCH)
     assert "chat" not in s.interactive_leases, "a batch lease is no interactive demand"
+
+
+async def test_a_batch_flood_that_fills_the_queue_leaves_room_in_it_for_an_interactive_request(clock):
+    nightly = FakeEngine("nightly")
+    s = scheduler(nightly, clock=clock, queue=Queue(max_waiting=3))
+    flood = [asyncio.ensure_future(s.acquire(nightly, klass=BATCH)) for _ in range(3)]
+    user = None
+    try:
+        await asyncio.sleep(0)  # each acquire runs up to its wait
+        user = asyncio.ensure_future(s.acquire(nightly, klass=INTERACTIVE))
+        await asyncio.sleep(0)
+        assert not user.done(), "the user queues beside the flood instead of getting a 429"
+        assert s.queued_by_class(nightly) == {"interactive": 1, "batch": 3}
+        with pytest.raises(APIError) as error:
+            await s.acquire(nightly, klass=BATCH)
+        assert error.value.status == 429 and "has 3 batch requests waiting (queue.max_waiting, per class)" in \
+            error.value.message
+    finally:
+        for task in [*flood, *([user] if user else [])]:
+            task.cancel()
+        await asyncio.gather(*flood, *([user] if user else []), return_exceptions=True)
