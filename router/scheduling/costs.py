@@ -44,11 +44,12 @@ class Costs(SchedulerState):
         return self._choose_level(engine, self.clock())[0]
 
     def _choose_level(self, engine: Engine, now: float, waking: Collection[str] = (),
-                      ledger: Optional[Ledger] = None) -> tuple[Optional[int], list[Engine]]:
+                      ledger: Optional[Ledger] = None, batch: bool = False) -> tuple[Optional[int], list[Engine]]:
         """The level to park `engine` at, and the Level-1 sleepers to demote to make RAM for it.
         `waking`: engines about to wake, never demoted for it (their room is being made). `ledger`:
         the GPU as planned, to tell a sleeper that can pass through it to Level 2 from one that
-        would have to be stopped (and pay a cold boot later); without one, demote nobody.
+        would have to be stopped (and pay a cold boot later); without one, demote nobody. `batch`: it
+        makes room for a target only batch requests wait for, so no sleeper with interactive demand goes.
         None: not Level 1, and its --load-format cannot reload from disk, so not Level 2 either:
         it is stopped, and boots cold when next needed."""
         if engine.spec.sleep_level != "auto":
@@ -71,7 +72,8 @@ class Costs(SchedulerState):
             return self._level1_value(sleeper, now, passes=self.passes_through(sleeper, ledger))
 
         sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1
-                           and e.name not in self.busy and e.name not in waking and not e.spec.pin), key=value)
+                           and e.name not in self.busy and e.name not in waking and not e.spec.pin
+                           and not (batch and self.interactive_demand(e, now)[0])), key=value)
         chosen: list[Engine] = []
         lost = 0.0  # what the demotions chosen so far cost, together
         for sleeper in sleepers:
@@ -99,7 +101,9 @@ class Costs(SchedulerState):
     def over_budget(self, ledger: Ledger, moving: Collection[str], now: float) -> list[tuple[Engine, bool, str]]:
         """When what the engines hold for sleep, as measured, is over host.ram_budget_gb (a Level-1 sleep
         that held more than its first guess): the least valuable Level-1 sleepers to demote (True) or stop
-        (False) until it is not. An awake engine's cached copy is not moved: only its stop would free it."""
+        (False) until it is not. An awake engine's cached copy is not moved: only its stop would free it. Nor
+        is a sleeper with interactive demand: the park that overshot may have been batch work's, and once it
+        ends its own copy (at least the excess) can go instead."""
         budget = self.capacity.ram_budget_gb
         # Engines whose wake is under way or waits for its room give their copy back once woken: an excess
         # they make ends with that wake, and moving a sleeper for it would cost its next wake for nothing.
@@ -109,7 +113,7 @@ class Costs(SchedulerState):
             return []
         sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1 and not e.spec.pin
                            and e.name not in self.busy and e.name not in moving and e.name not in waking
-                           and self.host_gb(e) > 0),
+                           and self.host_gb(e) > 0 and not self.interactive_demand(e, now)[0]),
                           key=lambda e: self._level1_value(e, now, passes=self.passes_through(e, ledger)))
         out = []
         for sleeper in sleepers:

@@ -141,7 +141,7 @@ class Scheduler(WakeAhead):
                 continue
             ledger.reserve(target)  # first: a demotion passing through the GPU must not take its room
             moves = [d for victim in victims for d in self._move(victim, f"room {'to boot' if first else 'for'} {target.name}",
-                                                                   ledger, now)]
+                                                                   ledger, now, batch=self.batch_only(target))]
             if not all(clear(d.engine) for d in moves):
                 continue
             moving.add(target.name)
@@ -319,7 +319,9 @@ class Scheduler(WakeAhead):
             wait = max(wait, oldest + self.swap.max_hold_s - now)
         return max(wait, 0.0)
 
-    def _move(self, victim: Victim, why: str, ledger: Ledger, now: float) -> list[Decision]:
+    def _move(self, victim: Victim, why: str, ledger: Ledger, now: float, batch: bool = False) -> list[Decision]:
+        """The decisions that move `victim`: its park, and the Level-1 sleepers demoted for its host RAM
+        (`batch`: for a target only batch requests wait for, which demotes no sleeper with interactive demand)."""
         engine = victim.engine
         if victim.action == "stop":
             return [Decision("stop", engine, f"{why} ({victim.why})" if victim.why else why)]
@@ -328,7 +330,8 @@ class Scheduler(WakeAhead):
         if victim.level == KV_PARKED:
             return [Decision("park", engine, f"{why}; its KV cache only (level 0)", KV_PARKED)]
         back = self.ahead_level(engine)
-        level, demoted = (back, []) if back is not None else self._choose_level(engine, now, waking=ledger.reserved, ledger=ledger)
+        level, demoted = (back, []) if back is not None else self._choose_level(engine, now, waking=ledger.reserved,
+                                                                                 ledger=ledger, batch=batch)
         reason = self.level_reason(engine, level)
         if level is None:
             numbers = f"; {reason}" if reason else ""
