@@ -17,7 +17,7 @@ from engines.ladder import KV_PARKED
 from engines.memory import process_gpu_memory_gb
 from router.errors import APIError, for_clients
 from router.scheduling import placement
-from router.scheduling.costs import NO_LEVEL2, Costs
+from router.scheduling.costs import Costs
 from router.scheduling.history import SwapRecord
 from router.scheduling.roster_changes import RosterChanges
 from router.scheduling.staging import Staging
@@ -270,7 +270,8 @@ class Actions(Costs, RosterChanges, Staging):
             reason = self.level_reason(engine, level)
             if level is None:
                 numbers = f"; {reason}" if reason else ""
-                await self._stop(engine, f"on request; no room for it at level 1 in host RAM, and {NO_LEVEL2}{numbers}")
+                await self._stop(engine, f"on request; no room for it at level 1 in host RAM, and "
+                                         f"{self.no_level2(engine)}{numbers}")
             else:
                 await self._park(engine, f"on request; level {level}: {reason}" if reason else "on request", level)
             return self._outcome(engine)

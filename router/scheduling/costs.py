@@ -50,14 +50,16 @@ class Costs(SchedulerState):
         the GPU as planned, to tell a sleeper that can pass through it to Level 2 from one that
         would have to be stopped (and pay a cold boot later); without one, demote nobody. `batch`: it
         makes room for a target only batch requests wait for, so no sleeper with interactive demand goes.
-        None: not Level 1, and its --load-format cannot reload from disk, so not Level 2 either:
-        it is stopped, and boots cold when next needed."""
-        if engine.spec.sleep_level != "auto":
+        None: not Level 1, and not Level 2 either (its --load-format cannot reload from disk, or its
+        sleep_level is 1): it is stopped, and boots cold when next needed."""
+        fixed = engine.spec.sleep_level != "auto"
+        if fixed and engine.spec.sleep_level != 1:
             return engine.spec.sleep_level, []
-        otherwise = 2 if engine.spec.reloads_weights else None
+        # A fixed Level 1 keeps to the budget too: where the RAM cannot be made, a stop is its only way out.
+        otherwise = 2 if not fixed and engine.spec.reloads_weights else None
         need = self.level1_need_gb(engine)
         if need is None:
-            return otherwise, []
+            return (1 if fixed else otherwise), []  # unsized: measured after its sleep, and held to the budget then
         # Engines about to wake still count: their copy goes only once their wake ends, after this park has
         # copied out beside it (the wake waits for the room this park makes).
         used = self.level1_gb(exclude={engine.name})
@@ -66,7 +68,7 @@ class Costs(SchedulerState):
             return 1, []
         if ledger is None:
             return otherwise, []
-        mine = self._level1_value(engine, now, passes=engine.spec.reloads_weights)
+        mine = self._level1_value(engine, now, passes=otherwise == 2)
 
         def value(sleeper: Engine) -> float:
             return self._level1_value(sleeper, now, passes=self.passes_through(sleeper, ledger))
@@ -91,9 +93,9 @@ class Costs(SchedulerState):
         return {e.name for e in self.engines if e.name in waking and e.host.releases}
 
     def level_reason(self, engine: Engine, level: Optional[int]) -> str:
-        """Why an `auto` engine parks at `level` (or stops, None) rather than Level 1, with the numbers;
-        kept for /admin/status. Empty for Level 1 and for a fixed level."""
-        reason = "" if level == 1 or engine.spec.sleep_level != "auto" else self.level1_why(engine)
+        """Why an `auto` engine parks at `level` (or an `auto` or `1` one stops, None) rather than Level 1,
+        with the numbers; kept for /admin/status. Empty for Level 1 and for any other fixed level."""
+        reason = "" if level == 1 or engine.spec.sleep_level not in ("auto", 1) else self.level1_why(engine)
         self.host_why[engine.name] = reason or None
         # An unknown size was said once at start (sizing.level1_weights); every park need not repeat it.
         return reason if self.level1_need_gb(engine) is not None else ""
@@ -127,6 +129,11 @@ class Costs(SchedulerState):
                                          + ("" if sleeper.spec.reloads_weights else f", and {NO_LEVEL2}")))
             excess -= self.host_gb(sleeper)
         return out
+
+    @staticmethod
+    def no_level2(engine: Engine) -> str:
+        """Why `engine`, refused Level 1, cannot sleep at Level 2 instead (for the log)."""
+        return "its sleep_level: 1 rules out level 2" if engine.spec.sleep_level == 1 else NO_LEVEL2
 
     def passes_through(self, sleeper: Engine, ledger: Ledger) -> bool:
         """Whether demoting a Level-1 sleeper (through the GPU to Level 2) gives its host RAM back: the GPU

@@ -874,6 +874,22 @@ async def test_a_victims_level1_copy_is_sized_beside_the_copy_its_target_still_h
     assert "beside 0.29 GB the others hold for sleep" in plan.decisions[0].why
 
 
+async def test_a_fixed_level1_engine_with_no_host_ram_for_its_copy_is_stopped_rather_than_break_the_budget(clock):
+    """The same round-robin with sleep_level: 1 and no worker extension (each copy stays cached after its wake):
+    c's Level-1 park made the third copy, and only the over-budget remedy stopped a sleeper after it."""
+    a, b = (measured(FakeEngine(n, share=0.6, level=1, group="g", sleep_level=1), 0.143, level1=0.143, source="proc")
+            for n in "ab")
+    c = awake("c", clock, share=0.6, group="g", sleep_level=1)
+    s = scheduler(a, b, c, clock=clock, ram_gb=0.34, estimates={"a": 0.135, "b": 0.135, "c": 0.135})
+    wait_for(s, a, clock.now)
+    [decision] = s.decide(clock.now).decisions
+    assert (decision.action, decision.engine.name) == ("stop", "c"), "level 2 is ruled out: a stop keeps the budget"
+    assert "no room for it at level 1 in host RAM, and its sleep_level: 1 rules out level 2; host RAM for level 1: " \
+        "it would hold 0.14 GB" in decision.why, decision.why
+    unsized = awake("unsized", clock, share=0.6, sleep_level=1)
+    assert s._choose_level(unsized, clock.now) == (1, []), "its copy cannot be sized before it is measured: level 1"
+
+
 async def test_a_sleeper_whose_room_is_being_made_is_not_sent_down_for_the_ram_its_own_wake_gives_back(clock):
     target = measured(FakeEngine("target", share=0.6, level=1), 12, level1=12)
     target.host.release_ok = True
