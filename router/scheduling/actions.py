@@ -67,7 +67,7 @@ class Actions(Costs, RosterChanges, Staging):
             elif decision.action == "wake":
                 await self._wake(engine)
             elif decision.action == "park":
-                await self._park(engine, decision.why, 2 if decision.level is None else decision.level)
+                await self._park(engine, decision.why, 2 if decision.level is None else decision.level, decision.after)
             elif decision.action == "deepen":
                 await self._deepen(engine, decision.why, 2 if decision.level is None else decision.level)
             elif decision.action == "stop":
@@ -142,9 +142,14 @@ class Actions(Costs, RosterChanges, Staging):
         self._grant(target, swap_id)
         self._record(swap_id, target, moved, "ok", started, {**phases, **target.last_phases}, predicted)
 
-    async def _park(self, engine: Engine, why: str, level: int) -> None:
+    async def _park(self, engine: Engine, why: str, level: int, after: tuple[str, ...] = ()) -> None:
         log.info("parking %s at level %d (%s)", engine.name, level, why)
         self.events.evicted(engine, _reason(why))
+        # Its Level-1 copy was given the host RAM those demotions and stops free: copied out before they end,
+        # both would be held at once, over host.ram_budget_gb.
+        freeing = [self.busy[name] for name in after if name in self.busy]
+        if freeing:
+            await asyncio.wait(freeing)
         started, serving = time.monotonic(), engine.in_flight > 0
         await engine.sleep(level)
         self.costs.observe_sleep(engine.name, time.monotonic() - started, engine.last_phases.get("drain") if serving else None)

@@ -337,7 +337,8 @@ class Scheduler(WakeAhead):
             numbers = f"; {reason}" if reason else ""
             return [Decision("stop", engine, f"{why}; no room for it at level 1 in host RAM, and "
                                              f"{self.no_level2(engine)}{numbers}")]
-        out = [Decision("park", engine, f"{why}; level {level}: {reason}" if reason else why, level)]
+        out = [Decision("park", engine, f"{why}; level {level}: {reason}" if reason else why, level,
+                        after=tuple(sleeper.name for sleeper in demoted))]
         for sleeper in demoted:  # host RAM for Level 1 is short: the less valuable sleeper makes way
             passes = self.passes_through(sleeper, ledger)
             if passes:

@@ -64,6 +64,7 @@ class Decision:
     engine: Engine
     why: str = ""
     level: Optional[int] = None  # park, deepen: the sleep level chosen (0: KV-parked)
+    after: tuple[str, ...] = ()  # park: the engines whose demotion or stop, decided with it, frees its host RAM
 
 
 @dataclass(frozen=True)

@@ -827,6 +827,41 @@ async def test_a_level1_sleeper_whose_wake_cannot_give_host_ram_back_is_stopped_
     assert actions(s.decide(clock.now)) == [("park", "hot"), ("stop", "idle")], "only its stop gives the RAM back"
 
 
+async def test_a_level1_park_copies_out_only_once_the_sleeper_demoted_for_its_host_ram_has_let_go(clock):
+    """The park and the demotion made for its RAM start together; the demotion (a wake through the GPU and a
+    Level-2 sleep) holds its copy until it ends, so a park that copied out at once held both over the budget."""
+    gpus = {0: 100.0}
+    idle = measured(FakeEngine("idle", share=0.3, level=1), 16, level1=16)
+    idle.host.release_ok = True
+    hot = awake("hot", clock, share=0.3, group="g")
+    target = FakeEngine("t", share=0.3, group="g")
+    s = scheduler(idle, hot, target, clock=clock, gpus=gpus, ram_gb=20, estimates={"idle": 16, "hot": 16, "t": 1})
+    s.costs.observe_wake("hot", 1, 0.5)
+    s.costs.observe_wake("hot", 2, 30.0)
+    for _ in range(10):
+        s.demand.arrived("hot", clock.now - 1)
+    wait_for(s, target, clock.now)
+    park, demote = s.decide(clock.now).decisions
+    assert (park.action, park.level, park.after, demote.action) == ("park", 1, ("idle",), "demote")
+    s.busy.clear(), s.doing.clear(), s.parking_level.clear()
+
+    slept: list[int] = []
+
+    async def sleep(level: int) -> None:
+        slept.append(level)
+        hot.state, hot.sleep_level = State.SLEEPING, level
+
+    hot.sleep, hot.last_phases = sleep, {}
+    s.busy["idle"] = asyncio.get_running_loop().create_future()  # its demotion runs
+    parking = asyncio.ensure_future(s._park(hot, park.why, 1, park.after))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert slept == [], "idle still holds its copy: hot waits to make its own"
+    s.busy.pop("idle").set_result(None)
+    await asyncio.wait_for(parking, 5)
+    assert slept == [1]
+
+
 async def test_a_stopped_engine_holds_no_host_ram_whatever_its_last_measurement_said(clock):
     gone = measured(FakeEngine("gone", State.COLD), 16, level1=16)
     b = awake("b", clock, share=0.5)
