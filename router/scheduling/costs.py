@@ -62,7 +62,7 @@ class Costs(SchedulerState):
             return (1 if fixed else otherwise), []  # unsized: measured after its sleep, and held to the budget then
         # Engines about to wake still count: their copy goes only once their wake ends, after this park has
         # copied out beside it (the wake waits for the room this park makes).
-        used = self.level1_gb(exclude={engine.name})
+        used = self.level1_gb(exclude={engine.name}, ledger=ledger)
         budget = self.capacity.ram_budget_gb
         if used + need <= budget:
             return 1, []
@@ -75,6 +75,7 @@ class Costs(SchedulerState):
 
         sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1
                            and e.name not in self.busy and e.name not in waking and not e.spec.pin
+                           and e.name not in ledger.host_planned  # already moved this round
                            and not (batch and self.interactive_demand(e, now)[0])), key=value)
         chosen: list[Engine] = []
         lost = 0.0  # what the demotions chosen so far cost, together
@@ -92,10 +93,10 @@ class Costs(SchedulerState):
         """Of the engines about to wake, those whose wake empties their host cache (the worker extension)."""
         return {e.name for e in self.engines if e.name in waking and e.host.releases}
 
-    def level_reason(self, engine: Engine, level: Optional[int]) -> str:
+    def level_reason(self, engine: Engine, level: Optional[int], ledger: Optional[Ledger] = None) -> str:
         """Why an `auto` engine parks at `level` (or an `auto` or `1` one stops, None) rather than Level 1,
         with the numbers; kept for /admin/status. Empty for Level 1 and for any other fixed level."""
-        reason = "" if level == 1 or engine.spec.sleep_level not in ("auto", 1) else self.level1_why(engine)
+        reason = "" if level == 1 or engine.spec.sleep_level not in ("auto", 1) else self.level1_why(engine, ledger)
         self.host_why[engine.name] = reason or None
         # An unknown size was said once at start (sizing.level1_weights); every park need not repeat it.
         return reason if self.level1_need_gb(engine) is not None else ""
@@ -143,10 +144,21 @@ class Costs(SchedulerState):
 
     # -- host RAM: what the engines hold for sleep (measured, else estimated) -----------------------------
 
-    def level1_gb(self, exclude: Collection[str] = ()) -> float:
+    def level1_gb(self, exclude: Collection[str] = (), ledger: Optional[Ledger] = None) -> float:
         """Host RAM the engines hold for sleep, or are about to (what host.ram_budget_gb bounds):
-        Level-1 copies, and what stays cached after a wake. `exclude`: engines left out (about to wake)."""
-        return sum(self.host_gb(e) for e in self.engines if e.name not in exclude)
+        Level-1 copies, and what stays cached after a wake. `exclude`: engines left out. `ledger`: the round
+        being planned, whose moves count as made (`Ledger.host_planned`)."""
+        planned = ledger.host_planned if ledger is not None else {}
+        return sum(planned.get(e.name, self.host_gb(e)) for e in self.engines if e.name not in exclude)
+
+    def plan_level1(self, ledger: Ledger, engine: Engine, level: Optional[int], demoted: Collection[Engine]) -> None:
+        """Count in `ledger` what parking `engine` at `level`, and demoting or stopping `demoted`, will hold."""
+        if level == 1:
+            ledger.host_planned[engine.name] = max(self.host_gb(engine), self.level1_need_gb(engine) or 0.0)
+        elif level is None:  # stopped
+            ledger.host_planned[engine.name] = 0.0
+        for sleeper in demoted:
+            ledger.host_planned[sleeper.name] = 0.0
 
     def host_gb(self, engine: Engine) -> float:
         """What the budget counts for `engine`: as its running action will leave it, else as last measured,
@@ -180,12 +192,12 @@ class Costs(SchedulerState):
         weights = self.weights.get(engine.name)
         return None if weights is None else weights * PRIOR_FACTOR
 
-    def level1_why(self, engine: Engine) -> str:
+    def level1_why(self, engine: Engine, ledger: Optional[Ledger] = None) -> str:
         """The numbers behind a Level-1 refusal, for the log and /admin/status."""
         need, measured = self.level1_need_gb(engine), engine.host.level1_gb is not None
         if need is None:
             return f"its weights' size is unknown ({engine.name}: set weights_gb), so level 1 cannot be sized"
-        others = self.level1_gb(exclude={engine.name})
+        others = self.level1_gb(exclude={engine.name}, ledger=ledger)
         how = "measured at its last level-1 sleep" if measured else \
             f"estimated: {self.weights.get(engine.name) or 0:.2f} GB checkpoint x {PRIOR_FACTOR:g}"
         return (f"host RAM for level 1: it would hold {need:.2f} GB ({how}) beside {others:.2f} GB the others hold "

@@ -326,13 +326,15 @@ class Scheduler(WakeAhead):
         if victim.action == "stop":
             return [Decision("stop", engine, f"{why} ({victim.why})" if victim.why else why)]
         if victim.action == "deepen":
+            self.plan_level1(ledger, engine, victim.level, ())
             return [Decision("deepen", engine, f"{why}; its weights' room, down to level {victim.level}", victim.level)]
         if victim.level == KV_PARKED:
             return [Decision("park", engine, f"{why}; its KV cache only (level 0)", KV_PARKED)]
         back = self.ahead_level(engine)
         level, demoted = (back, []) if back is not None else self._choose_level(engine, now, waking=ledger.reserved,
                                                                                  ledger=ledger, batch=batch)
-        reason = self.level_reason(engine, level)
+        reason = self.level_reason(engine, level, ledger)
+        self.plan_level1(ledger, engine, level, demoted)
         if level is None:
             numbers = f"; {reason}" if reason else ""
             return [Decision("stop", engine, f"{why}; no room for it at level 1 in host RAM, and "

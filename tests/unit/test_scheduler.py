@@ -909,6 +909,17 @@ async def test_a_victims_level1_copy_is_sized_beside_the_copy_its_target_still_h
     assert "beside 0.29 GB the others hold for sleep" in plan.decisions[0].why
 
 
+async def test_two_victims_of_one_wake_are_not_both_parked_at_level1_in_ram_for_one_copy(clock):
+    a, b = awake("a", clock, share=0.5), awake("b", clock, share=0.5)
+    target = FakeEngine("t", share=0.9)
+    s = scheduler(a, b, target, clock=clock, ram_gb=20, estimates={"a": 12, "b": 12, "t": 12})
+    wait_for(s, target, clock.now)
+    plan = s.decide(clock.now)
+    assert sorted((d.action, d.engine.name, d.level) for d in plan.decisions) == [("park", "a", 1), ("park", "b", 2)], \
+        "b's level counts the copy a's park, planned a moment before, will hold"
+    assert "beside 12.00 GB the others hold for sleep" in plan.decisions[1].why
+
+
 async def test_a_fixed_level1_engine_with_no_host_ram_for_its_copy_is_stopped_rather_than_break_the_budget(clock):
     """The same round-robin with sleep_level: 1 and no worker extension (each copy stays cached after its wake):
     c's Level-1 park made the third copy, and only the over-budget remedy stopped a sleeper after it."""
