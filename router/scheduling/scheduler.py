@@ -339,8 +339,11 @@ class Scheduler(WakeAhead):
             numbers = f"; {reason}" if reason else ""
             return [Decision("stop", engine, f"{why}; no room for it at level 1 in host RAM, and "
                                              f"{self.no_level2(engine)}{numbers}")]
+        # The count takes a running demotion or stop as done: a Level-1 copy waits until it is.
+        freeing = [e.name for e in self.engines if self.doing.get(e.name, ("",))[0] in ("demote", "stop")
+                   and self._host_now_gb(e) > 0] if level == 1 else []
         out = [Decision("park", engine, f"{why}; level {level}: {reason}" if reason else why, level,
-                        after=tuple(sleeper.name for sleeper in demoted))]
+                        after=(*(sleeper.name for sleeper in demoted), *freeing))]
         for sleeper in demoted:  # host RAM for Level 1 is short: the less valuable sleeper makes way
             passes = self.passes_through(sleeper, ledger)
             if passes:

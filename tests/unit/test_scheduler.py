@@ -16,6 +16,7 @@ from engines.stage import Stager
 from router.scheduling.state import MAX_BACKOFF_S
 from router.errors import APIError
 from router.scheduling import Capacity, Decision, Plan, Scheduler, Waiter
+from router.scheduling.placement import Victim
 
 
 class Clock:
@@ -860,6 +861,12 @@ async def test_a_level1_park_copies_out_only_once_the_sleeper_demoted_for_its_ho
     s.busy.pop("idle").set_result(None)
     await asyncio.wait_for(parking, 5)
     assert slept == [1]
+
+    hot.state, hot.sleep_level, hot.since = State.AWAKE, None, clock.now - 100
+    s.busy["idle"], s.doing["idle"] = asyncio.get_running_loop().create_future(), ("demote", clock.now, 0.0)
+    assert s.level1_gb() == 0, "counted as done, though idle still holds its 16 GB until the demotion ends"
+    [later] = s._move(Victim(hot, "park", {}, 0.0), "idle", s.ledger(), clock.now)
+    assert (later.level, later.after) == (1, ("idle",)), "a park decided later waits for that demotion too"
 
 
 async def test_a_stopped_engine_holds_no_host_ram_whatever_its_last_measurement_said(clock):
