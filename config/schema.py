@@ -148,7 +148,8 @@ class ModelSpec(Section):
     speculative: Optional[dict[str, Any]] = Field(None, description="Becomes --speculative-config (JSON).")
     sleep_level: Literal["auto", 0, 1, 2] = Field(
         "auto", description="vLLM sleep level when parked: 0 releases only the KV cache (weights stay on the GPU; "
-        "when its room is needed it is stopped), 1 keeps weights in host RAM, 2 discards them; auto: the whole ladder, "
+        "when its room is needed it is stopped), 1 keeps weights in host RAM (stopped instead where host.ram_budget_gb "
+        "cannot hold them), 2 discards them; auto: the whole ladder, "
         "0 when releasing the KV cache makes the room needed and costs less (weights_gb and gpus known), else 1 while host.ram_budget_gb holds what it would hold there, else 2 (else a stop, for a --load-format vLLM cannot "
         "reload from: dummy, ipc_cache, modelexpress, sharded_state, runai_streamer_sharded, tensorizer; 2 is refused for those).")
     # After sleep_level, so that its validator sees it (pydantic validates fields in this order).

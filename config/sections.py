@@ -114,7 +114,8 @@ class Auth(Section):
 
 
 class Queue(Section):
-    max_waiting: int = Field(256, ge=1, description="Waiting requests per model before 429.")
+    max_waiting: int = Field(256, ge=1, description="Waiting requests per model and request class before 429 (batch ones "
+                             "never fill interactive room).")
     max_wait_s: float = Field(300, gt=0, description="A waiting request gets 503 after this long.")
     batch_max_wait_s: float = Field(
         3600, gt=0, description="A waiting batch request (a key's `class: batch`, or `X-Hotswap-Class: batch`) gets 503 "

@@ -17,7 +17,7 @@ from engines.ladder import KV_PARKED
 from engines.memory import process_gpu_memory_gb
 from router.errors import APIError, for_clients
 from router.scheduling import placement
-from router.scheduling.costs import NO_LEVEL2, Costs
+from router.scheduling.costs import Costs
 from router.scheduling.history import SwapRecord
 from router.scheduling.roster_changes import RosterChanges
 from router.scheduling.staging import Staging
@@ -67,7 +67,7 @@ class Actions(Costs, RosterChanges, Staging):
             elif decision.action == "wake":
                 await self._wake(engine)
             elif decision.action == "park":
-                await self._park(engine, decision.why, 2 if decision.level is None else decision.level)
+                await self._park(engine, decision.why, 2 if decision.level is None else decision.level, decision.after)
             elif decision.action == "deepen":
                 await self._deepen(engine, decision.why, 2 if decision.level is None else decision.level)
             elif decision.action == "stop":
@@ -144,9 +144,14 @@ class Actions(Costs, RosterChanges, Staging):
         self._grant(target, swap_id)
         self._record(swap_id, target, moved, "ok", started, {**phases, **target.last_phases}, predicted)
 
-    async def _park(self, engine: Engine, why: str, level: int) -> None:
+    async def _park(self, engine: Engine, why: str, level: int, after: tuple[str, ...] = ()) -> None:
         log.info("parking %s at level %d (%s)", engine.name, level, why)
         self.events.evicted(engine, _reason(why))
+        # Its Level-1 copy was given the host RAM those demotions and stops free: copied out before they end,
+        # both would be held at once, over host.ram_budget_gb.
+        freeing = [self.busy[name] for name in after if name in self.busy]
+        if freeing:
+            await asyncio.wait(freeing)
         started, serving = time.monotonic(), engine.in_flight > 0
         await engine.sleep(level)
         self.costs.observe_sleep(engine.name, time.monotonic() - started, engine.last_phases.get("drain") if serving else None)
@@ -278,7 +283,8 @@ class Actions(Costs, RosterChanges, Staging):
             reason = self.level_reason(engine, level)
             if level is None:
                 numbers = f"; {reason}" if reason else ""
-                await self._stop(engine, f"on request; no room for it at level 1 in host RAM, and {NO_LEVEL2}{numbers}")
+                await self._stop(engine, f"on request; no room for it at level 1 in host RAM, and "
+                                         f"{self.no_level2(engine)}{numbers}")
             else:
                 await self._park(engine, f"on request; level {level}: {reason}" if reason else "on request", level)
             return self._outcome(engine)

@@ -44,32 +44,39 @@ class Costs(SchedulerState):
         return self._choose_level(engine, self.clock())[0]
 
     def _choose_level(self, engine: Engine, now: float, waking: Collection[str] = (),
-                      ledger: Optional[Ledger] = None) -> tuple[Optional[int], list[Engine]]:
+                      ledger: Optional[Ledger] = None, batch: bool = False) -> tuple[Optional[int], list[Engine]]:
         """The level to park `engine` at, and the Level-1 sleepers to demote to make RAM for it.
-        `waking`: engines about to wake, whose host copy goes once their wake empties the cache. `ledger`:
+        `waking`: engines about to wake, never demoted for it (their room is being made). `ledger`:
         the GPU as planned, to tell a sleeper that can pass through it to Level 2 from one that
-        would have to be stopped (and pay a cold boot later); without one, demote nobody.
-        None: not Level 1, and its --load-format cannot reload from disk, so not Level 2 either:
-        it is stopped, and boots cold when next needed."""
-        if engine.spec.sleep_level != "auto":
+        would have to be stopped (and pay a cold boot later); without one, demote nobody. `batch`: it
+        makes room for a target only batch requests wait for, so no sleeper with interactive demand goes.
+        None: not Level 1, and not Level 2 either (its --load-format cannot reload from disk, or its
+        sleep_level is 1): it is stopped, and boots cold when next needed."""
+        fixed = engine.spec.sleep_level != "auto"
+        if fixed and engine.spec.sleep_level != 1:
             return engine.spec.sleep_level, []
-        otherwise = 2 if engine.spec.reloads_weights else None
+        # A fixed Level 1 keeps to the budget too: where the RAM cannot be made, a stop is its only way out.
+        otherwise = 2 if not fixed and engine.spec.reloads_weights else None
         need = self.level1_need_gb(engine)
         if need is None:
-            return otherwise, []
-        used = self.level1_gb(exclude=self._leaving(engine, waking))
+            return (1 if fixed else otherwise), []  # unsized: measured after its sleep, and held to the budget then
+        # Engines about to wake still count: their copy goes only once their wake ends, after this park has
+        # copied out beside it (the wake waits for the room this park makes).
+        used = self.level1_gb(exclude={engine.name}, ledger=ledger)
         budget = self.capacity.ram_budget_gb
         if used + need <= budget:
             return 1, []
         if ledger is None:
             return otherwise, []
-        mine = self._level1_value(engine, now, passes=engine.spec.reloads_weights)
+        mine = self._level1_value(engine, now, passes=otherwise == 2)
 
         def value(sleeper: Engine) -> float:
             return self._level1_value(sleeper, now, passes=self.passes_through(sleeper, ledger))
 
         sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1
-                           and e.name not in self.busy and e.name not in waking and not e.spec.pin), key=value)
+                           and e.name not in self.busy and e.name not in waking and not e.spec.pin
+                           and e.name not in ledger.host_planned  # already moved this round
+                           and not (batch and self.interactive_demand(e, now)[0])), key=value)
         chosen: list[Engine] = []
         lost = 0.0  # what the demotions chosen so far cost, together
         for sleeper in sleepers:
@@ -82,19 +89,14 @@ class Costs(SchedulerState):
                 return 1, chosen
         return otherwise, []
 
-    def _leaving(self, engine: Engine, waking: Collection[str]) -> set[str]:
-        """Who the sum for `engine`'s Level 1 leaves out: itself (its own need is counted apart) and the
-        engines about to wake whose wake gives their host copy back."""
-        return {engine.name, *self._releasing(waking)}
-
     def _releasing(self, waking: Collection[str]) -> set[str]:
         """Of the engines about to wake, those whose wake empties their host cache (the worker extension)."""
         return {e.name for e in self.engines if e.name in waking and e.host.releases}
 
-    def level_reason(self, engine: Engine, level: Optional[int], waking: Collection[str] = ()) -> str:
-        """Why an `auto` engine parks at `level` (or stops, None) rather than Level 1, with the numbers;
-        kept for /admin/status. Empty for Level 1 and for a fixed level."""
-        reason = "" if level == 1 or engine.spec.sleep_level != "auto" else self.level1_why(engine, waking)
+    def level_reason(self, engine: Engine, level: Optional[int], ledger: Optional[Ledger] = None) -> str:
+        """Why an `auto` engine parks at `level` (or an `auto` or `1` one stops, None) rather than Level 1,
+        with the numbers; kept for /admin/status. Empty for Level 1 and for any other fixed level."""
+        reason = "" if level == 1 or engine.spec.sleep_level not in ("auto", 1) else self.level1_why(engine, ledger)
         self.host_why[engine.name] = reason or None
         # An unknown size was said once at start (sizing.level1_weights); every park need not repeat it.
         return reason if self.level1_need_gb(engine) is not None else ""
@@ -102,17 +104,19 @@ class Costs(SchedulerState):
     def over_budget(self, ledger: Ledger, moving: Collection[str], now: float) -> list[tuple[Engine, bool, str]]:
         """When what the engines hold for sleep, as measured, is over host.ram_budget_gb (a Level-1 sleep
         that held more than its first guess): the least valuable Level-1 sleepers to demote (True) or stop
-        (False) until it is not. An awake engine's cached copy is not moved: only its stop would free it."""
+        (False) until it is not. An awake engine's cached copy is not moved: only its stop would free it. Nor
+        is a sleeper with interactive demand: the park that overshot may have been batch work's, and once it
+        ends its own copy (at least the excess) can go instead."""
         budget = self.capacity.ram_budget_gb
-        # Engines whose wake is under way or waits for its room give their copy back once woken, as the
-        # parks made for them counted (`_leaving`): they are neither counted nor moved here.
+        # Engines whose wake is under way or waits for its room give their copy back once woken: an excess
+        # they make ends with that wake, and moving a sleeper for it would cost its next wake for nothing.
         waking = {n for n in self.making_room} | {n for n, (action, *_) in self.doing.items() if action == "wake"}
         excess = self.level1_gb(exclude=self._releasing(waking)) - budget
         if excess <= 0:
             return []
         sleepers = sorted((e for e in self.engines if e.state is State.SLEEPING and e.sleep_level == 1 and not e.spec.pin
                            and e.name not in self.busy and e.name not in moving and e.name not in waking
-                           and self.host_gb(e) > 0),
+                           and self.host_gb(e) > 0 and not self.interactive_demand(e, now)[0]),
                           key=lambda e: self._level1_value(e, now, passes=self.passes_through(e, ledger)))
         out = []
         for sleeper in sleepers:
@@ -127,6 +131,11 @@ class Costs(SchedulerState):
             excess -= self.host_gb(sleeper)
         return out
 
+    @staticmethod
+    def no_level2(engine: Engine) -> str:
+        """Why `engine`, refused Level 1, cannot sleep at Level 2 instead (for the log)."""
+        return "its sleep_level: 1 rules out level 2" if engine.spec.sleep_level == 1 else NO_LEVEL2
+
     def passes_through(self, sleeper: Engine, ledger: Ledger) -> bool:
         """Whether demoting a Level-1 sleeper (through the GPU to Level 2) gives its host RAM back: the GPU
         has room for it, it can reload, and a Level-1 wake empties its host cache (the worker extension);
@@ -135,10 +144,21 @@ class Costs(SchedulerState):
 
     # -- host RAM: what the engines hold for sleep (measured, else estimated) -----------------------------
 
-    def level1_gb(self, exclude: Collection[str] = ()) -> float:
+    def level1_gb(self, exclude: Collection[str] = (), ledger: Optional[Ledger] = None) -> float:
         """Host RAM the engines hold for sleep, or are about to (what host.ram_budget_gb bounds):
-        Level-1 copies, and what stays cached after a wake. `exclude`: engines left out (about to wake)."""
-        return sum(self.host_gb(e) for e in self.engines if e.name not in exclude)
+        Level-1 copies, and what stays cached after a wake. `exclude`: engines left out. `ledger`: the round
+        being planned, whose moves count as made (`Ledger.host_planned`)."""
+        planned = ledger.host_planned if ledger is not None else {}
+        return sum(planned.get(e.name, self.host_gb(e)) for e in self.engines if e.name not in exclude)
+
+    def plan_level1(self, ledger: Ledger, engine: Engine, level: Optional[int], demoted: Collection[Engine]) -> None:
+        """Count in `ledger` what parking `engine` at `level`, and demoting or stopping `demoted`, will hold."""
+        if level == 1:
+            ledger.host_planned[engine.name] = max(self.host_gb(engine), self.level1_need_gb(engine) or 0.0)
+        elif level is None:  # stopped
+            ledger.host_planned[engine.name] = 0.0
+        for sleeper in demoted:
+            ledger.host_planned[sleeper.name] = 0.0
 
     def host_gb(self, engine: Engine) -> float:
         """What the budget counts for `engine`: as its running action will leave it, else as last measured,
@@ -172,12 +192,12 @@ class Costs(SchedulerState):
         weights = self.weights.get(engine.name)
         return None if weights is None else weights * PRIOR_FACTOR
 
-    def level1_why(self, engine: Engine, waking: Collection[str] = ()) -> str:
+    def level1_why(self, engine: Engine, ledger: Optional[Ledger] = None) -> str:
         """The numbers behind a Level-1 refusal, for the log and /admin/status."""
         need, measured = self.level1_need_gb(engine), engine.host.level1_gb is not None
         if need is None:
             return f"its weights' size is unknown ({engine.name}: set weights_gb), so level 1 cannot be sized"
-        others = self.level1_gb(exclude=self._leaving(engine, waking))
+        others = self.level1_gb(exclude={engine.name}, ledger=ledger)
         how = "measured at its last level-1 sleep" if measured else \
             f"estimated: {self.weights.get(engine.name) or 0:.2f} GB checkpoint x {PRIOR_FACTOR:g}"
         return (f"host RAM for level 1: it would hold {need:.2f} GB ({how}) beside {others:.2f} GB the others hold "

@@ -81,6 +81,9 @@ class Ledger:
         self.residuals = residuals or {}
         self.weights = weights or {}  # GB per engine (all its devices together), None: unknown
         self.reserved: set[str] = {e.name for e in reserved}
+        # Host RAM for sleep (GB) that this round's parks, demotions and stops will leave an engine holding,
+        # in place of what it holds now: a second park planned in the round counts the first one's copy.
+        self.host_planned: dict[str, float] = {}
         self.engines = list(engines)
         self.use: dict[int, float] = {}
         for engine in self.engines:

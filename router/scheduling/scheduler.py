@@ -169,7 +169,7 @@ class Scheduler(WakeAhead):
                 continue
             ledger.reserve(target)  # first: a demotion passing through the GPU must not take its room
             moves = [d for victim in victims for d in self._move(victim, f"room {'to boot' if first else 'for'} {target.name}",
-                                                                   ledger, now)]
+                                                                   ledger, now, batch=self.batch_only(target))]
             if not all(clear(d.engine) for d in moves):
                 continue
             moving.add(target.name)
@@ -366,21 +366,31 @@ class Scheduler(WakeAhead):
             wait = max(wait, oldest + self.swap.max_hold_s - now)
         return max(wait, 0.0)
 
-    def _move(self, victim: Victim, why: str, ledger: Ledger, now: float) -> list[Decision]:
+    def _move(self, victim: Victim, why: str, ledger: Ledger, now: float, batch: bool = False) -> list[Decision]:
+        """The decisions that move `victim`: its park, and the Level-1 sleepers demoted for its host RAM
+        (`batch`: for a target only batch requests wait for, which demotes no sleeper with interactive demand)."""
         engine = victim.engine
         if victim.action == "stop":
             return [Decision("stop", engine, f"{why} ({victim.why})" if victim.why else why)]
         if victim.action == "deepen":
+            self.plan_level1(ledger, engine, victim.level, ())
             return [Decision("deepen", engine, f"{why}; its weights' room, down to level {victim.level}", victim.level)]
         if victim.level == KV_PARKED:
             return [Decision("park", engine, f"{why}; its KV cache only (level 0)", KV_PARKED)]
         back = self.ahead_level(engine)
-        level, demoted = (back, []) if back is not None else self._choose_level(engine, now, waking=ledger.reserved, ledger=ledger)
-        reason = self.level_reason(engine, level, ledger.reserved)
+        level, demoted = (back, []) if back is not None else self._choose_level(engine, now, waking=ledger.reserved,
+                                                                                 ledger=ledger, batch=batch)
+        reason = self.level_reason(engine, level, ledger)
+        self.plan_level1(ledger, engine, level, demoted)
         if level is None:
             numbers = f"; {reason}" if reason else ""
-            return [Decision("stop", engine, f"{why}; no room for it at level 1 in host RAM, and {NO_LEVEL2}{numbers}")]
-        out = [Decision("park", engine, f"{why}; level {level}: {reason}" if reason else why, level)]
+            return [Decision("stop", engine, f"{why}; no room for it at level 1 in host RAM, and "
+                                             f"{self.no_level2(engine)}{numbers}")]
+        # The count takes a running demotion or stop as done: a Level-1 copy waits until it is.
+        freeing = [e.name for e in self.engines if self.doing.get(e.name, ("",))[0] in ("demote", "stop")
+                   and self._host_now_gb(e) > 0] if level == 1 else []
+        out = [Decision("park", engine, f"{why}; level {level}: {reason}" if reason else why, level,
+                        after=(*(sleeper.name for sleeper in demoted), *freeing))]
         for sleeper in demoted:  # host RAM for Level 1 is short: the less valuable sleeper makes way
             passes = self.passes_through(sleeper, ledger)
             if passes:

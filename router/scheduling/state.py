@@ -64,6 +64,7 @@ class Decision:
     engine: Engine
     why: str = ""
     level: Optional[int] = None  # park, deepen: the sleep level chosen (0: KV-parked)
+    after: tuple[str, ...] = ()  # park: the engines whose demotion or stop, decided with it, frees its host RAM
 
 
 @dataclass(frozen=True)
@@ -149,9 +150,11 @@ class SchedulerState:
             raise APIError(503, f"model '{engine.name}' is {engine.state.value}; its predicted wait of {predicted:.1f} s "
                            f"exceeds X-Hotswap-Max-Wait: {max_wait_s:g}", "model_not_ready", retry_after=predicted)
         queue = self.waiting[engine.name]
-        if not admin and len(queue) >= self.limits.max_waiting:
-            raise APIError(429, f"model '{engine.name}' has {len(queue)} requests waiting (queue.max_waiting); retry later",
-                           "queue_full", retry_after=predicted)
+        # Each class has its own max_waiting: a batch flood that fills the queue must not turn users away.
+        mine = self.queued_by_class(engine)[BATCH if klass == BATCH else INTERACTIVE]
+        if not admin and mine >= self.limits.max_waiting:
+            raise APIError(429, f"model '{engine.name}' has {mine} {klass} requests waiting (queue.max_waiting, per class); "
+                           "retry later", "queue_full", retry_after=predicted)
         waiter = Waiter(engine, now, counted)
         queue.append(waiter)
         self.poke()

@@ -99,6 +99,30 @@ async def test_a_batch_request_that_finds_no_room_gets_a_503_naming_the_engine_t
     assert (refused["class"], refused["status"], served["class"]) == ("batch", 503, "interactive")
 
 
+async def test_a_batch_flood_that_fills_the_queue_leaves_room_in_it_for_an_interactive_request(start_router):
+    router = await start_router(roster_dict(
+        sim_model("chat", args=(SHARE, "0.6"), default=True), sim_model("nightly", args=(SHARE, "0.6")),
+        auth=AUTH, swap={"interactive_hold_s": 60}, queue={"max_waiting": 3, "batch_max_wait_s": 120}),
+        env=KEYS, admin_key=KEYS["OPS_KEY"])
+    async with aiohttp.ClientSession() as session:
+        assert (await chat(session, router, "chat", "USERS_KEY"))[0] == 200  # chat's hold keeps the batch waiting
+        flood = [asyncio.ensure_future(chat(session, router, "nightly", "EVALS_KEY")) for _ in range(3)]
+        try:
+            async def full() -> bool:
+                return (await router.engine("nightly"))["queued_by_class"] == {"interactive": 0, "batch": 3}
+            await eventually(full, timeout=20, what="three batch requests queued for nightly")
+            status, body = await chat(session, router, "nightly", "EVALS_KEY")
+            assert status == 429 and "has 3 batch requests waiting (queue.max_waiting, per class)" in \
+                body["error"]["message"], body
+            status, body = await chat(session, router, "nightly", "USERS_KEY")
+            assert status == 200, body
+            assert [(await answer)[0] for answer in flood] == [200] * 3, "the user's wake served the flood too"
+        finally:
+            for task in flood:
+                task.cancel()
+            await asyncio.gather(*flood, return_exceptions=True)
+
+
 async def _flood(session, router, users, user_answers, stop_users, flood) -> tuple[list, float, str]:
     """The flood beside the users' traffic: it waits while they talk, and is served once chat is idle.
     Returns its answers, how long after the users stopped they were all in, and /metrics while it waited."""

@@ -6,6 +6,8 @@ kernel says the sim process holds."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
 from pathlib import Path
 
@@ -185,3 +187,50 @@ def _cold(router, name: str):
         engine = await router.engine(name)
         return engine if engine["state"] == "cold" else None
     return check
+
+
+def pinned_for_sleep(marker: str) -> int:
+    """The resident shared memory (the sims' pinned blocks) of every sim process started from a checkpoint
+    under `marker`, summed, from /proc: what the engines really hold for sleep, whatever the router counts."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"engines.sim" not in argv or not any(marker.encode() in arg for arg in argv):
+                continue
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:  # it exited meanwhile
+            continue
+        total += next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("RssShmem:"))
+    return total
+
+
+@pytest.mark.parametrize("sleep_level", ["auto", 1])
+async def test_three_rivals_taking_turns_never_hold_more_for_sleep_than_the_host_ram_budget(start_router, tmp_path, sleep_level):
+    """Issue 54: a, b and c in one group, each Level-1 copy 143 MB (a 0.1 GB checkpoint, each tensor rounded
+    up to a power of two), host.ram_budget_gb=0.34: room for two copies. Auto engines empty the host cache
+    after a wake, but a victim copies out before its target's wake; sleep_level: 1 engines have no worker
+    extension and keep theirs. Either way three copies were held at once: 428 MB."""
+    def rival(name: str, **extra) -> dict:
+        return sim_model(name, args=(SHARE, "0.6", *HOST_MODEL), model=checkpoint(tmp_path, name, 0.1), group="g",
+                         sleep_level=sleep_level, **extra)
+
+    router = await start_router(roster_dict(rival("a"), rival("b"), rival("c", default=True), **FULL_PARKS,
+                                            host={"ram_budget_gb": 0.34}))
+    peak, done = 0, False
+
+    async def sample() -> None:
+        nonlocal peak
+        while not done:
+            peak = max(peak, await asyncio.to_thread(pinned_for_sleep, str(tmp_path)))
+
+    sampler = asyncio.ensure_future(sample())
+    try:
+        c_ = client(router)
+        for name in "abc" * 4:
+            assert await ask(c_, name)
+    finally:
+        done = True
+        await sampler
+    assert 0.25e9 < peak <= 0.34e9, f"held {peak / 1e6:.0f} MB for sleep at most (two copies fit, three do not)"
+    assert (await router.status())["placement"]["host"]["level1_gb"] <= 0.34

@@ -16,6 +16,7 @@ from engines.stage import Stager
 from router.scheduling.state import MAX_BACKOFF_S
 from router.errors import APIError
 from router.scheduling import Capacity, Decision, Plan, Scheduler, Waiter
+from router.scheduling.placement import Victim
 
 
 class Clock:
@@ -827,6 +828,47 @@ async def test_a_level1_sleeper_whose_wake_cannot_give_host_ram_back_is_stopped_
     assert actions(s.decide(clock.now)) == [("park", "hot"), ("stop", "idle")], "only its stop gives the RAM back"
 
 
+async def test_a_level1_park_copies_out_only_once_the_sleeper_demoted_for_its_host_ram_has_let_go(clock):
+    """The park and the demotion made for its RAM start together; the demotion (a wake through the GPU and a
+    Level-2 sleep) holds its copy until it ends, so a park that copied out at once held both over the budget."""
+    gpus = {0: 100.0}
+    idle = measured(FakeEngine("idle", share=0.3, level=1), 16, level1=16)
+    idle.host.release_ok = True
+    hot = awake("hot", clock, share=0.3, group="g")
+    target = FakeEngine("t", share=0.3, group="g")
+    s = scheduler(idle, hot, target, clock=clock, gpus=gpus, ram_gb=20, estimates={"idle": 16, "hot": 16, "t": 1})
+    s.costs.observe_wake("hot", 1, 0.5)
+    s.costs.observe_wake("hot", 2, 30.0)
+    for _ in range(10):
+        s.demand.arrived("hot", clock.now - 1)
+    wait_for(s, target, clock.now)
+    park, demote = s.decide(clock.now).decisions
+    assert (park.action, park.level, park.after, demote.action) == ("park", 1, ("idle",), "demote")
+    s.busy.clear(), s.doing.clear(), s.parking_level.clear()
+
+    slept: list[int] = []
+
+    async def sleep(level: int) -> None:
+        slept.append(level)
+        hot.state, hot.sleep_level = State.SLEEPING, level
+
+    hot.sleep, hot.last_phases = sleep, {}
+    s.busy["idle"] = asyncio.get_running_loop().create_future()  # its demotion runs
+    parking = asyncio.ensure_future(s._park(hot, park.why, 1, park.after))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert slept == [], "idle still holds its copy: hot waits to make its own"
+    s.busy.pop("idle").set_result(None)
+    await asyncio.wait_for(parking, 5)
+    assert slept == [1]
+
+    hot.state, hot.sleep_level, hot.since = State.AWAKE, None, clock.now - 100
+    s.busy["idle"], s.doing["idle"] = asyncio.get_running_loop().create_future(), ("demote", clock.now, 0.0)
+    assert s.level1_gb() == 0, "counted as done, though idle still holds its 16 GB until the demotion ends"
+    [later] = s._move(Victim(hot, "park", {}, 0.0), "idle", s.ledger(), clock.now)
+    assert (later.level, later.after) == (1, ("idle",)), "a park decided later waits for that demotion too"
+
+
 async def test_a_stopped_engine_holds_no_host_ram_whatever_its_last_measurement_said(clock):
     gone = measured(FakeEngine("gone", State.COLD), 16, level1=16)
     b = awake("b", clock, share=0.5)
@@ -857,16 +899,61 @@ async def test_a_level1_sleep_that_held_more_than_its_guess_over_the_budget_send
     assert actions(s.decide(clock.now)) == [], "within the budget: nobody moves"
 
 
+async def test_a_victims_level1_copy_is_sized_beside_the_copy_its_target_still_holds_until_that_wake(clock):
+    """Issue 54: a, b, c in one group round-robin under host.ram_budget_gb=0.34, each Level-1 copy 0.143 GB.
+    c's park for a copies out before a's wake (which waits for that room) gives a's copy back: the three
+    copies are held at once, 0.43 GB, if c's level is chosen as if a's were gone already."""
+    a = measured(FakeEngine("a", share=0.6, level=1, group="g"), 0.143, level1=0.143)
+    b = measured(FakeEngine("b", share=0.6, level=1, group="g"), 0.143, level1=0.143)
+    c = awake("c", clock, share=0.6, group="g")
+    for sleeper in (a, b):
+        sleeper.host.release_ok = True  # the worker extension empties the cache after the wake
+    s = scheduler(a, b, c, clock=clock, ram_gb=0.34, estimates={"a": 0.135, "b": 0.135, "c": 0.135})
+    wait_for(s, a, clock.now)
+    plan = s.decide(clock.now)
+    assert [(d.action, d.engine.name, d.level) for d in plan.decisions] == [("park", "c", 2)], \
+        "a's 0.143 GB and b's are held while c parks: c's 0.135 GB would break the budget"
+    assert "beside 0.29 GB the others hold for sleep" in plan.decisions[0].why
+
+
+async def test_two_victims_of_one_wake_are_not_both_parked_at_level1_in_ram_for_one_copy(clock):
+    a, b = awake("a", clock, share=0.5), awake("b", clock, share=0.5)
+    target = FakeEngine("t", share=0.9)
+    s = scheduler(a, b, target, clock=clock, ram_gb=20, estimates={"a": 12, "b": 12, "t": 12})
+    wait_for(s, target, clock.now)
+    plan = s.decide(clock.now)
+    assert sorted((d.action, d.engine.name, d.level) for d in plan.decisions) == [("park", "a", 1), ("park", "b", 2)], \
+        "b's level counts the copy a's park, planned a moment before, will hold"
+    assert "beside 12.00 GB the others hold for sleep" in plan.decisions[1].why
+
+
+async def test_a_fixed_level1_engine_with_no_host_ram_for_its_copy_is_stopped_rather_than_break_the_budget(clock):
+    """The same round-robin with sleep_level: 1 and no worker extension (each copy stays cached after its wake):
+    c's Level-1 park made the third copy, and only the over-budget remedy stopped a sleeper after it."""
+    a, b = (measured(FakeEngine(n, share=0.6, level=1, group="g", sleep_level=1), 0.143, level1=0.143, source="proc")
+            for n in "ab")
+    c = awake("c", clock, share=0.6, group="g", sleep_level=1)
+    s = scheduler(a, b, c, clock=clock, ram_gb=0.34, estimates={"a": 0.135, "b": 0.135, "c": 0.135})
+    wait_for(s, a, clock.now)
+    [decision] = s.decide(clock.now).decisions
+    assert (decision.action, decision.engine.name) == ("stop", "c"), "level 2 is ruled out: a stop keeps the budget"
+    assert "no room for it at level 1 in host RAM, and its sleep_level: 1 rules out level 2; host RAM for level 1: " \
+        "it would hold 0.14 GB" in decision.why, decision.why
+    unsized = awake("unsized", clock, share=0.6, sleep_level=1)
+    assert s._choose_level(unsized, clock.now) == (1, []), "its copy cannot be sized before it is measured: level 1"
+
+
 async def test_a_sleeper_whose_room_is_being_made_is_not_sent_down_for_the_ram_its_own_wake_gives_back(clock):
     target = measured(FakeEngine("target", share=0.6, level=1), 12, level1=12)
     target.host.release_ok = True
     parking = awake("parking", clock, share=0.6)
-    s = scheduler(target, parking, clock=clock, ram_gb=20, estimates={"target": 12, "parking": 12})
+    s = scheduler(target, parking, clock=clock, ram_gb=20, estimates={"target": 12, "parking": 6})
     wait_for(s, target, clock.now)
     assert [(d.action, d.engine.name, d.level) for d in s.decide(clock.now).decisions] == [("park", "parking", 1)], \
-        "the target's wake will empty its cache: parking fits at level 1 beside it"
+        "by its estimate, parking's copy fits beside the one the target holds until its wake"
     s.busy["parking"], s.doing["parking"] = asyncio.get_running_loop().create_future(), ("park", clock.now, 0.0)
     s.parking_level["parking"] = 1
+    measured(parking, 12, level1=12)  # it held twice its guess
     assert s.decide(clock.now) == Plan(), "12 + 12 GB over 20 while the park runs, but target's 12 are on their way out"
 
 

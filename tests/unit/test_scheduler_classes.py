@@ -14,7 +14,7 @@ from engines.engine import State
 from router.errors import APIError
 from router.scheduling import Capacity, Plan, Scheduler, Waiter
 from router.scheduling.state import BATCH, INTERACTIVE
-from tests.unit.test_scheduler import Clock, FakeEngine, actions, awake
+from tests.unit.test_scheduler import Clock, FakeEngine, actions, awake, measured
 
 
 @pytest.fixture
@@ -153,3 +153,69 @@ async def test_a_model_a_reload_added_boots_in_the_background_without_parking_th
     assert s.decide(clock.now) == Plan(wait_s=pytest.approx(50)), "the boot waits for chat's interactive hold to end"
     clock.now += 50
     assert actions(s.decide(clock.now)) == [("park", "chat")], "idle for the whole hold: the boot may take its room"
+async def test_a_batch_flood_that_fills_the_queue_leaves_room_in_it_for_an_interactive_request(clock):
+    nightly = FakeEngine("nightly")
+    s = scheduler(nightly, clock=clock, queue=Queue(max_waiting=3))
+    flood = [asyncio.ensure_future(s.acquire(nightly, klass=BATCH)) for _ in range(3)]
+    user = None
+    try:
+        await asyncio.sleep(0)  # each acquire runs up to its wait
+        user = asyncio.ensure_future(s.acquire(nightly, klass=INTERACTIVE))
+        await asyncio.sleep(0)
+        assert not user.done(), "the user queues beside the flood instead of getting a 429"
+        assert s.queued_by_class(nightly) == {"interactive": 1, "batch": 3}
+        with pytest.raises(APIError) as error:
+            await s.acquire(nightly, klass=BATCH)
+        assert error.value.status == 429 and "has 3 batch requests waiting (queue.max_waiting, per class)" in \
+            error.value.message
+    finally:
+        for task in [*flood, *([user] if user else [])]:
+            task.cancel()
+        await asyncio.gather(*flood, *([user] if user else []), return_exceptions=True)
+
+
+def host_ram_short(clock: Clock, *, talked_to_s: float) -> tuple[Scheduler, FakeEngine]:
+    """hot (awake, asked for often, worth Level 1) is parked for t, in its group; 20 GB of host RAM hold
+    only one of hot's and recent's 16 GB copies; a user talked to recent `talked_to_s` ago."""
+    recent = measured(FakeEngine("recent", share=0.3, level=1), 16, level1=16)
+    recent.host.release_ok = True
+    hot = awake("hot", clock, share=0.3, group="g")
+    target = FakeEngine("t", share=0.3, group="g")
+    s = Scheduler([recent, hot, target], Swap(min_active_s=5, max_hold_s=30, interactive_hold_s=60), Queue(),
+                  Capacity({0: 100.0}, 20), weights={"hot": 16 / 1.35, "t": 1}, clock=clock)
+    s.costs.observe_wake("hot", 1, 0.5)
+    s.costs.observe_wake("hot", 2, 30.0)
+    for _ in range(10):
+        s.demand.arrived("hot", clock.now - 1)
+    s.interactive_seen["recent"] = clock.now - talked_to_s
+    return s, target
+
+
+async def test_batch_work_never_demotes_a_sleeper_a_user_talked_to_seconds_ago_for_its_victims_host_ram(clock):
+    s, target = host_ram_short(clock, talked_to_s=5)
+    wait_for(s, target, clock.now, BATCH)
+    plan = s.decide(clock.now)
+    assert [(d.action, d.engine.name, d.level) for d in plan.decisions] == [("park", "hot", 2)], \
+        "recent keeps its Level-1 copy: hot goes to Level 2 instead"
+    s, target = host_ram_short(clock, talked_to_s=5)
+    wait_for(s, target, clock.now, INTERACTIVE)
+    assert actions(s.decide(clock.now)) == [("park", "hot"), ("demote", "recent")], "an interactive target may demote it"
+    s, target = host_ram_short(clock, talked_to_s=61)
+    wait_for(s, target, clock.now, BATCH)
+    assert actions(s.decide(clock.now)) == [("park", "hot"), ("demote", "recent")], "past interactive_hold_s batch may too"
+
+
+async def test_host_ram_over_budget_by_measurement_sends_down_a_sleeper_no_user_talked_to_first(clock):
+    popular = measured(FakeEngine("popular", share=0.3, level=1), 12, level1=12)
+    talked = measured(FakeEngine("talked", share=0.3, level=1), 10, level1=10)  # measured over its guess
+    s = Scheduler([popular, talked, awake("a", clock, share=0.3)], Swap(interactive_hold_s=60, wake_ahead=False), Queue(),
+                  Capacity({0: 100.0}, 20), clock=clock)
+    for name in ("popular", "talked"):
+        s.costs.observe_wake(name, 1, 0.5)
+        s.costs.observe_wake(name, 2, 5.0)
+    for _ in range(10):
+        s.demand.arrived("popular", clock.now - 1)
+    popular.host.release_ok = talked.host.release_ok = True
+    s.interactive_seen["talked"] = clock.now - 5
+    assert actions(s.decide(clock.now)) == [("demote", "popular")], \
+        "talked is worth less, but a user talked to it 5 s ago: popular's copy clears the excess instead"
