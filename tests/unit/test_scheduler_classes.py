@@ -219,3 +219,12 @@ async def test_host_ram_over_budget_by_measurement_sends_down_a_sleeper_no_user_
     s.interactive_seen["talked"] = clock.now - 5
     assert actions(s.decide(clock.now)) == [("demote", "popular")], \
         "talked is worth less, but a user talked to it 5 s ago: popular's copy clears the excess instead"
+
+
+async def test_an_idle_park_never_demotes_a_sleeper_a_user_talked_to_seconds_ago_for_its_host_ram(clock):
+    s, _ = host_ram_short(clock, talked_to_s=5)
+    s.swap = s.swap.model_copy(update={"idle_sleep_s": 30.0})
+    s.engines[1].last_used = clock.now - 40  # hot: idle past idle_sleep_s, nobody waits for anything
+    plan = s.decide(clock.now)
+    assert [(d.action, d.engine.name, d.level) for d in plan.decisions] == [("park", "hot", 2)], \
+        "recent keeps its Level-1 copy: an idle park is nobody's demand, so hot goes to Level 2"
