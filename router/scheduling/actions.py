@@ -286,6 +286,7 @@ class Actions(Costs, RosterChanges, Staging):
                 await self._stop(engine, f"on request; no room for it at level 1 in host RAM, and "
                                          f"{self.no_level2(engine)}{numbers}")
             else:
+                self.parking_level[engine.name] = level  # its copy counts for the host RAM of parks decided meanwhile
                 await self._park(engine, f"on request; level {level}: {reason}" if reason else "on request", level)
             return self._outcome(engine)
         return await self._exclusively(engine, "sleep", action)

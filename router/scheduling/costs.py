@@ -196,7 +196,7 @@ class Costs(SchedulerState):
         if action == "demote":  # chosen only where the wake empties the cache (passes_through)
             return 0.0
         now = self._host_now_gb(engine)
-        if action in ("park", "deepen") and self.parking_level.get(engine.name) == 1:
+        if action in ("park", "deepen", "sleep") and self.parking_level.get(engine.name) == 1:
             return max(now, self.level1_need_gb(engine) or 0.0)
         return now
 

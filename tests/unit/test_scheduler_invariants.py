@@ -609,3 +609,27 @@ def test_a_model_a_reload_added_does_not_park_the_model_a_user_just_used_regress
     state.promises_hold()
     assert state.world.engines["m1"].state is State.AWAKE, "once m0's interactive hold is over, m1 boots"
     state.teardown()
+
+
+def test_two_models_an_operator_puts_to_sleep_at_once_do_not_both_take_the_host_ram_for_one_copy_regression() -> None:
+    """As the simulation shrank it: two pinned models on one GPU, host RAM for one copy; an operator puts one
+    to sleep while it boots and the other before it has."""
+    def model(name: str) -> tuple[dict[str, Any], Timing, HostModel]:
+        return ({"name": name, "model": f"/m/{name}", "args": ["--gpu-memory-utilization", "0.2"], "devices": [0],
+                 "pin": True, "sleep_level": "auto", "weights_gb": 2.0},
+                Timing(boot_s=5.0, wake_s=(0.3, 0.5, 3.0), sleep_s=0.2), HostModel(level1_factor=1.0, releases=False, measured=False))
+    state = SchedulerRun()
+    state.boot(roster={"gpus": 1, "models": [model("m0"), model("m1")], "virtual": None,
+                       "swap": {"min_active_s": 0.0, "max_hold_s": 5.0, "drain_timeout_s": 0.0, "interactive_hold_s": 0.0,
+                                "reuse_horizon_s": 10.0, "wake_ahead": False, "demand_tau_s": 60.0},
+                       "queue": {"max_wait_s": 30.0, "batch_max_wait_s": 60.0, "max_waiting": 2}, "ram_gb": 5.0})
+    state.promises_hold()
+    state.request(by_virtual=False, hold_s=0.5, klass="interactive", n=1, which=0)
+    state.promises_hold()
+    state.an_operator_puts_a_model_to_sleep(which=0)
+    state.promises_hold()
+    state.an_operator_puts_a_model_to_sleep(which=1)
+    state.promises_hold()
+    state.time_passes(seconds=200.0)
+    state.promises_hold()
+    state.teardown()
