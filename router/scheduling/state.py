@@ -327,7 +327,8 @@ class SchedulerState:
         try:
             self.waiting[waiter.engine.name].remove(waiter)
         except ValueError:
-            pass
+            return
+        self.poke()  # the room being made for it may be nobody's now (`_forget_abandoned_rooms`)
 
 
 # -- backoff: consecutive failures per engine, and when a failed engine may be tried again ------------
