@@ -35,6 +35,7 @@ class Actions(Costs, RosterChanges, Staging):
         request for it only moves it up the line. Once booted (baseline recorded) it serves, while
         the others may still boot."""
         self.making_room.pop(engine.name, None)
+        self.to_boot.discard(engine.name)  # changed in a reload before its first boot: this is that boot
         self.boots_begun += 1
         log.info("booting %s (%d/%d)", engine.name, self.boots_begun, self.startup_total)
         why = placement.never_fits(self.engines, engine)

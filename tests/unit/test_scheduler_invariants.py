@@ -426,7 +426,9 @@ class SchedulerRun(RuleBasedStateMachine):
         if len(self.world.engines) >= 9:
             return
         self.added += 1
-        entry, timing, host = data.draw(entries(f"new{self.added}", len(self.world.gpus)))
+        self.add_model(*data.draw(entries(f"new{self.added}", len(self.world.gpus))))
+
+    def add_model(self, entry: dict[str, Any], timing: Timing, host: HostModel) -> None:
         spec = ModelSpec(**entry)
         if not fits_check([*(entry_of(e.spec) for e in self.serving()), entry], len(self.world.gpus)):
             return  # `hotswap check` refuses it, and so does a reload
@@ -632,4 +634,25 @@ def test_two_models_an_operator_puts_to_sleep_at_once_do_not_both_take_the_host_
     state.promises_hold()
     state.time_passes(seconds=200.0)
     state.promises_hold()
+    state.teardown()
+
+
+def test_a_model_changed_by_a_reload_before_its_first_boot_is_not_booted_again_once_stopped_regression() -> None:
+    """As the simulation found it: the change left it marked to boot in the background after its first boot,
+    so once stopped (here for an operator's sleep, then for room) it was booted again, asked for by nobody."""
+    roster = two_models()
+    roster["models"][0][0]["pin"] = True
+    state = SchedulerRun()
+    state.boot(roster=roster)
+    state.a_reload_changes_a_model(which=1, share=0.5)  # m1 has not booted yet
+    state.time_passes(seconds=200.0)
+    state.promises_hold()
+    assert state.world.engines["m1"].state is State.AWAKE
+    state.an_operator_puts_a_model_to_sleep(which=1)
+    state.time_passes(seconds=10.0)
+    entry, timing, host = two_models()["models"][1]
+    state.add_model({**entry, "name": "big", "args": ["--gpu-memory-utilization", "0.6"]}, timing, host)
+    state.time_passes(seconds=200.0)  # m1's residual is in big's way: m1 is stopped for it
+    state.promises_hold()
+    assert state.world.engines["m1"].state is State.COLD, "stopped, and not booted again: nobody asked for it"
     state.teardown()
