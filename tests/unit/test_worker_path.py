@@ -72,10 +72,6 @@ def test_a_command_engine_and_one_on_the_routers_own_python_get_no_folder(monkey
     assert "PYTHONPATH" not in env_of(model, tmp_path)
 
 
-def test_a_url_engine_is_never_launched_so_it_gets_no_environment_from_the_router():
-    assert not ModelSpec(name="a", url="http://10.0.0.5:8000").managed  # engines.engine starts managed engines only
-
-
 def test_the_folder_holds_the_worker_extension_alone_read_only(tmp_path: Path):
     folder = worker_path.directory()
     package = REPO / "engines" / "vllm_worker"
@@ -100,11 +96,11 @@ def test_a_python_without_hotswap_imports_the_extension_from_the_folder_alone(tm
 
 
 def test_the_folder_yields_to_a_regular_engines_package_so_it_shadows_nothing(tmp_path: Path):
-    # Where hotswap itself is importable (the vLLM image installs it; the simulator on the router's
-    # Python), its `engines` wins over the folder's namespace portion: `engines.sim` stays importable.
+    # Where a regular `engines` is importable too, after the folder on the path (hotswap installed in
+    # the vLLM image; another package of that name), it wins over the folder's namespace portion.
     done = subprocess.run(
-        [sys.executable, "-c", "import engines, engines.sim; print(engines.__file__)"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": worker_path.pythonpath(None)}, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-S", "-c", "import engines, engines.sim; print(engines.__file__)"],
+        cwd=tmp_path, env={"PYTHONPATH": worker_path.pythonpath(str(REPO))}, capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(REPO / "engines" / "__init__.py")
