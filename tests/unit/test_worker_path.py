@@ -99,7 +99,7 @@ def test_the_folder_yields_to_a_regular_engines_package_so_it_shadows_nothing(tm
     # Where a regular `engines` is importable too, after the folder on the path (hotswap installed in
     # the vLLM image; another package of that name), it wins over the folder's namespace portion.
     done = subprocess.run(
-        [sys.executable, "-S", "-c", "import engines, engines.sim; print(engines.__file__)"],
+        [sys.executable, "-S", "-c", "import engines as e, engines.sim; print(e.__file__)"],
         cwd=tmp_path, env={"PYTHONPATH": worker_path.pythonpath(str(REPO))}, capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 0, done.stderr
