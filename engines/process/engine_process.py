@@ -18,9 +18,8 @@ from typing import Callable, Optional
 
 from config.argv import ROUTER_OWNED_FLAGS
 from config.schema import ModelSpec
-from engines.process import reaper
-
-WORKER_EXTENSION = "engines.vllm_worker.HotswapWorkerExtension"
+from engines.process import reaper, worker_path
+from engines.process.worker_path import WORKER_EXTENSION
 
 
 def loads_extension(spec: ModelSpec) -> bool:
@@ -33,6 +32,7 @@ def loads_extension(spec: ModelSpec) -> bool:
     return spec.draft_restore == "reload" or (spec.sleep_level in ("auto", 2) and spec.reloads_weights)
 PRESERVE_DRAFT = "draft.*"
 TAIL_BYTES = 64 * 1024
+CAUSE_BYTES = 1024 * 1024  # how much of a failed run's output is searched for its cause (vLLM's comes well before its last lines)
 # The router waits this much longer than the reaper's grace before it SIGKILLs the group itself:
 # the reaper's own SIGKILL comes first unless the reaper is stuck.
 REAPER_MARGIN_S = 5.0
@@ -116,7 +116,13 @@ class EngineProcess:
         env["VLLM_SERVER_DEV_MODE"] = "1"  # the sleep/wake/collective_rpc endpoints
         env["HOTSWAP_REAPER_PARENT"] = str(os.getpid())
         env.setdefault("PYTHONUNBUFFERED", "1")  # the log tail must be current when we quote it
+        if self.gets_worker_path:  # the worker extension importable in vLLM's own Python (engines.process.worker_path)
+            env["PYTHONPATH"] = worker_path.pythonpath(env.get("PYTHONPATH"))
         return env
+
+    @property
+    def gets_worker_path(self) -> bool:
+        return worker_path.gets_path(self.argv, self.spec.command is not None)
 
     @property
     def pid(self) -> Optional[int]:
@@ -203,19 +209,24 @@ class EngineProcess:
         if self.returncode is None:
             return ""
         tail = self.last_lines(lines)
-        return f" (process exited with code {self.returncode})" + ("; last log lines:\n  " + "\n  ".join(tail) if tail else "")
+        cause = worker_path.import_failure(self._output(CAUSE_BYTES), self.argv[0], self.gets_worker_path)
+        return (f" (process exited with code {self.returncode})" + (f": {cause}" if cause else "")
+                + ("; last log lines:\n  " + "\n  ".join(tail) if tail else ""))
 
     def last_lines(self, n: int = 20) -> list[str]:
         """The last `n` lines this run of the engine wrote (read from its log file when asked)."""
+        return self._output(TAIL_BYTES).splitlines()[-n:]
+
+    def _output(self, most: int) -> str:
+        """This run's output, its last `most` bytes at most (from the first whole line)."""
         try:
             with self.log_path.open("rb") as log:
                 size = log.seek(0, os.SEEK_END)
-                start = max(self._log_start, size - TAIL_BYTES)
+                start = max(self._log_start, size - most)
                 log.seek(start)
                 text = log.read().decode("utf-8", "replace")
         except OSError:
-            return []
-        lines = text.splitlines()
-        if start > self._log_start and lines:
-            lines = lines[1:]  # the first line read is probably cut
-        return lines[-n:]
+            return ""
+        if start > self._log_start:
+            text = text.partition("\n")[2]  # the first line read is probably cut
+        return text

@@ -14,7 +14,7 @@ import sys
 import time
 
 from .control import Control, Fault, InjectedFault
-from .boot_failure import memory_check_failure, print_boot_failure
+from .boot_failure import extension_import_failure, extension_origin, memory_check_failure, print_boot_failure
 from .flags import parse_args
 from .memory import EngineMemory, OutOfMemory
 from .page_cache import DiskModel
@@ -85,6 +85,15 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
     delays = {step: float(v) for step, v in args.sim_step_delay}
     control = Control(delays, [Fault(step, kind) for step, kind in args.sim_fault])
 
+    # vLLM's worker imports its extension first (v1/worker/worker_base.py:297), then initialises the device.
+    extension_from = None
+    if args.sim_separate_env and args.worker_extension_cls:
+        extension_from, missing = extension_origin(args.worker_extension_cls, os.environ.get("PYTHONPATH", ""))
+        if extension_from is None:
+            print_boot_failure(extension_import_failure(missing))
+            return 1
+        log.info("sim: worker extension %s from %s", args.worker_extension_cls, extension_from)
+
     # vLLM's worker checks free GPU memory as it initialises the device, before it loads
     # the model; the engine then holds its share (a process that exits holds nothing).
     memory: EngineMemory | None = args.gpu_memory
@@ -153,6 +162,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
     )
     server.lose_lora_on_level2 = args.sim_lora_lost_on_level2
     server.disk = args.disk_model
+    server.extension_from = extension_from
     if server.dev_mode:
         log.warning("SECURITY WARNING: Development endpoints are enabled! This should NOT be used in production!")
     runner = web.AppRunner(

@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sim-boot-s", type=float, default=0.2,
                    help="seconds before the port is bound (with --sim-disk-gb-per-s, before the weights are read)")
     s.add_argument("--sim-fail-boot", action="store_true", help="fail the boot with a CUDA OOM and exit 1")
+    s.add_argument("--sim-separate-env", action="store_true",
+                   help="model vLLM in an environment of its own, where hotswap is not installed: the "
+                   "--worker-extension-cls module is looked up on PYTHONPATH alone, and a boot that cannot find it "
+                   "fails as vLLM's worker does (ModuleNotFoundError); where it was found is in /sim/state")
     s.add_argument("--sim-token-rate", type=float, default=2000.0, help="decode tokens/s (halved with a discarded draft)")
     s.add_argument("--sim-acceptance", type=float, default=2.6, help="mean acceptance length of a healthy draft")
     s.add_argument(

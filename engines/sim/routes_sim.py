@@ -21,7 +21,8 @@ def add_routes(app: web.Application, server: "SimServer") -> None:
     async def sim_state(request: web.Request) -> web.Response:
         gpu = server.memory.state_json() if server.memory is not None else None
         disk = server.disk.state_json() if server.disk is not None else None
-        return web.json_response({**server.engine.state_json(), "gpu_memory": gpu, "disk": disk})
+        return web.json_response({**server.engine.state_json(), "gpu_memory": gpu, "disk": disk,
+                                  "worker_extension_from": server.extension_from})
 
     async def sim_log(request: web.Request) -> web.Response:
         return web.json_response(list(server.control.calls))

@@ -55,6 +55,7 @@ class SimServer:
         self.adapters = adapters or Adapters({}, self.names[0])
         self.lose_lora_on_level2 = False
         self.disk: DiskModel | None = None  # the disk and page cache a reload reads (page_cache.py); None: not modelled
+        self.extension_from: str | None = None  # with --sim-separate-env: the file the worker extension was found in
 
     # ---- middleware -------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Helpers for the integration tier: HTTP to a real engine, its metrics, the engine process.
 
 Runs in the router's venv (stdlib + prometheus_client); vLLM runs in its own venv, started
-through `cpu_launcher`.
+through `cpu_launcher`, with the router's worker-extension folder on its PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.process import worker_path
 from tests.support import until as poll  # the shared polling loop, with a deadline
 
 HERE = Path(__file__).resolve().parent
@@ -132,6 +133,8 @@ class VllmServer:
             *args,
         ]
         self.env = {**os.environ, **env, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
+        # The worker extension importable in the vLLM venv as the router makes it (cpu_launcher adds nothing).
+        self.env["PYTHONPATH"] = worker_path.pythonpath(self.env.get("PYTHONPATH"))
         self.proc: Optional[subprocess.Popen[bytes]] = None
         self.boot_s = 0.0
 

@@ -318,7 +318,7 @@ def test_the_reaper_imports_only_the_standard_library():
 
 def test_the_worker_extension_imports_only_the_standard_library_torch_and_vllm():
     bad = worker_violations(all_imports({n: p for n, p in KNOWN.items() if n == "engines" or n.startswith("engines.vllm_worker")}))
-    assert not bad, "the worker extension runs inside vLLM's worker (tests/integration/cpu_launcher):\n" + "\n".join(bad)
+    assert not bad, "the worker extension runs inside vLLM's worker, copied alone into its environment (engines/process/worker_path.py):\n" + "\n".join(bad)
 
 
 def test_the_engines_wings_import_only_downwards():
