@@ -35,6 +35,7 @@ class Actions(Costs, RosterChanges, Staging):
         request for it only moves it up the line. Once booted (baseline recorded) it serves, while
         the others may still boot."""
         self.making_room.pop(engine.name, None)
+        self.to_boot.discard(engine.name)  # changed in a reload before its first boot: this is that boot
         self.boots_begun += 1
         log.info("booting %s (%d/%d)", engine.name, self.boots_begun, self.startup_total)
         why = placement.never_fits(self.engines, engine)
@@ -271,10 +272,14 @@ class Actions(Costs, RosterChanges, Staging):
         return self._outcome(engine)
 
     async def _sleep(self, engine: Engine) -> str:
+        # By an operator: not woken ahead of demand nor booted in the background, only by a request, from the
+        # moment asked (a reload may restart it while this waits for its turn).
+        if engine.state in (State.AWAKE, State.SLEEPING):
+            self.put_to_sleep.add(engine.name)
+
         async def action() -> str:
             if engine.state is not State.AWAKE:
                 return f"not awake ({engine.state.value})"
-            self.put_to_sleep.add(engine.name)  # by an operator: not woken ahead of demand, only by a request
             level = self._level_alone(engine)
             reason = self.level_reason(engine, level)
             if level is None:
@@ -282,6 +287,7 @@ class Actions(Costs, RosterChanges, Staging):
                 await self._stop(engine, f"on request; no room for it at level 1 in host RAM, and "
                                          f"{self.no_level2(engine)}{numbers}")
             else:
+                self.parking_level[engine.name] = level  # its copy counts for the host RAM of parks decided meanwhile
                 await self._park(engine, f"on request; level {level}: {reason}" if reason else "on request", level)
             return self._outcome(engine)
         return await self._exclusively(engine, "sleep", action)

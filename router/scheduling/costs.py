@@ -1,4 +1,4 @@
-"""What moving an engine out of the way costs, and the level it would sleep at.
+"""What moving an engine out of the way costs, the ways it can move (its offers), and the level it would sleep at.
 
 The cost part of `Scheduler` (see `router.scheduling.state`): an engine's expected cost is the waiting its
 absence is likely to cause: the likelihood it is asked for again (from `router.scheduling.estimates`)
@@ -22,7 +22,7 @@ from typing import Collection, Optional
 from engines.engine import Engine, State
 from engines.ladder import KV_PARKED
 from engines.memory import PRIOR_FACTOR
-from router.scheduling.placement import Ledger
+from router.scheduling.placement import Ledger, Victim
 from router.scheduling.state import SchedulerState
 
 
@@ -37,6 +37,33 @@ class Costs(SchedulerState):
     def cost(self, engine: Engine, action: str, now: float) -> float:
         """What placement ranks victims by. bench/placement.py replaces it on the instance (LRU)."""
         return self.expected_cost(engine, action, now)
+
+    def _park_offers(self, ledger: Ledger, engine: Engine, now: float, busy: bool, ready_in: float,
+                     rival: bool) -> list[Victim]:
+        """The ways an awake engine can make room: a full park (at the level `_move` chooses) and, where
+        the KV tier is known to fit (placement's `kv_offered`), a KV park, first (the cheaper wake, when both
+        are enough). A rival in the waiter's group must leave its share, so it is offered the full park only.
+        A `sleep_level: 0` engine whose KV park cannot be sized (weights or GPU sizes unknown) frees nothing
+        placement can count: it is offered a stop instead, as when its weights' room is needed."""
+        fixed_kv = engine.spec.sleep_level == KV_PARKED
+        if fixed_kv and not ledger.kv_offered(engine):
+            return [Victim(engine, "stop", ledger.stopped_frees(engine), self.cost(engine, "stop", now), busy, ready_in)]
+        full = Victim(engine, "park", ledger.parked_frees(engine, KV_PARKED if fixed_kv else None),
+                      self.cost(engine, "park", now), busy, ready_in)
+        if rival or engine.spec.sleep_level != "auto" or not ledger.kv_offered(engine):
+            return [full]
+        kv = Victim(engine, "park", ledger.parked_frees(engine, KV_PARKED), self.cost(engine, "kv_park", now), busy,
+                    ready_in, level=KV_PARKED)
+        return [kv, full]
+
+    def _sleeper_offers(self, ledger: Ledger, engine: Engine, now: float) -> list[Victim]:
+        """A sleeper can be stopped; a KV-parked one can also go down a rung, freeing its weights but
+        keeping its process (and its next wake short of a boot)."""
+        stop = Victim(engine, "stop", ledger.stopped_frees(engine), self.cost(engine, "stop", now))
+        level = self.deeper_level(engine, now) if engine.sleep_level == KV_PARKED else None
+        if level is None:
+            return [stop]
+        return [Victim(engine, "deepen", ledger.deepened_frees(engine), self.cost(engine, "deepen", now), level=level), stop]
 
     def _level_alone(self, engine: Engine) -> Optional[int]:
         """The level for a park outside the loop's planning (an admin sleep): Level 1 only if it fits
@@ -169,7 +196,7 @@ class Costs(SchedulerState):
         if action == "demote":  # chosen only where the wake empties the cache (passes_through)
             return 0.0
         now = self._host_now_gb(engine)
-        if action in ("park", "deepen") and self.parking_level.get(engine.name) == 1:
+        if action in ("park", "deepen", "sleep") and self.parking_level.get(engine.name) == 1:
             return max(now, self.level1_need_gb(engine) or 0.0)
         return now
 

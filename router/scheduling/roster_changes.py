@@ -85,4 +85,5 @@ class RosterChanges(SchedulerState):
         self.costs.forget(engine.name)  # they were another model's, or other flags'
         self.handled.discard(engine.name)
         self.backoff.succeeded(engine.name)
-        self.to_boot.add(engine.name)
+        if engine.name not in self.put_to_sleep:  # an operator's sleep lasts until a request asks for it
+            self.to_boot.add(engine.name)

@@ -169,7 +169,7 @@ class Scheduler(WakeAhead):
                 continue
             ledger.reserve(target)  # first: a demotion passing through the GPU must not take its room
             moves = [d for victim in victims for d in self._move(victim, f"room {'to boot' if first else 'for'} {target.name}",
-                                                                   ledger, now, batch=self.batch_only(target))]
+                                                                   ledger, now, batch=self.yields_to_users(target))]
             if not all(clear(d.engine) for d in moves):
                 continue
             moving.add(target.name)
@@ -258,9 +258,9 @@ class Scheduler(WakeAhead):
             return None, None
         waits: list[float] = []
         forced, candidates, blocked = [], [], False
-        # Batch work never parks, stops or preempts an engine with interactive demand: for a target only
-        # batch requests wait for, such an engine is no victim (a group rival holding its share blocks it).
-        batch = self.batch_only(target)
+        # For work that yields to users, an engine with interactive demand is no victim (a group rival holding its
+        # share blocks it).
+        batch = self.yields_to_users(target)
         held: list[str] = []
         held_waits: list[float] = []  # when a hold ends by time alone (interactive_hold_s): look again then
         self.held_by.pop(target.name, None)
@@ -329,33 +329,6 @@ class Scheduler(WakeAhead):
         wait = later_wait if later else min(waits, default=None)
         return None, min(held_waits + ([] if wait is None else [wait]), default=None)
 
-    def _park_offers(self, ledger: Ledger, engine: Engine, now: float, busy: bool, ready_in: float,
-                     rival: bool) -> list[Victim]:
-        """The ways an awake engine can make room: a full park (at the level `_move` chooses) and, where
-        the KV tier is known to fit (placement's `kv_offered`), a KV park, first (the cheaper wake, when both
-        are enough). A rival in the waiter's group must leave its share, so it is offered the full park only.
-        A `sleep_level: 0` engine whose KV park cannot be sized (weights or GPU sizes unknown) frees nothing
-        placement can count: it is offered a stop instead, as when its weights' room is needed."""
-        fixed_kv = engine.spec.sleep_level == KV_PARKED
-        if fixed_kv and not ledger.kv_offered(engine):
-            return [Victim(engine, "stop", ledger.stopped_frees(engine), self.cost(engine, "stop", now), busy, ready_in)]
-        full = Victim(engine, "park", ledger.parked_frees(engine, KV_PARKED if fixed_kv else None),
-                      self.cost(engine, "park", now), busy, ready_in)
-        if rival or engine.spec.sleep_level != "auto" or not ledger.kv_offered(engine):
-            return [full]
-        kv = Victim(engine, "park", ledger.parked_frees(engine, KV_PARKED), self.cost(engine, "kv_park", now), busy,
-                    ready_in, level=KV_PARKED)
-        return [kv, full]
-
-    def _sleeper_offers(self, ledger: Ledger, engine: Engine, now: float) -> list[Victim]:
-        """A sleeper can be stopped; a KV-parked one can also go down a rung, freeing its weights but
-        keeping its process (and its next wake short of a boot)."""
-        stop = Victim(engine, "stop", ledger.stopped_frees(engine), self.cost(engine, "stop", now))
-        level = self.deeper_level(engine, now) if engine.sleep_level == KV_PARKED else None
-        if level is None:
-            return [stop]
-        return [Victim(engine, "deepen", ledger.deepened_frees(engine), self.cost(engine, "deepen", now), level=level), stop]
-
     def _evictable_in(self, engine: Engine, oldest: float, now: float) -> float:
         """Seconds until an awake engine may be parked for a waiter that arrived at `oldest` (0: now).
         min_active_s protects a wake someone asked for: an engine booted in the background and not
@@ -366,9 +339,10 @@ class Scheduler(WakeAhead):
             wait = max(wait, oldest + self.swap.max_hold_s - now)
         return max(wait, 0.0)
 
-    def _move(self, victim: Victim, why: str, ledger: Ledger, now: float, batch: bool = False) -> list[Decision]:
+    def _move(self, victim: Victim, why: str, ledger: Ledger, now: float, batch: bool = True) -> list[Decision]:
         """The decisions that move `victim`: its park, and the Level-1 sleepers demoted for its host RAM
-        (`batch`: for a target only batch requests wait for, which demotes no sleeper with interactive demand)."""
+        (`batch`: the move yields to users, as all but room for a user's waiter do: it demotes no sleeper with
+        interactive demand)."""
         engine = victim.engine
         if victim.action == "stop":
             return [Decision("stop", engine, f"{why} ({victim.why})" if victim.why else why)]

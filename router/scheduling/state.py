@@ -233,6 +233,12 @@ class SchedulerState:
         queue = self.waiting[engine.name]
         return bool(queue) and all(w.klass == BATCH for w in queue)
 
+    def yields_to_users(self, engine: Engine) -> bool:
+        """Whether the work of waking `engine` takes no room from interactive demand: only batch requests
+        wait for it, or nobody does (a boot in the background). Such work never parks, demotes or stops an
+        engine with interactive demand (`interactive_demand`); a pre-wake or an idle park never does either."""
+        return self.batch_only(engine) or not self.waiting[engine.name]
+
     def queued_by_class(self, engine: Engine) -> dict[str, int]:
         """Waiting requests per class (an operator's wait counts as interactive)."""
         counts = {INTERACTIVE: 0, BATCH: 0}
@@ -321,7 +327,8 @@ class SchedulerState:
         try:
             self.waiting[waiter.engine.name].remove(waiter)
         except ValueError:
-            pass
+            return
+        self.poke()  # the room being made for it may be nobody's now (`_forget_abandoned_rooms`)
 
 
 # -- backoff: consecutive failures per engine, and when a failed engine may be tried again ------------

@@ -151,3 +151,18 @@ async def test_a_defect_in_the_decisions_is_logged_once_shown_and_the_loop_goes_
     assert [r.getMessage() for r in caplog.records if r.exc_info] == [
         "internal error in the scheduler's decisions; it looks again in 0.001 s"], "one traceback, not one a look"
     assert s.defect["error"] == "KeyError: 'gone'" and s.defect["count"] == 3
+
+
+async def test_a_waiter_that_leaves_after_its_room_was_made_has_the_swap_forgotten_at_once(clock):
+    """Its victims parked, but its wake cannot start yet (a boot holds the GPU): when it leaves, the loop
+    looks again at once rather than at the next action's end, so nothing shows a swap nobody waits for."""
+    a, t = awake("a", clock, share=0.6), FakeEngine("t", share=0.6)
+    s = scheduler(a, t, clock=clock, gpus={0: 100.0})
+    waiter = wait_for(s, t, clock.now)
+    assert actions(s.decide(clock.now)) == [("park", "a")] and "t" in s.making_room
+    a.state, a.sleep_level = State.SLEEPING, 2  # its park ended
+    s._poke.clear()
+    leaves(s, waiter)
+    assert s._poke.is_set(), "the loop is woken to decide again"
+    s.decide(clock.now)
+    assert "t" not in s.making_room

@@ -145,6 +145,14 @@ async def test_acquire_counts_interactive_leases_and_batch_times_out_naming_the_
     assert "chat" not in s.interactive_leases, "a batch lease is no interactive demand"
 
 
+async def test_a_model_a_reload_added_boots_in_the_background_without_parking_the_model_a_user_just_used(clock):
+    chat, added = awake("chat", clock), FakeEngine("added", State.COLD)
+    s = scheduler(chat, added, clock=clock, hold_s=60)
+    s.to_boot.add("added")  # new in a reload: nobody waits for it
+    s.interactive_seen["chat"] = clock.now - 10
+    assert s.decide(clock.now) == Plan(wait_s=pytest.approx(50)), "the boot waits for chat's interactive hold to end"
+    clock.now += 50
+    assert actions(s.decide(clock.now)) == [("park", "chat")], "idle for the whole hold: the boot may take its room"
 async def test_a_batch_flood_that_fills_the_queue_leaves_room_in_it_for_an_interactive_request(clock):
     nightly = FakeEngine("nightly")
     s = scheduler(nightly, clock=clock, queue=Queue(max_waiting=3))
@@ -211,3 +219,12 @@ async def test_host_ram_over_budget_by_measurement_sends_down_a_sleeper_no_user_
     s.interactive_seen["talked"] = clock.now - 5
     assert actions(s.decide(clock.now)) == [("demote", "popular")], \
         "talked is worth less, but a user talked to it 5 s ago: popular's copy clears the excess instead"
+
+
+async def test_an_idle_park_never_demotes_a_sleeper_a_user_talked_to_seconds_ago_for_its_host_ram(clock):
+    s, _ = host_ram_short(clock, talked_to_s=5)
+    s.swap = s.swap.model_copy(update={"idle_sleep_s": 30.0})
+    s.engines[1].last_used = clock.now - 40  # hot: idle past idle_sleep_s, nobody waits for anything
+    plan = s.decide(clock.now)
+    assert [(d.action, d.engine.name, d.level) for d in plan.decisions] == [("park", "hot", 2)], \
+        "recent keeps its Level-1 copy: an idle park is nobody's demand, so hot goes to Level 2"

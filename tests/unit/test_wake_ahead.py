@@ -144,6 +144,15 @@ async def test_a_model_an_operator_put_to_sleep_is_not_woken_ahead_until_a_reque
     assert actions(s.decide(clock.now)) == [("wake", "popular")]
 
 
+async def test_an_operator_who_asks_a_sleeping_model_to_sleep_keeps_it_asleep(clock):
+    popular = FakeEngine("popular", share=0.3)
+    s = scheduler(popular, clock=clock, gpus={0: 100.0})
+    priced(s, "popular")
+    asked(s, "popular", 20, clock.now - 5)
+    assert await s.sleep(popular) == "not awake (sleeping)"
+    assert actions(s.decide(clock.now)) == [], "asleep already, it stays asleep: nothing wakes it ahead"
+
+
 def run(s, clock, seconds: float, step: float = 1.0) -> list[tuple[str, str]]:
     """The loop's decisions over `seconds` of the fake clock, each action done at once; what was started."""
     started = []
