@@ -876,18 +876,25 @@ async def test_a_stopped_engine_holds_no_host_ram_whatever_its_last_measurement_
     assert s.host_gb(gone) == 0 and s._choose_level(b, clock.now) == (1, [])
 
 
+def popular_beside(s: Scheduler, other: FakeEngine, clock: Clock) -> None:
+    """`popular` (asked for 10 times just now) and `other`, Level-1 sleepers whose wakes are priced (0.5 s from
+    Level 1, 5 s from Level 2) and give their host copy back."""
+    popular = next(e for e in s.engines if e.name == "popular")
+    for engine in (popular, other):
+        s.costs.observe_wake(engine.name, 1, 0.5)
+        s.costs.observe_wake(engine.name, 2, 5.0)
+        engine.host.release_ok = True
+    for _ in range(10):
+        s.demand.arrived("popular", clock.now - 1)
+
+
 async def test_a_level1_sleep_that_held_more_than_its_guess_over_the_budget_sends_the_least_valuable_sleeper_down(clock):
     gpus = {0: 100.0}
     popular = measured(FakeEngine("popular", share=0.3, level=1), 12, level1=12)
     unused = measured(FakeEngine("unused", share=0.3, level=1), 10, level1=10)  # estimated 8: it fit, measured it does not
     s = scheduler(popular, unused, awake("a", clock, share=0.3), clock=clock, gpus=gpus, ram_gb=20,
                   estimates={"popular": 12, "unused": 8}, wake_ahead=False)  # the room is free: popular would wake ahead
-    for name in ("popular", "unused"):
-        s.costs.observe_wake(name, 1, 0.5)
-        s.costs.observe_wake(name, 2, 5.0)
-    for _ in range(10):
-        s.demand.arrived("popular", clock.now - 1)
-    popular.host.release_ok = unused.host.release_ok = True
+    popular_beside(s, unused, clock)
     plan = s.decide(clock.now)
     assert actions(plan) == [("demote", "unused")], "22 GB held for sleep in a 20 GB budget: the one nobody asks for goes"
     assert plan.decisions[0].why == ("host RAM over host.ram_budget_gb=20 by measurement: the engines hold 22.00 GB "

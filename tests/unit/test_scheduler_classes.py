@@ -14,7 +14,7 @@ from engines.engine import State
 from router.errors import APIError
 from router.scheduling import Capacity, Plan, Scheduler, Waiter
 from router.scheduling.state import BATCH, INTERACTIVE
-from tests.unit.test_scheduler import Clock, FakeEngine, actions, awake, measured
+from tests.unit.test_scheduler import Clock, FakeEngine, actions, awake, popular_beside, measured
 
 
 @pytest.fixture
@@ -210,12 +210,7 @@ async def test_host_ram_over_budget_by_measurement_sends_down_a_sleeper_no_user_
     talked = measured(FakeEngine("talked", share=0.3, level=1), 10, level1=10)  # measured over its guess
     s = Scheduler([popular, talked, awake("a", clock, share=0.3)], Swap(interactive_hold_s=60, wake_ahead=False), Queue(),
                   Capacity({0: 100.0}, 20), clock=clock)
-    for name in ("popular", "talked"):
-        s.costs.observe_wake(name, 1, 0.5)
-        s.costs.observe_wake(name, 2, 5.0)
-    for _ in range(10):
-        s.demand.arrived("popular", clock.now - 1)
-    popular.host.release_ok = talked.host.release_ok = True
+    popular_beside(s, talked, clock)
     s.interactive_seen["talked"] = clock.now - 5
     assert actions(s.decide(clock.now)) == [("demote", "popular")], \
         "talked is worth less, but a user talked to it 5 s ago: popular's copy clears the excess instead"

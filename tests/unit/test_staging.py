@@ -65,6 +65,15 @@ async def settle(*engines: FakeEngine) -> None:
     await asyncio.gather(*(e.stager.task for e in engines if e.stager.task is not None))
 
 
+async def staged_ahead_once(s, engine: FakeEngine, clock: Clock) -> None:
+    """A 1 GB sleeper asked for 3 times, within a 10 GB host.page_cache_budget_gb: staged ahead once, to its end."""
+    s.weights[engine.name] = 1.0
+    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=10.0)
+    demand(s, engine.name, 3, clock)
+    s.stage_ahead(clock.now)
+    await settle(engine)
+
+
 # -- the estimate -------------------------------------------------------------------------------------
 
 def test_a_staged_level2_wake_is_priced_from_the_page_cache_rate_measured_on_any_model():
@@ -220,11 +229,7 @@ async def test_a_sleeper_whose_stage_failed_is_not_staged_again_ahead_of_its_nex
     broken = stages(FakeEngine("broken"), {"files": 0, "bytes": 0, "read_bytes": 0, "seconds": 0.0, "resident_before": 1.0,
                                            "reason": "ShardedStateLoader does not read checkpoint files vLLM's default way"})
     s = scheduler(broken, clock=clock)
-    s.weights["broken"] = 1.0
-    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=10.0)  # host.page_cache_budget_gb: 10
-    demand(s, "broken", 3, clock)
-    s.stage_ahead(clock.now)
-    await settle(broken)
+    await staged_ahead_once(s, broken, clock)
     assert not broken.stager.staged and "ShardedStateLoader" in broken.stager.failure
     s.stage_ahead(clock.now)
     assert not broken.stager.running and broken.client.calls == 1
@@ -244,11 +249,7 @@ async def test_a_sleeper_whose_stage_failed_once_is_staged_ahead_again_once_its_
     sleeper = stages(FakeEngine("sleeper"))
     sleeper.client = OnceTimedOutStagingClient()
     s = scheduler(sleeper, clock=clock)
-    s.weights["sleeper"] = 1.0
-    s.capacity = dataclasses.replace(s.capacity, page_cache_gb=10.0)  # host.page_cache_budget_gb: 10
-    demand(s, "sleeper", 3, clock)
-    s.stage_ahead(clock.now)
-    await settle(sleeper)
+    await staged_ahead_once(s, sleeper, clock)
     assert sleeper.stager.failure and not sleeper.stager.staged
     s.stage_ahead(clock.now)
     assert not sleeper.stager.running, "a failed one waits for its next wake"
