@@ -347,8 +347,14 @@ class Scheduler(WakeAhead):
         if victim.action == "stop":
             return [Decision("stop", engine, f"{why} ({victim.why})" if victim.why else why)]
         if victim.action == "deepen":
-            self.plan_level1(ledger, engine, victim.level, ())
-            return [Decision("deepen", engine, f"{why}; its weights' room, down to level {victim.level}", victim.level)]
+            level = victim.level  # offered for the host RAM as it was: another move of this round may have taken it
+            if level == 1 and self.level1_gb(exclude={engine.name}, ledger=ledger) + (self.level1_need_gb(engine) or 0.0) \
+                    > self.capacity.ram_budget_gb:
+                level = 2 if engine.spec.reloads_weights else None
+            self.plan_level1(ledger, engine, level, ())
+            if level is None:
+                return [Decision("stop", engine, f"{why}; no room for it at level 1 in host RAM, and {self.no_level2(engine)}")]
+            return [Decision("deepen", engine, f"{why}; its weights' room, down to level {level}", level)]
         if victim.level == KV_PARKED:
             return [Decision("park", engine, f"{why}; its KV cache only (level 0)", KV_PARKED)]
         back = self.ahead_level(engine)

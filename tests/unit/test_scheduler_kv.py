@@ -148,3 +148,19 @@ async def test_a_fixed_level_0_engine_whose_kv_park_cannot_be_sized_is_stopped_t
     wait_for(s, big, clock.now)
     assert actions(s.decide(clock.now)) == [("stop", "small")], "what a KV park would free is unknown: not a wait for ever"
     assert s.expected_cost(small, "stop", clock.now) > 0.01, "an awake engine's stop costs its whole boot"
+
+
+async def test_two_kv_parked_engines_sent_down_in_one_round_do_not_both_take_the_host_ram_for_one_copy(clock):
+    """As the simulation found it: each was offered Level 1 for the host RAM as it was, before the other's move."""
+    one = FakeEngine("one", share=0.4, level=0, weights_gb=8, sleep_residual_gb=1)
+    two = FakeEngine("two", share=0.4, level=0, weights_gb=8, sleep_residual_gb=1)
+    big = FakeEngine("big", share=0.95, sleep_residual_gb=0)
+    s = scheduler(one, two, big, clock=clock, gpus=GPU, ram_gb=12, estimates={"one": 10.8, "two": 10.8})
+    for name in ("one", "two"):
+        s.costs.observe_boot(name, 40.0)
+        s.costs.observe_wake(name, 0, 0.3)
+        s.costs.observe_wake(name, 1, 2.0)
+    wait_for(s, big, clock.now)
+    plan = s.decide(clock.now)
+    assert sorted((d.action, d.level) for d in plan.decisions) == [("deepen", 1), ("deepen", 2)], \
+        "host RAM for one 10.8 GB copy: one goes to Level 1, the other to Level 2"
