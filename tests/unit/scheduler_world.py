@@ -101,10 +101,12 @@ class Timing:
 
 @dataclass(frozen=True)
 class HostModel:
-    """What a Level-1 sleep pins in host RAM, and whether a wake gives it back (engines/memory/host.py)."""
+    """What a Level-1 sleep pins in host RAM, and whether it is measured (engines/memory/host.py). Whether a
+    Level-1 wake gives the copy back follows the engine's argv, as on a GPU host: the worker extension,
+    which the router loads where it reloads a draft or stages (`HostMemory.expects_extension`), empties
+    PyTorch's host cache; without it the copy stays cached until the engine stops."""
 
     level1_factor: float = PRIOR_FACTOR  # × the checkpoint: power-of-two rounding makes it 1 to 2
-    releases: bool = True  # the worker extension empties PyTorch's host cache after a Level-1 wake
     measured: bool = True  # the extension (or /proc) reports it; else the scheduler counts the prior
 
 
@@ -309,8 +311,8 @@ class SimEngine:
         if level != 1:
             self._measure()
             return
-        self.host.release_ok = self.host_model.releases
-        if self.host_model.releases:
+        self.host.release_ok = self.host.expects_extension
+        if self.host.release_ok:
             self.pinned_gb = 0.0
         self._measure()
         if self.host.release_ok and self.host.held is not None:

@@ -79,7 +79,7 @@ def entries(draw: Any, name: str, gpus: int) -> tuple[dict[str, Any], Timing, Ho
                     sleep_s=draw(st.sampled_from([0.2, 1.0, 4.0])))
     # The prior (PRIOR_FACTOR × the checkpoint) is what the scheduler sizes a first Level-1 sleep by; a
     # copy measured above it is corrected after the fact (over_budget), so here it is an upper bound.
-    host = HostModel(level1_factor=draw(st.sampled_from([1.0, 1.2, PRIOR_FACTOR])), releases=draw(st.booleans()),
+    host = HostModel(level1_factor=draw(st.sampled_from([1.0, 1.2, PRIOR_FACTOR])),
                      measured=draw(st.integers(0, 3)) > 0)
     return {k: v for k, v in entry.items() if v not in (None, False)}, timing, host
 
@@ -610,7 +610,7 @@ def test_two_models_an_operator_puts_to_sleep_at_once_do_not_both_take_the_host_
     def model(name: str) -> tuple[dict[str, Any], Timing, HostModel]:
         return ({"name": name, "model": f"/m/{name}", "args": ["--gpu-memory-utilization", "0.2"], "devices": [0],
                  "pin": True, "sleep_level": "auto", "weights_gb": 2.0},
-                Timing(boot_s=5.0, wake_s=(0.3, 0.5, 3.0), sleep_s=0.2), HostModel(level1_factor=1.0, releases=False, measured=False))
+                Timing(boot_s=5.0, wake_s=(0.3, 0.5, 3.0), sleep_s=0.2), HostModel(level1_factor=1.0, measured=False))
     state = SchedulerRun()
     state.boot(roster={"gpus": 1, "models": [model("m0"), model("m1")], "virtual": None,
                        "swap": {"min_active_s": 0.0, "max_hold_s": 5.0, "drain_timeout_s": 0.0, "interactive_hold_s": 0.0,
