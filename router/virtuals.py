@@ -57,7 +57,7 @@ class Virtuals:
         reachable = self.reachable(grant, name)
         if not reachable:
             return None
-        return pick(self.table[name][0], self.members(name, grant) or reachable, scheduler)
+        return pick(self.table[name][0], [e for e in reachable if not e.retiring] or reachable, scheduler)
 
     def reaches(self, grant: Grant, name: str, engine: Engine) -> bool:
         """Whether `grant`, asking by virtual name `name`, may use member `engine` (a Responses follow-up)."""
