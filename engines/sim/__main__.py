@@ -132,6 +132,7 @@ async def serve(args: argparse.Namespace, unknown: list[str]) -> int:
             spec=spec,
             acceptance=args.sim_acceptance,
             token_rate=args.sim_token_rate,
+            prefill_rate=args.sim_prefill_rate,
             max_num_seqs=args.max_num_seqs,
             preserve_patterns=args.sleep_preserve_parameter_names,
             worker_extension=args.worker_extension_cls,

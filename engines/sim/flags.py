@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--worker-extension-cls module is looked up on PYTHONPATH alone, and a boot that cannot find it "
                    "fails as vLLM's worker does (ModuleNotFoundError); where it was found is in /sim/state")
     s.add_argument("--sim-token-rate", type=float, default=2000.0, help="decode tokens/s (halved with a discarded draft)")
+    s.add_argument("--sim-prefill-rate", type=float, default=20000.0, metavar="TOKENS_S",
+                   help="prompt tokens/s before a request's first token (a 7-8B model on one A100 prefills about this); "
+                   "what a resumed answer pays again for its prompt and the text so far")
     s.add_argument("--sim-acceptance", type=float, default=2.6, help="mean acceptance length of a healthy draft")
     s.add_argument(
         "--sim-prompt-acceptance", type=_prompt_acceptance, action="append", default=[], metavar="TEXT=MAL",
@@ -182,6 +185,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--per-request-spec-decode-metrics requires speculative decoding to be enabled (via --speculative-config).")
     if args.sim_token_rate <= 0:
         parser.error("--sim-token-rate must be positive")
+    if args.sim_prefill_rate <= 0:
+        parser.error("--sim-prefill-rate must be positive")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         parser.error("--max-num-seqs must be at least 1")
     if args.sim_crash_mid_stream is not None and args.sim_crash_mid_stream < 1:

@@ -23,6 +23,7 @@ class StatsDelta:
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    prefill_s: float | None = None  # from admission to the first token (vllm:request_prefill_time_seconds)
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
@@ -98,7 +99,11 @@ class EngineMetrics:
             names + ["operation"],
             registry=r,
         )
-        for c in (self.prompt_tokens, self.generation_tokens):
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", names,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0), registry=r,
+        )
+        for c in (self.prompt_tokens, self.generation_tokens, self.prefill_time):
             c.labels(**self.labels)
         self.spec = num_spec_tokens is not None
         if self.spec:
@@ -121,6 +126,8 @@ class EngineMetrics:
             return
         self.prompt_tokens.labels(**self.labels).inc(d.prompt_tokens)
         self.generation_tokens.labels(**self.labels).inc(d.generation_tokens)
+        if d.prefill_s is not None:
+            self.prefill_time.labels(**self.labels).observe(d.prefill_s)
         if self.spec and d.drafts:
             self.drafts.labels(**self.labels).inc(d.drafts)
             self.draft_tokens.labels(**self.labels).inc(d.draft_tokens)

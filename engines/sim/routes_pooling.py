@@ -4,8 +4,7 @@
 
 Scores come from the simulated embedding (cosine similarity), so they are deterministic
 per model and move when the weights are junk, like every other output of the simulator.
-The tokenizer is byte-level: ids are UTF-8 bytes + 3 (0..2 stand for bos/eos/pad), which
-makes detokenize the exact inverse of tokenize.
+The tokenizer is the simulated model's own (tokenizer.py): detokenize is the exact inverse of tokenize.
 """
 
 from __future__ import annotations
@@ -17,14 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from . import lm
+from . import lm, tokenizer
 from .http import bad_request, error_response, read_json
 from .state import Generation, GenerationAborted
 
 if TYPE_CHECKING:
     from .server import SimServer
 
-BYTE_OFFSET = 3
 LABELS = ("negative", "positive")
 
 
@@ -39,14 +37,6 @@ def add_routes(app: web.Application, server: "SimServer") -> None:
     app.router.add_post("/v2/embed", routes.cohere_embed)
     app.router.add_post("/tokenize", routes.tokenize)
     app.router.add_post("/detokenize", routes.detokenize)
-
-
-def encode(text: str) -> list[int]:
-    return [b + BYTE_OFFSET for b in text.encode()]
-
-
-def decode(ids: list[int]) -> str:
-    return bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < 256 + BYTE_OFFSET).decode("utf-8", "replace")
 
 
 def _texts(value: Any, param: str) -> list[str]:
@@ -185,11 +175,11 @@ class PoolingRoutes:
             text = body["prompt"]
         else:
             raise bad_request("tokenize needs a string prompt or chat messages.", "prompt")
-        ids = ([1] if body.get("add_special_tokens", True) and "messages" not in body else []) + encode(text)
+        ids = ([1] if body.get("add_special_tokens", True) and "messages" not in body else []) + tokenizer.encode(text)
         answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.server.engine.cfg.max_model_len, "tokens": ids,
                                   "token_strs": None}
         if body.get("return_token_strs"):
-            answer["token_strs"] = ["<s>" if i == 1 else decode([i]) for i in ids]
+            answer["token_strs"] = ["<s>" if i == 1 else tokenizer.decode([i]) for i in ids]
         return web.json_response(answer)
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -198,4 +188,4 @@ class PoolingRoutes:
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise bad_request("tokens must be a list of non-negative integers.", "tokens")
-        return web.json_response({"prompt": decode(ids)})
+        return web.json_response({"prompt": tokenizer.decode(ids)})

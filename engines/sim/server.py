@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from . import lm, numerics
+from . import lm, numerics, tokenizer
 from .lora import Adapters
 from .control import Control, InjectedFault, crash
 from .http import MALFORMED_METRICS_LINE, APIError, bad_request, cut, error_response, read_json, truncated_json
@@ -182,11 +182,17 @@ class SimServer:
         if isinstance(p, str):
             return p, lm.count_tokens(p)
         if _is_token_ids(p):
-            return " ".join(map(str, p)), len(p)
+            return tokenizer.decode(p), len(p)
         raise bad_request("prompt must be a string, a list of token ids, or a list of one of those.", "prompt")
 
     @staticmethod
     def _chat_prompt(body: dict) -> tuple[str, int]:
+        ids = (body.get("kv_transfer_params") or {}).get("prompt_token_ids") if isinstance(body.get("kv_transfer_params"), dict) else None
+        if ids is not None:
+            # vLLM takes these ids as the prompt instead of rendering the messages (online_renderer.py:105-153).
+            if not _is_token_ids(ids):
+                raise bad_request("kv_transfer_params.prompt_token_ids must be a list of token ids.", "kv_transfer_params")
+            return tokenizer.decode(ids), len(ids)
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise bad_request("messages must be a non-empty list.", "messages")
@@ -240,7 +246,8 @@ class SimServer:
         created = int(time.time())
         if stream:
             opts = body.get("stream_options") or {}
-            return await self._stream(request, gen, rid, created, model, chat, bool(opts.get("include_usage")), fault)
+            return await self._stream(request, gen, rid, created, model, chat, bool(opts.get("include_usage")), fault,
+                                      body.get("return_token_ids") is True)
         texts = []
         try:
             async with contextlib.aclosing(self.engine.generate(gen)) as tokens:
@@ -254,7 +261,7 @@ class SimServer:
         if chat:
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text.lstrip(" "), "tool_calls": [], "reasoning_content": None},
+                "message": {"role": "assistant", "content": text, "tool_calls": [], "reasoning_content": None},
                 "logprobs": logprobs,
                 "finish_reason": gen.finish_reason,
                 "stop_reason": None,
@@ -278,6 +285,7 @@ class SimServer:
         chat: bool,
         include_usage: bool,
         fault: str | None = None,
+        token_ids: bool = False,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -294,7 +302,8 @@ class SimServer:
 
         async def send(payload: dict) -> None:
             nonlocal sent
-            await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+            # Compact, as vLLM's pydantic writes it (the router finds the ids fields by these bytes).
+            await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
             sent += 1
             if self.crash_mid_stream is not None and sent >= self.crash_mid_stream:
                 crash(f"simulated crash mid-stream after {sent} chunks")
@@ -302,9 +311,16 @@ class SimServer:
         def chunk(choice: dict) -> dict:
             return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
+        # With return_token_ids vLLM gives the prompt's ids once (chat: on the role chunk; completions: in the first
+        # choice) and each chunk's own ids (chat_completion/serving.py:560-570, 759; completion/serving.py:362-420).
+        prompt_ids = tokenizer.encode(gen.prompt) if token_ids else None
         if chat:
-            await send(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}))
-        first = True
+            head = chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+            if prompt_ids is not None:
+                head["prompt_token_ids"] = prompt_ids
+            await send(head)
+        prompt_ids_due = not chat
+        ids_sent = 0
         try:
             async with contextlib.aclosing(self.engine.generate(gen)) as tokens:
                 async for t in tokens:
@@ -313,12 +329,16 @@ class SimServer:
                         await cut(request)
                     lp = None if gen.logprobs is None else numerics.answer_logprobs(chat, [t], gen.logprobs[-1:], gen.top_logprobs)
                     if chat:
-                        c = {"index": 0, "delta": {"content": t.lstrip(" ") if first else t}, "logprobs": lp}
+                        c = {"index": 0, "delta": {"content": t}, "logprobs": lp}
                     else:
                         c = {"index": 0, "text": t, "logprobs": lp}
                     c["finish_reason"] = gen.finish_reason
                     c["stop_reason"] = None
-                    first = False
+                    if token_ids:
+                        if prompt_ids_due:
+                            c["prompt_token_ids"], prompt_ids_due = prompt_ids, False
+                        c["token_ids"] = gen.token_ids[ids_sent:]
+                        ids_sent = len(gen.token_ids)
                     await send(chunk(c))
                     tokens_sent += 1
                     if cut_after is not None and tokens_sent >= cut_after:

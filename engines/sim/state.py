@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from . import lm
+from . import lm, tokenizer
 from .metrics import EngineMetrics, StatsDelta
 from .numerics import NumericFaults, Numerics
 
@@ -72,6 +72,7 @@ class EngineConfig:
     spec: SpecConfig | None = None
     acceptance: float = 2.6  # mean acceptance length of a healthy draft
     token_rate: float = 2000.0
+    prefill_rate: float = 20000.0  # prompt tokens/s
     preserve_patterns: list[str] = field(default_factory=list)
     worker_extension: str | None = None
     reset_prefix_false: int = 0
@@ -100,6 +101,7 @@ class Generation:
         self.stats = StatsDelta(prompt_tokens=prompt_tokens)
         self.logprobs: list[float] | None = None  # each token's, when the request asks for them
         self.top_logprobs = 0  # alternatives asked for besides the sampled token
+        self.token_ids: list[int] = []  # the answer's, as `return_token_ids` gives them
 
 
 class SimEngine:
@@ -300,10 +302,15 @@ class SimEngine:
         if gen.aborted.is_set():
             raise GenerationAborted("Request aborted: engine was put to sleep (mode=abort)")
 
-    def _token(self, gen: Generation, pos: int) -> str:
+    def _token(self, gen: Generation, context: lm.Context) -> str:
         if self.target != "loaded":
-            return lm.junk_text(self._junk_nonce, gen.prompt, pos)
-        return lm.token_text(self.cfg.model, gen.prompt, pos, gen.salt)
+            text = lm.junk_text(self._junk_nonce, gen.prompt, gen.completion_tokens)
+            context.extend(text)
+            gen.token_ids.extend(tokenizer.encode(text))
+            return text
+        text, token_id = context.next()
+        gen.token_ids.append(token_id)
+        return text
 
     def _logprob(self, gen: Generation, pos: int) -> float:
         if self.target != "loaded":
@@ -334,12 +341,11 @@ class SimEngine:
         self._idle.clear()
         try:
             limit = gen.max_tokens
-            natural = lm.natural_length(self.cfg.model, gen.prompt)
-            if not gen.ignore_eos and natural < limit:
-                limit = natural
+            context = lm.Context(self.cfg.model, gen.prompt, gen.salt)
             acc = 0.5
             mal = self._acceptance_for(gen.prompt)
-            next_t = loop.time()
+            started = loop.time()
+            next_t = started + gen.prompt_tokens / self.cfg.prefill_rate  # the prefill, paid before the first token
             while gen.completion_tokens < limit:
                 await self._pass(self._decode, gen)
                 accepted = 0
@@ -365,15 +371,21 @@ class SimEngine:
                 await asyncio.sleep(delay if delay > 0.001 else 0)
                 if gen.aborted.is_set():
                     raise GenerationAborted("Request aborted: engine was put to sleep (mode=abort)")
+                if gen.stats.prefill_s is None:
+                    gen.stats.prefill_s = loop.time() - started
                 for _ in range(step):
-                    text = self._token(gen, gen.completion_tokens)
+                    text = self._token(gen, context)
                     if gen.logprobs is not None:
                         gen.logprobs.append(self._logprob(gen, gen.completion_tokens))
                     gen.completion_tokens += 1
                     gen.stats.generation_tokens += 1
                     if gen.completion_tokens == limit:
-                        gen.finish_reason = "length" if limit == gen.max_tokens else "stop"
+                        gen.finish_reason = "length"
+                    elif not gen.ignore_eos and self.target == "loaded" and context.ends():
+                        gen.finish_reason, limit = "stop", gen.completion_tokens
                     yield text
+                    if gen.finish_reason is not None:
+                        break
         finally:
             self.running.discard(gen)
             if self._slots is not None:
