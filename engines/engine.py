@@ -21,7 +21,7 @@ import aiohttp
 from config.schema import ModelSpec, Swap
 from engines import handshake, ladder, wake
 from engines.gate import GateRecord, Verdict
-from engines.leases import Leases
+from engines.leases import DRAIN_DEADLINE, RESTART, Leases
 from engines.memory import HostMemory
 from engines.process import EngineProcess, free_port, loads_extension, log_file
 from engines.progress import ROSTER, Progress
@@ -134,7 +134,7 @@ class Engine:
     def release(self) -> None:
         self.last_used = self.leases.give_back()
 
-    def cuttable(self, cut: Callable[[str], None]) -> ContextManager[None]:
+    def cuttable(self, cut: Callable[[str, str], None]) -> ContextManager[None]:
         """While a leaseholder's request runs: how to end it early (`engines.leases`)."""
         return self.leases.cuttable(cut)
 
@@ -274,12 +274,12 @@ class Engine:
 
     # -- sleep ---------------------------------------------------------------------------
 
-    async def drain(self) -> bool:
+    async def drain(self, reason: str = DRAIN_DEADLINE) -> bool:
         """Stop leasing; let in-flight requests finish, up to drain_timeout_s, then cut the rest
         (engines.leases). Before a sleep, and before a stop that takes a sleep's place. True if all finished."""
         self._enter(State.DRAINING)
         started = time.monotonic()
-        idle = await self.leases.drain(self.swap.drain_timeout_s)
+        idle = await self.leases.drain(self.swap.drain_timeout_s, reason)
         self._step_done("drain", started, True)
         return idle
 
@@ -427,6 +427,6 @@ class Engine:
         self.restarts[reason] += 1
         self.observer.restarted(self, reason)
         if self.state is State.AWAKE:
-            await self.drain()  # in-flight requests finish (bounded) before their process goes
+            await self.drain(RESTART)  # in-flight requests finish (bounded) before their process goes
         await self.stop()
         await self.boot(reason)

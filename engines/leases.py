@@ -15,6 +15,11 @@ import math
 import time
 from typing import Callable, ContextManager, Optional
 
+# Why a running request is cut: the proxy resumes it (router.proxy.resume) and counts it by this.
+DRAIN_DEADLINE = "drain_deadline"  # its engine is parked or stopped for room, past swap.drain_timeout_s
+RESTART = "restart"  # its engine restarts (an operator, the acceptance watch, a changed roster entry)
+PREEMPTED = "preempted"  # batch work, cut at once for an interactive waiter
+REMOVED = "removed"  # its model left the roster: nothing can resume it
 CUT_GRACE_S = 5.0  # a cut request gives its lease back within a loop turn or two; not a limit it should meet
 log = logging.getLogger("hotswap")
 
@@ -26,8 +31,8 @@ class Leases:
         self.count = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._cuts: dict[object, Callable[[str], None]] = {}  # how to end each running request early
-        self._cutting: Optional[str] = None  # why, while they are being cut
+        self._cuts: dict[object, Callable[[str, str], None]] = {}  # how to end each running request early
+        self._cutting: Optional[tuple[str, str]] = None  # why and its reason code, while they are being cut
         # Little's law: the mean time a lease is held is the leases' time held (the count integrated
         # over time) over the leases given back, both decaying as demand does (swap.demand_tau_s), so
         # the mean follows what the engine's requests are like now. No per-request clock.
@@ -70,7 +75,7 @@ class Leases:
         except TimeoutError:
             return False
 
-    async def drain(self, timeout: float) -> bool:
+    async def drain(self, timeout: float, reason: str = DRAIN_DEADLINE) -> bool:
         """Before a sleep or a stop: let the running requests finish for up to `timeout` (swap.drain_timeout_s),
         then cut the rest (a stream to a client that stopped reading would otherwise never end). True if all finished."""
         if await self.wait_idle(timeout):
@@ -78,20 +83,20 @@ class Leases:
         log.warning("engine %s: %d request(s) still running when the drain ran out (swap.drain_timeout_s=%g s): cutting them",
                     self.engine, self.count, timeout)
         await self.cut_all(f"model '{self.engine}' is being put to sleep or restarted and this request was still running "
-                           f"when swap.drain_timeout_s={timeout:g} s ran out, so it was cut; retry it")
+                           f"when swap.drain_timeout_s={timeout:g} s ran out", reason)
         return False
 
-    def cuttable(self, cut: Callable[[str], None]) -> ContextManager[None]:
-        """While a leaseholder's request runs: `cut(why)` ends it early and makes it give its lease
+    def cuttable(self, cut: Callable[[str, str], None]) -> ContextManager[None]:
+        """While a leaseholder's request runs: `cut(why, reason)` ends it early and makes it give its lease
         back. One that starts while the leases are being cut is cut at once."""
         return _Cuttable(self, cut)
 
-    async def cut_all(self, why: str) -> None:
+    async def cut_all(self, why: str, reason: str = DRAIN_DEADLINE) -> None:
         """Cut every request still running and wait (briefly) until their leases are back."""
-        self._cutting = why
+        self._cutting = (why, reason)
         try:
             for cut in list(self._cuts.values()):
-                cut(why)
+                cut(why, reason)
             if not await self.wait_idle(CUT_GRACE_S):
                 log.warning("engine %s: %d lease(s) still held %g s after the cut (a holder that cannot be cut, such as "
                             "an admin LoRA load, ends at its own timeout); going on without them", self.engine, self.count,
@@ -112,7 +117,7 @@ class _Cuttable:
     def __enter__(self) -> None:
         self.leases._cuts[self] = self.cut
         if self.leases._cutting is not None:
-            self.cut(self.leases._cutting)
+            self.cut(*self.leases._cutting)
 
     def __exit__(self, *exc: object) -> None:
         del self.leases._cuts[self]

@@ -12,17 +12,24 @@ import fnmatch
 import functools
 import hmac
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from config.sections import INTERACTIVE, Auth
+from aiohttp import web
+
+from config.sections import INTERACTIVE, REQUEST_CLASSES, Auth
+from router.errors import APIError
 
 if TYPE_CHECKING:
     from engines.engine import Engine
 
 
-# The request's class, lowered by its client (never raised: `router.proxy.endpoint.request_class`), and sent on
+# The request's class, lowered by its client (never raised: `request_class`), and sent on
 # with a request passed to a peer, which lowers its own key's class by it in turn.
 CLASS_HEADER = "X-Hotswap-Class"
+# vLLM's priority scheduler serves lower values first ("lower means earlier handling; default: 0",
+# vllm/entrypoints/openai/chat_completion/protocol.py:393 in vLLM 0.32), and refuses any value but 0
+# from an engine without `--scheduling-policy priority`: so only such an engine is sent one.
+PRIORITY = {klass: rank for rank, klass in enumerate(REQUEST_CLASSES)}
 
 
 @dataclass(frozen=True)
@@ -81,3 +88,33 @@ class KeyTable:
             if hmac.compare_digest(presented, key) and presented:
                 found = grant
         return found
+
+
+def request_class(request: web.Request, grant: Grant) -> str:
+    """The request's class: its key's (auth.keys[].class), lowered by X-Hotswap-Class, never raised."""
+    text = request.headers.get(CLASS_HEADER)
+    if text is None:
+        return grant.klass
+    asked = text.strip().lower()
+    if asked not in REQUEST_CLASSES:
+        raise APIError(400, f"{CLASS_HEADER} must be one of {', '.join(REQUEST_CLASSES)} (found {text[:40]!r})", "invalid_header")
+    # Lowering only: a key whose class is batch stays batch whatever its client sends.
+    return max(asked, grant.klass, key=REQUEST_CLASSES.index)
+
+
+def class_priority(asked: Any, klass: str) -> Any:
+    """The `priority` an engine with priority scheduling gets: the class's, or the client's own when that is
+    served later. A key's class bounds its place in the engine's queue as it bounds its class: lowered, never
+    raised, so a batch key's `priority: -10` is not served before interactive traffic."""
+    floor = PRIORITY[klass]
+    if asked is None:
+        return floor
+    if isinstance(asked, bool) or not isinstance(asked, (int, float)):
+        # vLLM would take "-10" as -10: a string is refused here, not passed on past the bound.
+        raise APIError(400, f"'priority' must be an integer, lower served earlier (found {json_type(asked)}).",
+                       "invalid_request", param="priority")
+    return asked if asked >= floor else floor  # NaN compares false: the class's
+
+
+def json_type(value: Any) -> str:
+    return {str: "a string", bool: "a boolean", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)

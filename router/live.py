@@ -51,7 +51,8 @@ class RequestLog(Protocol):
                      found_awake: Optional[bool], swap_id: Optional[int], queue_wait_s: Optional[float],
                      ttfb_s: Optional[float], duration_s: float, prompt_tokens: Optional[int],
                      completion_tokens: Optional[int], mean_acceptance_length: Optional[float],
-                     request_class: Optional[str] = None) -> None: ...
+                     request_class: Optional[str] = None, resumed: Optional[str] = None, paused_s: Optional[float] = None,
+                     cut: Optional[str] = None) -> None: ...
 
     def close(self) -> None:
         """Flush and close (it may block: called off the event loop)."""

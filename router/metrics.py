@@ -34,6 +34,9 @@ RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2, 4)
 # Nats: from float32 noise to a wrong model, with the steps near the shipped threshold (0.05) fine.
 DRIFT_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 EVICTION_REASONS = ("room", "idle", "admin", "boot", "demote", "stop")
+RESUME_REASONS = ("drain_deadline", "engine_failed", "restart", "preempted", "migrated")
+CUT_REASONS = ("n", "tools", "reasoning", "structured_output", "penalties", "shape", "mid_event", "no_token_ids",
+               "engine_error", "malformed", "mismatch", "detokenize", "wait", "too_many", "engine_failed")
 AHEAD_OUTCOMES = ("woken", "used", "unused", "failed")
 RESTART_REASONS = ("failed", "gate", "midlife", "admin", "roster")
 
@@ -84,6 +87,12 @@ class Metrics(Observer, Events):
                                  "demote: level 1 -> 2 for host RAM, stop: asleep -> cold).", [*m, "reason"], registry=r)
         self.wake_ratio = Histogram("hotswap_wake_actual_over_predicted", "A wake's actual seconds over the seconds "
                                     "predicted for it (1.0: the estimate was right).", m, buckets=RATIO_BUCKETS, registry=r)
+        self.resumed = Counter("hotswap_streams_resumed", "Answers paused and resumed, by why they were paused (drain_deadline, "
+                               "engine_failed, restart, preempted, migrated).", ["model", "reason"], registry=r)
+        self.pause_seconds = Histogram("hotswap_stream_pause_seconds", "Each resumed answer's pause: from its cut until its "
+                                       "model served it again.", ["model"], buckets=SWAP_BUCKETS, registry=r)
+        self.cut = Counter("hotswap_streams_cut", "Answers cut that could not be resumed, by why not (n, tools, "
+                           "structured_output, shape, mid_event, wait, too_many, ...).", ["model", "reason"], registry=r)
         self.key_requests = Counter("hotswap_key_requests", "Proxied requests by the name of the client key (auth.keys[].name; "
                                     "never the key), model and HTTP status.", ["key_name", "model", "status"], registry=r)
         # labels() takes a lock and validates on every call; the request path reuses the children.
@@ -135,6 +144,11 @@ class Metrics(Observer, Events):
             self.restarts.labels(*labels, reason)
         for result in ("refused", "allowed"):
             self.verdicts.labels(*labels, result)
+        for reason in RESUME_REASONS:
+            self.resumed.labels(engine.name, reason)
+        self.pause_seconds.labels(engine.name)
+        for reason in CUT_REASONS:
+            self.cut.labels(engine.name, reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -172,6 +186,13 @@ class Metrics(Observer, Events):
         self.swap_seconds.labels(record.group, record.to_model, record.result).observe(record.seconds)
         if record.result == "ok" and record.predicted_s > 0:
             self.wake_ratio.labels(record.to_model, record.group).observe(record.seconds / record.predicted_s)
+
+    def stream_resumed(self, model: str, reason: str, paused_s: float) -> None:
+        self.resumed.labels(model, reason).inc()
+        self.pause_seconds.labels(model).observe(paused_s)
+
+    def stream_cut(self, model: str, reason: str) -> None:
+        self.cut.labels(model, reason).inc()
 
     def evicted(self, engine: Engine, reason: str) -> None:
         self.evictions.labels(engine.name, group_of(engine), reason).inc()

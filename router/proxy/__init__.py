@@ -1,7 +1,7 @@
 """A request's way to an engine and back: the routes table (`routes`), the endpoint handler that
 resolves the model, takes a lease, forwards and releases (`endpoint`), the pooled upstream
-connections (`upstream`, `exchange`, `relay`, `forward`), the client's body (`body`, `multipart`), Responses-id pinning,
-stream keep-alives, and the client-facing read-only routes (`readonly`). The rest of the router
+connections (`upstream`, `exchange`, `relay`, `forward`), the client's body (`body`: JSON and multipart forms), Responses-id pinning,
+stream keep-alives, and the client-facing read-only routes (`routes`). The rest of the router
 uses the names exported here.
 
 Imports nothing of `router.admin` or `router.cli` (tests/unit/test_layout.py).
@@ -9,12 +9,10 @@ Imports nothing of `router.admin` or `router.cli` (tests/unit/test_layout.py).
 
 from router.proxy.endpoint import RESPONSE_IDS_KEY, proxy_endpoint, response_pinned
 from router.proxy.exchange import UpstreamError
-from router.proxy.forward import request_bytes
-from router.proxy.readonly import get_model, health, list_models, ready
 from router.proxy.relay import Relay
 from router.proxy.responses import ResponseIds
-from router.proxy.routes import CLIENT_PATHS, PROXIED
-from router.proxy.upstream import Pool, Upstreams
+from router.proxy.routes import CLIENT_PATHS, PROXIED, get_model, health, list_models, ready
+from router.proxy.upstream import Pool, Upstreams, request_bytes
 
 __all__ = ["CLIENT_PATHS", "PROXIED", "Pool", "RESPONSE_IDS_KEY", "Relay", "ResponseIds", "UpstreamError", "Upstreams",
            "get_model", "health", "list_models", "proxy_endpoint", "ready", "request_bytes", "response_pinned"]

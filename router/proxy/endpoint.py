@@ -15,27 +15,32 @@ nginx's "client closed request", so that a disconnect is never counted as a serv
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Awaitable, Optional
 from urllib.parse import quote
 
 from aiohttp import web
 
-from config.sections import INTERACTIVE, REQUEST_CLASSES
+from config.sections import INTERACTIVE
 from engines.engine import Engine
-from router.proxy import keepalive, multipart, routes
+from router.proxy import keepalive, routes
 from router.auth import grant_of
 from router.fleet import PEERS_KEY
 from router.errors import CLIENT_CLOSED, APIError, sse_error
-from router.keys import CLASS_HEADER, Grant
+from router.keys import Grant, class_priority, request_class
 from router.live import ROUTED_MODEL, ROUTER_KEY, Router
 from router.metrics import UNKNOWN_MODEL
-from router.proxy.body import encoded, read_json
-from router.proxy.forward import ANSWER_NUMBERS, NONE, ClientClosed, forward, json_for, read_numbers
+from router.proxy.body import Form, encoded, read_form, read_json
+from router.proxy.forward import ANSWER_NUMBERS, CUT, NONE, ClientClosed, forward, json_for, read_numbers
 from router.proxy.responses import Pin, ResponseIds, StreamSniffer, id_in_answer
+from router.proxy.continuation import Cut, Finished, Pauses, Plan, end_cut, plan, too_often
+from router.proxy.resume import ENGINE_FAILED, Paused, Transcript, asking_ids, resumable
 from router.scheduling import Lease
 
 RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
+PROBE_WAIT_S = 10.0  # longer than engines.watch's health call: its verdict comes first
+RESUME_KEEPALIVE_S = 15.0  # a paused stream's comment lines when queue.stream_keepalive_s is 0: it must not look dead
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
 # Endpoints whose vLLM request takes `priority` (vLLM 0.32 and 0.33: chat_completion/protocol.py:388,
 # completion/protocol.py:136, responses/protocol.py:327; every pooling request, by PoolingBasicRequestMixin
@@ -43,10 +48,7 @@ MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
 # its class's. A `priority` a client wrote on any other route is bounded all the same.
 PRIORITY_ENDPOINTS = frozenset({"chat", "completions", "embeddings", "responses", "embed_v2", "pooling", "classify",
                                 "score", "rerank"})
-# vLLM's priority scheduler serves lower values first ("lower means earlier handling; default: 0",
-# vllm/entrypoints/openai/chat_completion/protocol.py:393 in vLLM 0.32), and refuses any value but 0
-# from an engine without `--scheduling-policy priority`: so only such an engine is sent one.
-PRIORITY = {klass: rank for rank, klass in enumerate(REQUEST_CLASSES)}
+log = logging.getLogger("hotswap")
 
 
 def max_wait(request: web.Request) -> Optional[float]:
@@ -61,36 +63,6 @@ def max_wait(request: web.Request) -> Optional[float]:
     if not seconds >= 0 or seconds == float("inf"):
         raise APIError(400, f"{MAX_WAIT_HEADER} must be a number of seconds >= 0 (found {text[:40]!r})", "invalid_header")
     return seconds
-
-
-def request_class(request: web.Request, grant: Grant) -> str:
-    """The request's class: its key's (auth.keys[].class), lowered by X-Hotswap-Class, never raised."""
-    text = request.headers.get(CLASS_HEADER)
-    if text is None:
-        return grant.klass
-    asked = text.strip().lower()
-    if asked not in REQUEST_CLASSES:
-        raise APIError(400, f"{CLASS_HEADER} must be one of {', '.join(REQUEST_CLASSES)} (found {text[:40]!r})", "invalid_header")
-    # Lowering only: a key whose class is batch stays batch whatever its client sends.
-    return max(asked, grant.klass, key=REQUEST_CLASSES.index)
-
-
-def class_priority(asked: Any, klass: str) -> Any:
-    """The `priority` an engine with priority scheduling gets: the class's, or the client's own when that is
-    served later. A key's class bounds its place in the engine's queue as it bounds its class: lowered, never
-    raised, so a batch key's `priority: -10` is not served before interactive traffic."""
-    floor = PRIORITY[klass]
-    if asked is None:
-        return floor
-    if isinstance(asked, bool) or not isinstance(asked, (int, float)):
-        # vLLM would take "-10" as -10: a string is refused here, not passed on past the bound.
-        raise APIError(400, f"'priority' must be an integer, lower served earlier (found {json_type(asked)}).",
-                       "invalid_request", param="priority")
-    return asked if asked >= floor else floor  # NaN compares false: the class's
-
-
-def json_type(value: Any) -> str:
-    return {str: "a string", bool: "a boolean", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
 
 def uses_priority(engine: Engine) -> bool:
@@ -139,7 +111,7 @@ class Walk:
     it ended (router.metrics, and the activity log the Router was handed)."""
 
     __slots__ = ("request", "router", "endpoint", "started", "asked", "stream", "body", "raw", "form", "engine", "peer", "name",
-                 "not_here", "lease", "queued_s", "status", "klass")
+                 "not_here", "lease", "queued_s", "status", "klass", "unresumable", "pauses", "cut", "first_byte_at")
 
     def __init__(self, request: web.Request, endpoint: str):
         self.request = request
@@ -150,7 +122,7 @@ class Walk:
         self.stream = False
         self.body: dict[str, Any] = {}
         self.raw = b""
-        self.form: Optional[multipart.Form] = None
+        self.form: Optional[Form] = None
         self.engine: Optional[Engine] = None
         self.peer: Optional[str] = None  # the node a request for a model this node does not serve was passed to
         self.name = ""  # the name the engine was asked by (an alias, an adapter)
@@ -160,6 +132,10 @@ class Walk:
         self.klass: Optional[str] = None  # interactive or batch, once the lease is asked for (release gives it back so)
         # Replaced by how the walk ends; left as it is, an exception of ours (the error middleware's 500).
         self.status = 500
+        self.unresumable: Optional[str] = "shape"  # why a cut answer could not be resumed (router.proxy.resume); None: it can
+        self.pauses: Optional[Pauses] = None  # each time its answer was paused and resumed
+        self.cut: Optional[str] = None  # why its answer was cut for good, if it was
+        self.first_byte_at: Optional[float] = None  # the first part's, once a continuation follows it
 
     async def ends(self, steps: Awaitable[web.StreamResponse]) -> web.StreamResponse:
         try:
@@ -198,17 +174,72 @@ class Walk:
             return await self.hand_off(route)
         prepared = await self.take_lease(self.router.roster.queue.stream_keepalive_s if self.stream else 0,
                                          route.anthropic)
+        if self.form is None:
+            self.unresumable = resumable(route.endpoint, self.body, route.anthropic)
+        then: Optional[Plan] = None
+        while True:
+            try:
+                return await self.forward(route, prepared, then)
+            except Paused as exc:
+                paused = exc
+            finally:
+                self.router.placement.release(self.engine, self.klass)
+            while True:  # the engine may fail again before the rest is asked for: one more pause
+                try:
+                    prepared, then = await self.resume(route, paused)
+                    break
+                except Paused as exc:
+                    paused = exc
+                except Finished as done:
+                    return done.response
+
+    async def resume(self, route: routes.Route, paused: Paused) -> tuple[Optional[web.StreamResponse], Plan]:
+        """Wait for the model again and plan the rest of a paused answer (router.proxy.resume)."""
+        engine, router, request = self.engine, self.router, self.request
+        assert engine is not None
+        pauses = self.pauses = self.pauses or Pauses()
+        pauses.began(paused.reason)
         try:
-            return await self.forward(route, prepared)
-        finally:
-            self.router.placement.release(self.engine, self.klass)
+            too_often(pauses.reasons, paused.why)
+        except Cut as exc:
+            self.cut = exc.reason
+            router.metrics.stream_cut(engine.name, exc.reason)
+            raise keepalive.AnsweredInStream(await end_cut(paused.response, exc, route.anthropic), 503) from None
+        self.first_byte_at = self.first_byte_at or request.get("first_byte_at")
+        log.info("paused an answer of %s to %s (%s): %s; it resumes once the model serves again", engine.name,
+                 request.remote, paused.reason, paused.why)
+        if paused.reason == ENGINE_FAILED and engine.probe is not None:  # a lease before the probe's verdict would be for a dead engine
+            await asyncio.wait({engine.probe}, timeout=PROBE_WAIT_S)
+        try:
+            response, self.lease = await keepalive.wait_again(
+                request, router.placement, engine, paused, router.roster.queue.stream_keepalive_s or RESUME_KEEPALIVE_S,
+                route.anthropic, self.klass or INTERACTIVE, max_wait(request))
+        except (APIError, keepalive.AnsweredInStream) as exc:
+            self.cut = "wait"
+            router.metrics.stream_cut(engine.name, "wait")
+            raise exc
+        try:
+            then = await plan(router.upstreams, engine, route.endpoint, self.body, paused, lambda body: json_for(engine, body, encoded(body)))
+        except BaseException as exc:  # the lease goes back whatever ends the plan (the client leaving too)
+            router.placement.release(engine, self.klass)
+            if isinstance(exc, Cut):
+                self.cut = exc.reason
+                router.metrics.stream_cut(engine.name, exc.reason)
+                raise keepalive.AnsweredInStream(await end_cut(response, exc, route.anthropic), 503) from None
+            if isinstance(exc, Finished):
+                assert response is not None
+                await exc.send(response)
+                router.metrics.stream_resumed(engine.name, paused.reason, pauses.ended())
+            raise
+        router.metrics.stream_resumed(engine.name, paused.reason, pauses.ended())
+        return response, then
 
     async def read(self, route: routes.Route) -> None:
         """The client's body (bounded in size and time): a multipart form (audio) or JSON; its `model`, and
         whether it asks for a stream."""
         listen = self.router.roster.listen
         if route.multipart:
-            self.form = await multipart.read_form(self.request, listen)
+            self.form = await read_form(self.request, listen)
             self.asked = self.form.value("model")
             self.stream = (self.form.value("stream") or "").lower() == "true"
         else:
@@ -268,12 +299,20 @@ class Walk:
         self.queued_s = time.monotonic() - self.started
         return prepared
 
-    async def forward(self, route: routes.Route, prepared: Optional[web.StreamResponse]) -> web.StreamResponse:
-        """The request to the engine, its answer back; a failure after keep-alive comments ends their stream."""
+    async def forward(self, route: routes.Route, prepared: Optional[web.StreamResponse], then: Optional[Plan] = None
+                      ) -> web.StreamResponse:
+        """The request to the engine, its answer back; a failure after keep-alive comments ends their stream.
+        `then`: the rest of a paused answer (router.proxy.resume)."""
         engine, router = self.engine, self.router
         assert engine is not None
         kw: dict[str, Any] = {"prepared": prepared, "stall_s": router.roster.queue.stall_timeout_s,
-                              "numbers": router.activity.wants_answers}
+                              "numbers": router.activity.wants_answers, "resumable": self.unresumable is None}
+        if then is not None:
+            return await forward(self.request, router.upstreams, engine, route.path, then.body, anthropic=route.anthropic,
+                                 transcript=then.transcript, splice=then.splice, **kw)
+        ids = self.stream and self.unresumable is None
+        if ids:
+            kw.update(transcript=Transcript(route.endpoint == "chat"), strip=self.body.get("return_token_ids") is not True)
         try:
             if self.form is not None:
                 model = self.form.value("model")
@@ -287,7 +326,8 @@ class Walk:
                 if priority is not asked:  # a priority the client may have is forwarded as it wrote it
                     self.body["priority"] = priority
                     self.raw = encoded(self.body)
-            return await forward(self.request, router.upstreams, engine, route.path, json_for(engine, self.body, self.raw),
+            data = json_for(engine, self.body, self.raw)
+            return await forward(self.request, router.upstreams, engine, route.path, asking_ids(data) if ids else data,
                                  anthropic=route.anthropic, **kw)
         except APIError as exc:
             if prepared is None:
@@ -322,9 +362,12 @@ class Walk:
     def record(self) -> None:
         """The request's metrics and its line in the activity log (router.admin.activity)."""
         done, request, engine = time.monotonic(), self.request, self.engine
-        first_byte_s = request.get("first_byte_at", done) - self.started
+        first_byte_s = (self.first_byte_at or request.get("first_byte_at", done)) - self.started
         key = grant_of(request).name
         label, group = (engine.name, engine.spec.group or "") if engine is not None else (UNKNOWN_MODEL, "")
+        if request.get(CUT) and self.cut is None:
+            self.cut = self.unresumable or "mid_event"
+            self.router.metrics.stream_cut(label, self.cut)
         self.router.metrics.request_done(label, group, self.endpoint, "true" if self.stream else "false", self.status,
                                          self.queued_s, first_byte_s, done - self.started, key=key)
         lease, numbers = self.lease, request.get(ANSWER_NUMBERS, NONE)
@@ -334,7 +377,8 @@ class Walk:
             swap_id=None if lease is None else lease.swap_id, queue_wait_s=self.queued_s,
             ttfb_s=first_byte_s if self.stream else None, duration_s=done - self.started, prompt_tokens=numbers.prompt_tokens,
             completion_tokens=numbers.completion_tokens, mean_acceptance_length=numbers.mean_acceptance_length,
-            request_class=self.klass)
+            request_class=self.klass, resumed=",".join(self.pauses.resumed) if self.pauses and self.pauses.resumed else None,
+            paused_s=self.pauses.paused_s if self.pauses else None, cut=self.cut)
 
 
 def _engine_for(request: web.Request, router, body: dict[str, Any], route: routes.Route) -> tuple[Engine, str]:

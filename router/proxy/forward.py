@@ -13,9 +13,12 @@ chunks): the acceptance watch (`engines.watch.answered`) and the walk's record b
 no text of the answer is kept.
 
 A request holds its engine's lease while it runs, so it can be cut: by its engine's drain when
-`swap.drain_timeout_s` runs out (`Engine.cuttable`: the request's task is cancelled, and the
-cancellation becomes a 503 or the stream's error event), and, for a stream, by a client that
-takes none of it for `queue.stall_timeout_s` (`Relay.drained`).
+`swap.drain_timeout_s` runs out or its engine restarts, by a preemption of batch work
+(`Engine.cuttable`: the request's task is cancelled), and, for a stream, by a client that takes none
+of it for `queue.stall_timeout_s` (`Relay.drained`). A resumable request (`resumable=True`; a stream's
+`transcript` records what its client got) that is cut, or whose engine fails mid-answer, raises
+`Paused`: the walk waits for its model again and asks for the rest (router.proxy.resume). Any other
+cut becomes a 503, or the stream's error event.
 """
 
 from __future__ import annotations
@@ -34,15 +37,19 @@ from engines.gate import answer_spec_counts, mean_acceptance_length
 from router.errors import APIError, for_clients, sse_error
 from router.proxy.body import encoded
 from router.proxy.relay import ClientStalled, Relay
+from router.proxy.continuation import Splice
+from router.proxy.resume import ENGINE_FAILED, Paused, Transcript
 from router.proxy.responses import StreamSniffer
 from router.proxy.exchange import ClientGone, Exchange, Unreachable, UpstreamError
-from router.proxy.upstream import Pool, Upstreams
+from router.proxy.upstream import Pool, Upstreams, request_bytes
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 STALL_S = 60.0  # queue.stall_timeout_s's default
 # The request's key for its answer's Numbers, read once from its end: the
 # acceptance watch gets them here, and the walk records them.
 ANSWER_NUMBERS = "answer_numbers"
+# Set on a request whose answer was cut and not resumed (the walk counts it in hotswap_streams_cut_total).
+CUT = "hotswap.cut"
 log = logging.getLogger("hotswap")
 
 
@@ -60,11 +67,12 @@ class Hold:
     def __init__(self) -> None:
         self.task = asyncio.current_task()
         self.why: Optional[str] = None
+        self.reason = ""
         self.response: Optional[web.StreamResponse] = None  # a stream whose head is out: a cut can only end its connection
 
-    def cut(self, why: str) -> None:
+    def cut(self, why: str, reason: str) -> None:
         if self.why is None and self.task is not None:
-            self.why = why
+            self.why, self.reason = why, reason
             self.task.cancel()
 
     def was_cut(self) -> bool:
@@ -81,25 +89,17 @@ def json_for(engine: Engine, body: dict[str, Any], raw: bytes) -> bytes:
     return raw
 
 
-def request_bytes(method: str, path: str, pool: Pool, headers: dict[str, str], content_type: Optional[str],
-                  body: bytes) -> bytes:
-    lines = [f"{method} {pool.prefix}{path} HTTP/1.1", f"Host: {pool.netloc}"]
-    # The client's Authorization is never forwarded; the engine gets its own key, if it has one.
-    lines += [f"{k}: {v}" for k, v in headers.items()]
-    if content_type:
-        lines.append(f"Content-Type: {content_type}")
-    if body or method == "POST":
-        lines.append(f"Content-Length: {len(body)}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
-
-
 async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, path: str, body: bytes = b"", *,
                   method: str = "POST", content_type: Optional[str] = "application/json",
                   on_answer: Optional[Callable[[bytes], None]] = None, sniffer: Optional[StreamSniffer] = None,
                   prepared: Optional[web.StreamResponse] = None, anthropic: bool = False,
-                  stall_s: float = STALL_S, numbers: bool = False) -> web.StreamResponse:
+                  stall_s: float = STALL_S, numbers: bool = False, resumable: bool = False,
+                  transcript: Optional[Transcript] = None, strip: bool = False, splice: Optional[Splice] = None
+                  ) -> web.StreamResponse:
     """`numbers`: read the answer's numbers into `request[ANSWER_NUMBERS]` (for the activity log; an
-    engine with a draft has them read anyway, for its acceptance watch); a stream keeps its last bytes for it."""
+    engine with a draft has them read anyway, for its acceptance watch); a stream keeps its last bytes for it.
+    `resumable`: a cut raises Paused; `transcript` records a stream's events (`strip`: of the token ids the client
+    did not ask for), `splice` rewrites a continuation's."""
     client = engine.client
     if client is None:  # a lease implies a started engine; say so rather than crash if that ever breaks
         raise APIError(502, f"engine '{engine.name}' has no address yet", "engine_unreachable")
@@ -111,9 +111,9 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
             try:
                 if exchange.stream:
                     return await _stream(request, exchange, engine, sniffer, prepared, anthropic, hold, stall_s,
-                                         numbers or engine.has_draft)
+                                         numbers or engine.has_draft, transcript if resumable else None, strip, splice)
                 return await _buffered(request, exchange, engine, on_answer, prepared, anthropic,
-                                       numbers or engine.has_draft)
+                                       numbers or engine.has_draft, resumable)
             finally:
                 if exchange.trailing:
                     log.warning("engine %s sent %d bytes after a complete answer to %s %s (a second response on the same "
@@ -123,19 +123,26 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
         except asyncio.CancelledError:
             if not hold.was_cut():
                 raise
+            if resumable:  # cut before its answer began: nothing of it reached the client
+                raise Paused(hold.reason, hold.why or "", prepared, transcript) from None
+            request[CUT] = True
             if hold.response is None:
-                raise APIError(503, hold.why or "", "drain_timeout") from None
+                raise APIError(503, f"{hold.why}, so it was cut; retry it", "drain_timeout") from None
             if request.transport is not None:
                 request.transport.abort()
             return hold.response
 
 
 async def _buffered(request: web.Request, exchange: Exchange, engine: Engine, on_answer: Optional[Callable[[bytes], None]],
-                    prepared: Optional[web.StreamResponse], anthropic: bool, numbers: bool) -> web.StreamResponse:
+                    prepared: Optional[web.StreamResponse], anthropic: bool, numbers: bool, resumable: bool) -> web.StreamResponse:
     try:
         payload = await exchange.body()
     except UpstreamError as exc:
         watch.suspect(engine, f"while answering: {exc}")
+        if resumable:
+            raise Paused(ENGINE_FAILED, f"engine '{engine.name}' failed while answering: {for_clients(str(exc))}",
+                         prepared, None) from None
+        request[CUT] = True
         raise APIError(502, f"engine '{engine.name}' failed while answering: {for_clients(str(exc))}", "engine_error") from None
     request["first_byte_at"] = time.monotonic()
     if numbers and exchange.status < 300:
@@ -168,7 +175,7 @@ async def _send(pool: Pool, engine: Engine, data: bytes) -> Exchange:
 
 async def _stream(request: web.Request, exchange: Exchange, engine: Engine, sniffer: Optional[StreamSniffer],
                   prepared: Optional[web.StreamResponse], anthropic: bool, hold: Hold, stall_s: float,
-                  numbers: bool) -> web.StreamResponse:
+                  numbers: bool, transcript: Optional[Transcript], strip: bool, splice: Optional[Splice]) -> web.StreamResponse:
     response = prepared
     if response is None:
         response = hold.response = web.StreamResponse(status=exchange.status,
@@ -179,11 +186,17 @@ async def _stream(request: web.Request, exchange: Exchange, engine: Engine, snif
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away")
     writer.send_headers()  # type: ignore[attr-defined]
-    relay = Relay(transport, writer.chunked, exchange.chunked, sniffer, keep_tail=numbers)  # type: ignore[attr-defined]
+    relay = Relay(transport, writer.chunked, exchange.chunked, sniffer, keep_tail=numbers,  # type: ignore[attr-defined]
+                  transcript=transcript, strip=strip, rewrite=splice)
     writer.chunked = False  # type: ignore[attr-defined]  # the relay frames the body; write_eof adds nothing
     try:
         await exchange.relay(relay, lambda: relay.drained(writer.drain, stall_s))
     except ClientGone as exc:  # aiohttp cancels this handler for it too (handler_cancellation); nothing left to send
+        if splice is not None and splice.ended and not relay.transport.is_closing():  # a stop across the seam: complete
+            relay.end()
+            request["first_byte_at"] = exchange.first_body_at or time.monotonic()
+            await response.write_eof()
+            return response
         if isinstance(exc, ClientStalled):
             log.warning("cut a stream of %s to %s: %s; its lease is freed", engine.name, request.remote, exc)
         request["first_byte_at"] = exchange.first_body_at or time.monotonic()
@@ -191,14 +204,24 @@ async def _stream(request: web.Request, exchange: Exchange, engine: Engine, snif
     except asyncio.CancelledError:
         if not hold.was_cut():
             raise
+        if transcript is not None and relay.at_boundary and not relay.congested():
+            # Between chunks, and a client that reads (one that does not would stall the pause's comment lines).
+            writer.chunked = relay.chunked  # type: ignore[attr-defined]  # the writer frames again
+            raise Paused(hold.reason, hold.why or "", response, transcript) from None
+        request[CUT] = True
         if relay.congested():  # behind a client that does not read: no event could reach it
             relay.transport.abort()
             return response
-        relay.end_with_error(sse_error(hold.why or "", "drain_timeout", anthropic=anthropic))
+        relay.end_with_error(sse_error(f"{hold.why}, so it was cut; retry it", "drain_timeout", anthropic=anthropic))
     except UpstreamError as exc:
         # Headers are gone already: the error travels in the stream, where the SDK raises it.
         watch.suspect(engine, f"mid-stream: {exc}")
-        relay.end_with_error(sse_error(f"engine '{engine.name}' failed mid-stream: {for_clients(str(exc))}", "engine_error", anthropic=anthropic))
+        why = f"engine '{engine.name}' failed mid-stream: {for_clients(str(exc))}"
+        if transcript is not None and relay.at_boundary and not relay.congested():
+            writer.chunked = relay.chunked  # type: ignore[attr-defined]
+            raise Paused(ENGINE_FAILED, why, response, transcript) from None
+        request[CUT] = True
+        relay.end_with_error(sse_error(why, "engine_error", anthropic=anthropic))
     else:
         relay.end()
         if relay.tail and exchange.status < 300:

@@ -18,6 +18,7 @@ from config.sections import INTERACTIVE
 from engines.engine import Engine, State
 from router.errors import APIError, sse_error
 from router.proxy.forward import SSE_HEADERS
+from router.proxy.resume import Paused
 from router.scheduling import Lease
 
 
@@ -47,15 +48,16 @@ def doing(engine: Engine) -> str:
 
 
 async def acquire(request: web.Request, scheduler, engine: Engine, interval: float, anthropic: bool,
-                  max_wait_s: Optional[float] = None, klass: str = INTERACTIVE) -> tuple[Optional[web.StreamResponse], Lease]:
+                  max_wait_s: Optional[float] = None, klass: str = INTERACTIVE,
+                  response: Optional[web.StreamResponse] = None) -> tuple[Optional[web.StreamResponse], Lease]:
     """Take a lease like `scheduler.acquire`, sending comment lines every `interval` seconds
     while it waits. Returns the already-prepared stream response, or None when the lease came
-    before the first comment was due (nothing sent: the request proceeds as usual), and the lease."""
+    before the first comment was due (nothing sent: the request proceeds as usual), and the lease.
+    `response`: the stream already begun (a paused answer's), where the comments go."""
     lease = scheduler.lease_at_once(engine, klass)  # in this turn of the loop: the waiting task would take it in the next
     if lease is not None:
-        return None, lease
+        return response, lease
     task = asyncio.ensure_future(scheduler.acquire(engine, max_wait_s=max_wait_s, klass=klass))
-    response: Optional[web.StreamResponse] = None
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=interval)
@@ -80,3 +82,19 @@ async def acquire(request: web.Request, scheduler, engine: Engine, interval: flo
         await response.write_eof()
         raise AnsweredInStream(response, exc.status) from None
     return response, lease
+
+
+def seam_comment(paused: Paused, engine: Engine) -> bytes:
+    """The comment line a paused stream gets at once (SSE clients ignore comments; a person reading the raw stream sees why)."""
+    return f": paused ({paused.reason}); resumes once {engine.name} serves again\n\n".encode()
+
+
+async def wait_again(request: web.Request, scheduler, engine: Engine, paused: Paused, interval: float, anthropic: bool,
+                     klass: str, max_wait_s: Optional[float]):
+    """The lease again, for the rest of the answer. A stream waits with comment lines on its open response."""
+    response = paused.response
+    if response is None:
+        return None, await scheduler.acquire(engine, max_wait_s=max_wait_s, klass=klass)
+    await response.write(seam_comment(paused, engine))
+    return await acquire(request, scheduler, engine, interval, anthropic, max_wait_s=max_wait_s, klass=klass,
+                                   response=response)

@@ -23,6 +23,8 @@ from typing import Awaitable, Callable, Optional
 
 from router.proxy.exchange import ClientGone
 from router.proxy.responses import StreamSniffer
+from router.proxy.continuation import Splice
+from router.proxy.resume import Transcript, strip_ids
 
 TERMINATOR = b"0\r\n\r\n"
 # The final usage event and `data: [DONE]` arrive as one or two body pieces each (one HTTP chunk per
@@ -37,10 +39,14 @@ class ClientStalled(ClientGone):
 
 class Relay:
     def __init__(self, transport: asyncio.Transport, chunked_out: bool, chunked_in: bool,
-                 sniffer: Optional[StreamSniffer] = None, keep_tail: bool = False) -> None:
+                 sniffer: Optional[StreamSniffer] = None, keep_tail: bool = False,
+                 transcript: Optional[Transcript] = None, strip: bool = False, rewrite: Optional[Splice] = None) -> None:
         self.transport = transport
         self.chunked = chunked_out
-        self.raw = chunked_out and chunked_in
+        self.raw = chunked_out and chunked_in and not strip and rewrite is None
+        self.transcript = transcript  # what the client got, should the answer be resumed (router.proxy.resume)
+        self.strip = strip  # the token ids asked for the transcript, not by the client
+        self.rewrite = rewrite  # a continuation's events, rewritten as the rest of the client's answer (it records them)
         self.sniffer = sniffer
         # The stream's last decoded pieces (references, no copies), where the final usage event
         # carries the answer's own acceptance numbers; None when nobody reads them.
@@ -53,11 +59,19 @@ class Relay:
         transport = self.transport
         if transport.is_closing():
             return False
+        if self.rewrite is not None and self.rewrite.ended:
+            return False  # a stop across the seam ended the answer: the continuation is cut off (router.proxy.continuation)
         if self.sniffer is not None:  # Responses only: the id is in the first event
             for piece in pieces:
                 self.sniffer.feed(piece)
             if self.sniffer.done:
                 self.sniffer = None
+        if self.rewrite is not None:
+            pieces = self.rewrite(pieces)
+        elif self.transcript is not None:
+            self.transcript.extend(pieces)
+            if self.strip:
+                pieces = strip_ids(pieces)
         if self.tail is not None:
             self.tail.extend(pieces)
         if self.raw:
@@ -108,6 +122,9 @@ class Relay:
 
     def end(self) -> None:
         """The engine's answer is complete: close the body (the raw path forwarded the engine's own end)."""
+        if self.rewrite is not None and (rest := self.rewrite.flush()):
+            self.rewrite, self.transcript = None, None  # rewritten and recorded already
+            self.forward(b"", rest, True)
         if self.chunked and not self.raw and not self.transport.is_closing():
             self.transport.write(TERMINATOR)
 

@@ -219,3 +219,15 @@ class Upstreams:
     def close_all(self) -> None:
         for url in list(self._pools):
             self.close(url)
+
+
+def request_bytes(method: str, path: str, pool: Pool, headers: dict[str, str], content_type: Optional[str],
+                  body: bytes) -> bytes:
+    lines = [f"{method} {pool.prefix}{path} HTTP/1.1", f"Host: {pool.netloc}"]
+    # The client's Authorization is never forwarded; the engine gets its own key, if it has one.
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    if content_type:
+        lines.append(f"Content-Type: {content_type}")
+    if body or method == "POST":
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

@@ -65,7 +65,7 @@ def test_the_class_header_lowers_a_key_class_never_raises_it_and_anything_else_i
 
     from router.errors import APIError
     from router.keys import Grant
-    from router.proxy.endpoint import request_class
+    from router.keys import request_class
 
     def klass(key_class: str, header=None) -> str:
         request = SimpleNamespace(headers={} if header is None else {"X-Hotswap-Class": header})

@@ -21,7 +21,7 @@ async def test_cut_all_cuts_every_holder_even_one_that_starts_during_the_cut():
     async def request(name: str, started: asyncio.Event, on_cut=None) -> None:
         done = asyncio.Event()
         try:
-            def stop(why: str) -> None:
+            def stop(why: str, reason: str) -> None:
                 cut.append(name)
                 done.set()
                 if on_cut:

@@ -1,0 +1,169 @@
+"""Answers outlive their engine's turn: scenarios against the real router process and simulated
+engines, where a stream cut by a drain deadline, a restart, an engine's death or a preemption is
+paused and resumed as one answer (router.proxy.resume). Each resumed answer is checked word for
+word against the same request answered uncut (the simulator's greedy answers are continuable)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.support import RouterProcess, eventually, http, roster_dict, sim_model
+
+SLOW = ("--sim-token-rate", "40")
+
+
+async def raw_stream(router: RouterProcess, path: str, body: dict[str, Any], started: asyncio.Event | None = None,
+                     after: int = 3) -> tuple[list[dict[str, Any]], list[bytes], int]:
+    """The stream's data events, its comment lines and its [DONE] count, read as a client's SSE parser would."""
+    events: list[dict[str, Any]] = []
+    comments: list[bytes] = []
+    done = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        async with s.post(router.url + path, json={**body, "stream": True}) as r:
+            assert r.status == 200, await r.text()
+            buffer = b""
+            async for data in r.content.iter_any():
+                buffer += data
+                *blocks, buffer = buffer.split(b"\n\n")
+                for block in blocks:
+                    for line in block.split(b"\n"):
+                        if line.startswith(b":"):
+                            comments.append(line)
+                        elif line == b"data: [DONE]":
+                            done += 1
+                        elif line.startswith(b"data: "):
+                            events.append(json.loads(line[6:]))
+                if started is not None and len(events) >= after:
+                    started.set()
+    return events, comments, done
+
+
+def text_of(events: list[dict[str, Any]], chat: bool) -> str:
+    if chat:
+        return "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+    return "".join(c.get("text") or "" for e in events for c in e.get("choices", []))
+
+
+def one_answer(events: list[dict[str, Any]], done: int, chat: bool) -> None:
+    """What a client must see of any answer, resumed or not: one identity, one role, one finish, one usage, one [DONE]."""
+    assert not [e for e in events if "error" in e], events
+    assert done == 1
+    assert len({(e["id"], e["created"], e["model"]) for e in events}) == 1, "one id, created and model throughout"
+    finishes = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+    assert len(finishes) == 1, finishes
+    if chat:
+        assert sum(1 for e in events for c in e.get("choices", []) if c["delta"].get("role")) == 1
+
+
+async def metric(router: RouterProcess, name: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as r:
+        return "\n".join(line for line in (await r.text()).splitlines() if line.startswith(name))
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+async def test_a_stream_still_running_at_the_drain_deadline_is_paused_and_resumed_as_one_answer(start_router, chat):
+    router = await start_router(roster_dict(sim_model("a", args=SLOW), swap={"drain_timeout_s": 0.5}))
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"model": "a", "max_tokens": 120, "temperature": 0, "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "tell me a long story"}]} if chat else {"prompt": "a long story"})
+    uncut, _, _ = await raw_stream(router, path, body)
+    started = asyncio.Event()
+    reading = asyncio.create_task(raw_stream(router, path, body, started, after=20))
+    await asyncio.wait_for(started.wait(), 30)
+    status, _, slept = await http(router, "POST", "/admin/sleep?model=a")
+    assert status == 200 and slept["result"] == "sleeping"
+    events, comments, done = await asyncio.wait_for(reading, 60)
+    one_answer(events, done, chat)
+    assert any(b"paused (drain_deadline)" in c for c in comments), comments
+    assert text_of(events, chat) == text_of(uncut, chat), "word for word the answer the uncut stream gave"
+    usage = [e["usage"] for e in events if e.get("usage")]
+    assert usage == [e["usage"] for e in uncut if e.get("usage")], "one usage chunk counting the whole answer"
+    assert 'reason="drain_deadline"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
+
+
+def story(chat: bool) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"model": "a", "max_tokens": 120, "temperature": 0, "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "tell me a long story"}]} if chat else {"prompt": "a long story"})
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+async def cut_midway(router: RouterProcess, chat: bool, cut) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[bytes]]:
+    """The same greedy request answered uncut, then answered while `cut()` runs a third of the way through."""
+    path, body = story(chat)
+    uncut, _, _ = await raw_stream(router, path, body)
+    started = asyncio.Event()
+    reading = asyncio.create_task(raw_stream(router, path, body, started, after=40))
+    await asyncio.wait_for(started.wait(), 30)
+    await cut()
+    events, comments, done = await asyncio.wait_for(reading, 90)
+    one_answer(events, done, chat)
+    assert text_of(events, chat) == text_of(uncut, chat), "word for word the answer the uncut stream gave"
+    return uncut, events, comments
+
+
+async def sim_pid(router: RouterProcess, name: str) -> int:
+    port = (await router.engine(name))["port"]
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/sim/state") as r:
+        return (await r.json())["pid"]
+
+
+async def test_an_engine_killed_mid_stream_is_restarted_and_the_stream_completed_by_it(start_router):
+    router = await start_router(roster_dict(sim_model("a", args=SLOW)))
+    pid = await sim_pid(router, "a")
+    _, _, comments = await cut_midway(router, True, lambda: asyncio.to_thread(os.kill, pid, signal.SIGKILL))
+    assert any(b"paused (engine_failed)" in c for c in comments), comments
+    assert await sim_pid(router, "a") != pid
+    assert 'reason="engine_failed"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
+
+
+async def test_an_operators_restart_mid_stream_pauses_it_and_the_restarted_engine_finishes_it(start_router):
+    router = await start_router(roster_dict(sim_model("a", args=SLOW), swap={"drain_timeout_s": 0.3}))
+    pid = (await router.engine("a"))["pid"]
+
+    async def restart() -> None:
+        status, _, body = await http(router, "POST", "/admin/restart?model=a")
+        assert status == 200, body
+
+    await cut_midway(router, False, restart)
+    assert (await router.engine("a"))["pid"] != pid
+    assert 'reason="restart"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
+
+
+async def test_a_buffered_request_cut_at_the_drain_deadline_is_answered_as_one_response(start_router):
+    router = await start_router(roster_dict(sim_model("a", args=SLOW), swap={"drain_timeout_s": 0.3}))
+    body = {"model": "a", "prompt": "a long story", "max_tokens": 80, "temperature": 0}
+    status, _, uncut = await http(router, "POST", "/v1/completions", json=body)
+    assert status == 200
+    asking = asyncio.create_task(http(router, "POST", "/v1/completions", json=body))
+
+    async def running() -> bool:
+        return (await router.engine("a"))["in_flight"] == 1
+
+    await eventually(running, what="the request running")
+    status, _, _ = await http(router, "POST", "/admin/sleep?model=a")
+    assert status == 200
+    status, _, answer = await asyncio.wait_for(asking, 60)
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == uncut["choices"][0]["text"]
+    assert answer["usage"] == uncut["usage"]
+
+
+async def test_a_stream_that_cannot_be_resumed_exactly_is_cut_as_before_and_counted(start_router):
+    router = await start_router(roster_dict(sim_model("a", args=SLOW), swap={"drain_timeout_s": 0.3}))
+    path, body = story(True)
+    body["response_format"] = {"type": "json_object"}  # a structured output: its grammar's state is not in the ids
+    started = asyncio.Event()
+    reading = asyncio.create_task(raw_stream(router, path, body, started, after=5))
+    await asyncio.wait_for(started.wait(), 30)
+    status, _, _ = await http(router, "POST", "/admin/sleep?model=a")
+    assert status == 200
+    events, _, done = await asyncio.wait_for(reading, 30)
+    assert done == 0 and "so it was cut; retry it" in events[-1]["error"]["message"]
+    assert 'reason="structured_output"} 1.0' in await metric(router, "hotswap_streams_cut_total")
