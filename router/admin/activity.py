@@ -4,7 +4,8 @@ my request?" (GET /admin/activity, `hotswap activity`, /ui's recent requests).
 A record says who asked (the key's name, never the key), for what, where it went (an engine, or the
 peer node it was passed to: `peer`, with the peer's status, timings and tokens), how it came
 by its lease (found its model awake, or waited for swap N: /admin/status's swaps carry the
-same id), how it ended, how long it took, and the answer's token counts and acceptance as the
+same id), how it ended (a stream paused and resumed across its engine's turn, or cut for good:
+`resumed`, `paused_s`, `cut`), how long it took, and the answer's token counts and acceptance as the
 engine reported them in `usage` and `metrics.speculative_decoding`. Never any prompt or
 completion text: the proxy reads the answer's numbers from its last bytes by key, once, for the
 acceptance watch and for this log (`router.proxy.forward.read_numbers`), and hands over only numbers.
@@ -52,11 +53,17 @@ class Record(NamedTuple):
     # interactive or batch (auth.keys[].class, X-Hotswap-Class); None: no lease was asked for. `class` in
     # as_dict (a Python keyword cannot name the field); its SQLite column is request_class.
     request_class: Optional[str] = None
+    # A stream its engine's turn, restart or failure interrupted (router.proxy.resume), whose status still
+    # reads the 200 it was sent with: why it was paused, in order, comma-joined (drain_deadline, engine_failed,
+    # restart, preempted, migrated), and the seconds it waited paused; None: never paused.
+    resumed: Optional[str] = None
+    paused_s: Optional[float] = None
+    cut: Optional[str] = None  # why its answer was cut for good rather than resumed (tools, wait, ...); None: it was not
 
     def as_dict(self) -> dict[str, Any]:
         # Rounded here, when read, rather than per request when made.
         out = self._asdict()
-        for name in ("queue_wait_s", "ttfb_s", "duration_s"):
+        for name in ("queue_wait_s", "ttfb_s", "duration_s", "paused_s"):
             out[name] = _round(out[name])
         out["class"] = out.pop("request_class")
         return out
@@ -88,7 +95,8 @@ class ActivityLog:
                      found_awake: Optional[bool], swap_id: Optional[int], queue_wait_s: Optional[float],
                      ttfb_s: Optional[float], duration_s: float, prompt_tokens: Optional[int],
                      completion_tokens: Optional[int], mean_acceptance_length: Optional[float],
-                     request_class: Optional[str] = None) -> None:
+                     request_class: Optional[str] = None, resumed: Optional[str] = None, paused_s: Optional[float] = None,
+                     cut: Optional[str] = None) -> None:
         if not self.enabled:
             return
         asked = model[:MAX_MODEL_CHARS] if isinstance(model, str) else None
@@ -97,7 +105,8 @@ class ActivityLog:
             # fail the file's batch (every row of it is dropped) on its way to SQLite.
             asked = asked.encode("utf-8", "replace").decode("utf-8")
         record = Record(time.time(), key_name or None, asked, engine, endpoint, status, found_awake, queue_wait_s, swap_id,
-                        ttfb_s, duration_s, prompt_tokens, completion_tokens, mean_acceptance_length, peer, request_class)
+                        ttfb_s, duration_s, prompt_tokens, completion_tokens, mean_acceptance_length, peer, request_class,
+                        resumed, paused_s, cut)
         self.ring.append(record)
         if self.file is not None:
             self.file.put(record)

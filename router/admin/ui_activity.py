@@ -31,10 +31,24 @@ def recent_requests(records: list[Record], models: list[str], selected: Optional
         rows.append(
             f"<tr class='activity'><td>{time.strftime('%H:%M:%S', time.localtime(r.at))}</td><td>{escape(r.key_name or '—')}</td>"
             f"<td>{escape(r.model or '—')}</td><td>{escape(r.engine or (f'peer {r.peer}' if r.peer else '—'))}</td><td>{escape(r.endpoint)}</td>"
-            f"<td class='{'ok' if r.status < 400 else 'bad'}'>{r.status}</td><td>{lease}</td><td>{_s(r.queue_wait_s)}</td>"
+            f"<td class='{'ok' if r.status < 400 else 'bad'}'>{r.status}{_paused_or_cut(r)}</td><td>{lease}</td><td>{_s(r.queue_wait_s)}</td>"
             f"<td>{_s(r.ttfb_s)}</td><td>{_s(r.duration_s)}</td><td>{_n(r.prompt_tokens)} / {_n(r.completion_tokens)}</td>"
             f"<td>{'—' if r.mean_acceptance_length is None else f'{r.mean_acceptance_length:.2f}'}</td></tr>")
     return "".join(rows) + "</table>"
+
+
+def _paused_or_cut(r: Record) -> str:
+    """Beside the status, which for a stream stays the 200 it was sent with: a mark on an answer that was
+    paused and resumed (its reasons and seconds paused in the title) or cut for good (its reason)."""
+    marks = ""
+    if r.resumed:
+        reasons = r.resumed.split(",")
+        paused = "" if r.paused_s is None else f", paused {r.paused_s:.1f} s"
+        marks += (f" <span class='resumed warn' title='paused and resumed: {escape(', '.join(reasons))}{paused}'>"
+                  f"resumed ×{len(reasons)}</span>")
+    if r.cut:
+        marks += f" <span class='cut bad' title='its answer was cut for good: {escape(r.cut)}'>cut: {escape(r.cut)}</span>"
+    return marks
 
 
 def _s(seconds: Optional[float]) -> str:

@@ -17,8 +17,8 @@ FOLLOW_POLL_S = 1.0  # how often --follow asks for new records
 CALL_S = 10.0  # each call's timeout
 FOLLOW_LIMIT = 10_000  # records one --follow poll may bring (the route's maximum)
 COLUMNS = ("TIME", "KEY", "MODEL", "ENGINE", "ENDPOINT", "STATUS", "LEASE", "WAIT s", "TTFB s", "TOTAL s", "TOKENS in/out",
-           "MAL")  # the times in seconds, as the columns say
-WIDTHS = (8, 10, 16, 16, 16, 6, 10, 7, 7, 7, 13, 5)
+           "MAL", "RESUMED/CUT")  # the times in seconds, as the columns say
+WIDTHS = (8, 10, 16, 16, 16, 6, 10, 7, 7, 7, 13, 5, 11)
 
 
 def cells(r: dict[str, Any]) -> tuple[str, ...]:
@@ -29,7 +29,22 @@ def cells(r: dict[str, Any]) -> tuple[str, ...]:
     engine = r["engine"] or (f"peer {r['peer']}" if r.get("peer") else "-")  # a request passed on to another node
     return (time.strftime("%H:%M:%S", time.localtime(r["at"])), r["key_name"] or "-", r["model"] or "-", engine,
             r["endpoint"], str(r["status"]), lease, _seconds(r["queue_wait_s"]), _seconds(r["ttfb_s"]),
-            _seconds(r["duration_s"]), tokens, "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}")
+            _seconds(r["duration_s"]), tokens, "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}",
+            paused_or_cut(r))
+
+
+def paused_or_cut(r: dict[str, Any]) -> str:
+    """A stream's status stays the 200 it was sent with: this says it was paused and resumed ("resumed ×2
+    (drain_deadline, preempted) paused 3.1 s") or cut for good ("cut: tools"), or both. `.get`: a router
+    of before has neither key."""
+    marks = []
+    if r.get("resumed"):
+        reasons = r["resumed"].split(",")
+        paused = "" if r.get("paused_s") is None else f" paused {r['paused_s']:.1f} s"
+        marks.append(f"resumed ×{len(reasons)} ({', '.join(reasons)}){paused}")
+    if r.get("cut"):
+        marks.append(f"cut: {r['cut']}")
+    return "; ".join(marks) or "-"
 
 
 def widths(rows: list[tuple[str, ...]]) -> tuple[int, ...]:

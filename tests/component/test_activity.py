@@ -21,7 +21,8 @@ PROMPT = "the secret prompt words"
 TWO = roster_dict(sim_model("a", default=True),
                   sim_model("b", spec=True, draft_restore="none", args=("--sim-prompt-acceptance", "secret=1.8")))
 FIELDS = {"at", "key_name", "model", "engine", "endpoint", "status", "found_awake", "queue_wait_s", "swap_id", "ttfb_s",
-          "duration_s", "prompt_tokens", "completion_tokens", "mean_acceptance_length", "peer", "class"}
+          "duration_s", "prompt_tokens", "completion_tokens", "mean_acceptance_length", "peer", "class", "resumed", "paused_s",
+          "cut"}
 
 
 async def activity(router, query: str = "") -> list[dict]:
@@ -57,6 +58,7 @@ async def test_a_request_that_found_its_model_awake_is_recorded_with_its_numbers
     assert record["prompt_tokens"] == answer.usage.prompt_tokens and record["completion_tokens"] == 6
     assert record["ttfb_s"] is None and record["duration_s"] > 0 and record["key_name"] is None
     assert record["mean_acceptance_length"] is None  # a has no draft
+    assert record["resumed"] is record["paused_s"] is record["cut"] is None  # never paused, never cut
     no_text(record, PROMPT, answer.choices[0].text)
 
 

@@ -132,6 +132,8 @@ def test_a_record_reads_back_from_the_file_exactly_as_it_was_written(tmp_path):
     path = tmp_path / "activity.db"
     written = [Record(1796179092.2620955, 'k"ey ☃', "m'odel\n", None, "chat", 200, True, 0.1234567890123, 7, None, 1e-9, 5, 16,
                       2.3456, "peer-a"),
+               Record(1796179092.75, "k", "m", "m", "chat", 200, True, 0.0, None, 0.1, 9.5, 5, 16, None, None, "batch",
+                      "drain_deadline,preempted", 3.123456789, "tools"),
                Record(1796179093.5, None, None, "e", "completions", 499, False, None, None, 0.5, 3.0, None, None, None, None)]
     file = ActivityFile(str(path), 100, FIELDS)
     for record in written:
@@ -151,3 +153,56 @@ def test_a_model_name_that_is_no_utf8_text_is_kept_with_a_replacement_and_loses_
     again = ActivityLog(Activity(path=str(path)))
     assert [r.model for r in again.query()] == ["fine", "bad?x"]
     again.close()
+
+
+def resumed_stream(log: ActivityLog, resumed=None, paused_s=None, cut=None) -> None:
+    log.request_done(key_name="team", model="a", engine="a", peer=None, endpoint="chat", status=200, found_awake=True,
+                     swap_id=None, queue_wait_s=0.0, ttfb_s=0.05, duration_s=4.0, prompt_tokens=3, completion_tokens=40,
+                     mean_acceptance_length=None, request_class="interactive", resumed=resumed, paused_s=paused_s, cut=cut)
+
+
+def test_a_stream_that_was_paused_or_cut_says_so_in_its_record_and_the_file_keeps_it(tmp_path):
+    path = tmp_path / "activity.db"
+    log = ActivityLog(Activity(ring=10, path=str(path)))
+    resumed_stream(log)  # a plain answer
+    resumed_stream(log, resumed="drain_deadline,preempted", paused_s=3.1234567891)
+    resumed_stream(log, cut="tools")
+    resumed_stream(log, resumed="restart", paused_s=0.5, cut="wait")  # resumed once, then cut by its second pause
+    log.close()
+    records = [r.as_dict() for r in ActivityLog(Activity(ring=10, path=str(path))).query()][::-1]
+    assert [(r["status"], r["resumed"], r["paused_s"], r["cut"]) for r in records] == [
+        (200, None, None, None), (200, "drain_deadline,preempted", 3.123457, None), (200, None, None, "tools"),
+        (200, "restart", 0.5, "wait")]
+
+
+def test_a_file_written_before_the_resume_columns_gains_them_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "activity.db"
+    older = list(Record._fields[:Record._fields.index("resumed")])  # peer and request_class, no resumed, paused_s, cut
+    with sqlite3.connect(path) as db:
+        db.execute(f"CREATE TABLE activity (id INTEGER PRIMARY KEY, {', '.join(older)})")
+        db.execute(f"INSERT INTO activity ({', '.join(older)}) VALUES ({', '.join('?' * len(older))})",
+                   (1.0, "team", "a", "a", "chat", 200, 1, 0.0, None, 0.1, 2.0, 3, 5, None, None, "batch"))
+    log = ActivityLog(Activity(ring=10, path=str(path)))
+    [old] = log.query()
+    assert (old.request_class, old.resumed, old.paused_s, old.cut) == ("batch", None, None, None)
+    resumed_stream(log, resumed="migrated", paused_s=1.5)
+    log.close()
+    with sqlite3.connect(path) as db:
+        assert {"resumed", "paused_s", "cut"} <= {row[1] for row in db.execute("PRAGMA table_info(activity)")}
+    assert [(r.resumed, r.paused_s) for r in ActivityLog(Activity(ring=10, path=str(path))).query()] == [
+        ("migrated", 1.5), (None, None)]
+
+
+def test_the_ui_marks_a_resumed_or_cut_request_beside_its_status():
+    from router.admin.ui_activity import recent_requests
+
+    log = ActivityLog(Activity(ring=10))
+    resumed_stream(log, cut="tools")
+    resumed_stream(log, resumed="drain_deadline,preempted", paused_s=3.14)
+    resumed_stream(log)
+    page = recent_requests(log.query(), ["a"], None, True)
+    plain, resumed, cut = [row.split("</td>")[5] for row in page.split("<tr class='activity'>")[1:]]  # the status cells
+    assert plain == "<td class='ok'>200"
+    assert resumed == ("<td class='ok'>200 <span class='resumed warn' title='paused and resumed: drain_deadline, preempted, "
+                       "paused 3.1 s'>resumed ×2</span>")
+    assert cut == "<td class='ok'>200 <span class='cut bad' title='its answer was cut for good: tools'>cut: tools</span>"

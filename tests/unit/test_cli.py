@@ -249,3 +249,21 @@ def test_status_and_activity_say_the_unit_of_every_number_and_one_word_for_sleep
     assert lines[1] == "GPU 0 (80 GB), shares of it: awake 0.90, residual 0.01, free 0.09  (a sleeping 0.0125, b awake 0.9)"
     assert "DRIFT last/limit" in lines[3] and "max" not in lines[3]  # the drift's limit, gate.max_logprob_drift
     assert activity.header().split()[7:13] == ["WAIT", "s", "TTFB", "s", "TOTAL", "s"]
+
+
+def test_activity_marks_a_stream_that_was_paused_and_resumed_or_cut_though_its_status_reads_200():
+    from router.cli import activity
+
+    base = {"at": 0.0, "key_name": None, "model": "a", "engine": "a", "peer": None, "endpoint": "chat", "status": 200,
+            "found_awake": True, "swap_id": None, "queue_wait_s": 0.0, "ttfb_s": 0.05, "duration_s": 4.0, "prompt_tokens": 3,
+            "completion_tokens": 40, "mean_acceptance_length": None, "class": "interactive"}
+    mark = {name: activity.cells({**base, **extra})[-1] for name, extra in {
+        "plain": {"resumed": None, "paused_s": None, "cut": None},
+        "older router": {},  # its records have no such keys
+        "resumed": {"resumed": "drain_deadline,preempted", "paused_s": 3.1234, "cut": None},
+        "cut": {"resumed": None, "paused_s": None, "cut": "tools"},
+        "both": {"resumed": "restart", "paused_s": 0.42, "cut": "wait"},
+    }.items()}
+    assert mark == {"plain": "-", "older router": "-", "resumed": "resumed ×2 (drain_deadline, preempted) paused 3.1 s",
+                    "cut": "cut: tools", "both": "resumed ×1 (restart) paused 0.4 s; cut: wait"}
+    assert activity.header().split()[-1] == "RESUMED/CUT" and len(activity.COLUMNS) == len(activity.WIDTHS)
