@@ -15,6 +15,7 @@ fields; the chunks are parsed (into text and ids) only past `COMPACT_BYTES`, and
 from __future__ import annotations
 
 import json
+import re
 from array import array
 from typing import Any, Optional
 
@@ -26,9 +27,9 @@ ENGINE_FAILED = "engine_failed"  # the fourth reason a request is paused, beside
 # what the router keeps per stream is then about 4 bytes per token, its text, and at most this much more.
 COMPACT_BYTES = 64 * 1024
 # The fields `return_token_ids` adds, as vLLM writes them (pydantic's compact JSON; never first in their
-# object). JSON escapes a quote inside a string, so no generated text can contain these bytes.
-_ID_KEYS = (b',"token_ids":', b',"prompt_token_ids":')
-_IDS_MARK = b'token_ids":'
+# object). JSON escapes a quote inside a string, so no generated text can contain these bytes; ids are
+# integers, so the first `]` closes the list. One C call per chunk: the stream's hot path.
+_IDS_FIELD = re.compile(rb',"(?:prompt_)?token_ids":(?:null|\[[^\]]*\])')
 # Keys that make the rest of an answer depend on more than its ids so far (docs/operators.md lists why).
 _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _PENALTIES = ("frequency_penalty", "presence_penalty")  # vLLM counts them over output tokens only
@@ -88,25 +89,10 @@ def encoded_with_ids(data: bytes) -> bytes:
     return json.dumps(with_ids(json.loads(data))).encode()
 
 
-def strip_ids(pieces: list[bytes]) -> list[bytes]:
-    """The relayed chunks without the ids fields the router asked for (the client did not)."""
-    out = []
-    for piece in pieces:
-        if _IDS_MARK in piece:
-            for key in _ID_KEYS:
-                at = piece.find(key)
-                while at >= 0:
-                    start = at + len(key)
-                    if piece.startswith(b"null", start):
-                        end = start + 4
-                    elif piece.startswith(b"[", start) and (close := piece.find(b"]", start)) >= 0:
-                        end = close + 1
-                    else:
-                        break  # cut across two chunks: left whole, an extra field is still valid JSON
-                    piece = piece[:at] + piece[end:]
-                    at = piece.find(key, at)
-        out.append(piece)
-    return out
+def strip_ids(pieces: list[bytes], _sub=_IDS_FIELD.sub) -> list[bytes]:
+    """The relayed chunks without the ids fields the router asked for (the client did not). A field cut
+    across two chunks is left whole: an extra field is still valid JSON."""
+    return [_sub(b"", piece) for piece in pieces]
 
 
 class Transcript:
@@ -141,22 +127,31 @@ class Transcript:
         data = self.rest + b"".join(self.pieces)
         self.pieces, self.size = [], 0
         *events, self.rest = data.split(b"\n\n")
+        datas = []
         for event in events:
-            self._read(event)
-
-    def _read(self, event: bytes) -> None:
-        for line in event.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue  # comments (keep-alive, the seam) and `event:` lines
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                self.done = True
-                continue
-            try:
-                chunk = json.loads(data)
-            except ValueError:
-                self.unresumable = "malformed"
-                continue
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue  # comments (keep-alive, the seam) and `event:` lines
+                line = line[5:].strip()
+                if line == b"[DONE]":
+                    self.done = True
+                else:
+                    datas.append(line)
+        if not datas:
+            return
+        # One parse for the block: json.loads' own cost per call is most of a small event's.
+        try:
+            chunks = json.loads(b"[" + b",".join(datas) + b"]")
+        except ValueError:
+            chunks = None
+        if chunks is None or len(chunks) != len(datas):  # one is not JSON (or two made one): each on its own
+            chunks = []
+            for line in datas:
+                try:
+                    chunks.append(json.loads(line))
+                except ValueError:
+                    self.unresumable = "malformed"
+        for chunk in chunks:
             self.record(chunk)
 
     def record(self, chunk: Any) -> None:

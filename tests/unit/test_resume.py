@@ -93,6 +93,16 @@ def test_what_a_continuation_cannot_follow_is_named(chunks, reason):
     assert exc.value.reason == reason
 
 
+def test_an_event_that_is_not_json_is_named_and_its_neighbours_are_still_read():
+    transcript = Transcript(chat=True)
+    transcript.extend([event(chat_chunk("", ids=[], role="assistant", prompt_ids=[1])), b"data: 1,2\n\n",
+                       event(chat_chunk(" the", ids=[40]))])
+    with pytest.raises(NotResumable) as exc:
+        transcript.so_far()
+    assert exc.value.reason == "malformed"
+    assert list(transcript.ids) == [40] and transcript.role_sent
+
+
 def test_a_cut_inside_an_event_cannot_be_resumed():
     transcript = Transcript(chat=False)
     transcript.extend([b'data: {"id":"c","choices":[{"text":" a"'])
