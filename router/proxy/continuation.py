@@ -22,7 +22,7 @@ import asyncio
 import json
 import time
 from array import array
-from typing import Any, NamedTuple, Optional
+from typing import Any, Awaitable, Callable, NamedTuple, Optional
 
 from aiohttp import web
 
@@ -37,6 +37,7 @@ MAX_RESUMES = 8  # an answer cut more often than this is cut for good
 # An answer whose engine died under it this often may be what kills it (a poison request): no more restarts for it.
 MAX_FAILURES = 2
 REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a character it has not seen whole
+Decode = Callable[[list[int]], Awaitable[str]]  # token ids to text: an engine's /detokenize, here or on a peer
 
 
 class Plan(NamedTuple):
@@ -64,10 +65,10 @@ def too_often(reasons: list[str], why: str) -> None:
                                    f"again (the request may be what kills it); the last: {why}")
 
 
-async def plan(upstreams: Upstreams, engine: Engine, endpoint: str, body: dict[str, Any], paused: Paused,
-               encode) -> Plan:
-    """The continuation to send now the lease is back. Raises Cut when the answer cannot be resumed
-    exactly, Finished when the client has every token of it already, Paused when the engine failed again."""
+async def plan(decode: Decode, where: str, endpoint: str, body: dict[str, Any], paused: Paused, encode) -> Plan:
+    """The continuation to send now the lease is back (`decode`: ids to text, by the engine or peer `where` that
+    will continue it). Raises Cut when the answer cannot be resumed exactly, Finished when the client has every
+    token of it already, Paused when the engine failed again."""
     chat = endpoint == CHAT
     transcript = paused.transcript
     if transcript is None:  # a buffered answer: its engine's partial answer never reached the router; sent again whole
@@ -84,9 +85,9 @@ async def plan(upstreams: Upstreams, engine: Engine, endpoint: str, body: dict[s
     if transcript.done or transcript.finish_reason is not None:
         raise Finished(transcript, "", include_usage, len(prompt_ids), len(transcript.ids))
     try:
-        j, decoded = await whole_characters(upstreams, engine, transcript.ids)
+        j, decoded = await whole_characters(decode, transcript.ids)
     except UpstreamError as exc:  # the engine failed again: one more pause
-        raise Paused(ENGINE_FAILED, f"engine '{engine.name}' failed before the rest could be asked for: {exc}",
+        raise Paused(ENGINE_FAILED, f"{where} failed before the rest could be asked for: {exc}",
                      paused.response, transcript) from None
     if decoded.startswith(text):
         pending, drop = decoded[len(text):], ""
@@ -95,7 +96,9 @@ async def plan(upstreams: Upstreams, engine: Engine, endpoint: str, body: dict[s
     else:
         raise Cut("mismatch", "the answer's token ids do not decode to the text its client got")
     left = remaining(body, j)
-    transcript.restart_at(j, decoded)
+    # The ids from here are the continuation's; the text stays the client's (the splice records what it sends,
+    # pending text included), so a second pause before the pending text went out finds it pending again.
+    transcript.restart_at(j)
     if left is not None and left <= 0:  # the cut fell after its last token: only the end is left to send
         raise Finished(transcript, pending, include_usage, len(prompt_ids), j)
     ids = [*prompt_ids, *transcript.ids]
@@ -137,12 +140,12 @@ def stops(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in stop if isinstance(s, str) and s) if isinstance(stop, list) else ()
 
 
-async def whole_characters(upstreams: Upstreams, engine: Engine, ids: array) -> tuple[int, str]:
+async def whole_characters(decode: Decode, ids: array) -> tuple[int, str]:
     """The longest run of `ids` from the start that decodes to whole characters, and its text (the
     continuing engine's `/detokenize`; a UTF-8 character is at most 4 ids long on a byte-level vocabulary)."""
     j = len(ids)
     while True:
-        text = (await detokenize(upstreams, engine, list(ids[:j]))) if j else ""
+        text = (await decode(list(ids[:j]))) if j else ""
         if not text.endswith(REPLACEMENT) or j == 0 or len(ids) - j >= 4:
             return j, text
         j -= 1

@@ -34,7 +34,7 @@ from router.metrics import UNKNOWN_MODEL
 from router.proxy.body import Form, encoded, read_form, read_json
 from router.proxy.forward import ANSWER_NUMBERS, CUT, NONE, ClientClosed, forward, json_for, read_numbers
 from router.proxy.responses import Pin, ResponseIds, StreamSniffer, id_in_answer
-from router.proxy.continuation import Cut, Finished, Pauses, Plan, end_cut, plan, too_often
+from router.proxy.continuation import Cut, Finished, Pauses, Plan, detokenize, end_cut, plan, too_often
 from router.proxy.resume import ENGINE_FAILED, Paused, Transcript, asking_ids, resumable
 from router.scheduling import Lease
 
@@ -219,7 +219,8 @@ class Walk:
             router.metrics.stream_cut(engine.name, "wait")
             raise exc
         try:
-            then = await plan(router.upstreams, engine, route.endpoint, self.body, paused, lambda body: json_for(engine, body, encoded(body)))
+            then = await plan(lambda ids: detokenize(router.upstreams, engine, ids), f"engine '{engine.name}'", route.endpoint,
+                              self.body, paused, lambda body: json_for(engine, body, encoded(body)))
         except BaseException as exc:  # the lease goes back whatever ends the plan (the client leaving too)
             router.placement.release(engine, self.klass)
             if isinstance(exc, Cut):

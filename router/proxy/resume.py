@@ -201,7 +201,6 @@ class Transcript:
                                                "continued exactly")
         return text
 
-    def restart_at(self, ids: int, text: str) -> None:
-        """After a seam: the answer is its first `ids` ids, whose text is `text`; the continuation's follow."""
+    def restart_at(self, ids: int) -> None:
+        """After a seam: the answer is its first `ids` ids; the continuation's follow."""
         del self.ids[ids:]
-        self.text = [text] if text else []

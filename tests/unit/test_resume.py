@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from router.proxy.continuation import Splice, continuation, stops
-from router.proxy.resume import COMPACT_BYTES, NotResumable, Transcript, asking_ids, resumable, strip_ids
+from router.proxy.continuation import Splice, continuation, plan, stops
+from router.proxy.resume import COMPACT_BYTES, NotResumable, Paused, Transcript, asking_ids, resumable, strip_ids
 
 
 def event(chunk: dict) -> bytes:
@@ -164,6 +164,32 @@ def test_held_back_text_goes_first_and_text_the_client_has_is_not_sent_twice():
     assert text_of(events_of(splice([event(chat_chunk(" sat", ids=[42]))]))) == "t sat"
     _, splice = seamed(" the cat", drop="t")
     assert text_of(events_of(splice([event(chat_chunk("t sat", ids=[41, 42]))]))) == " sat"
+
+
+async def test_a_second_pause_before_the_held_back_text_went_out_finds_it_pending_again():
+    # The client has " the ca"; vLLM held back the "t" of id 42 (it might have begun a stop string).
+    words = {40: " the", 41: " ca", 42: "t", 43: " sat"}
+
+    async def decode(ids: list[int]) -> str:
+        return "".join(words[i] for i in ids)
+
+    transcript = Transcript(chat=True)
+    transcript.extend([event(chat_chunk("", ids=[], role="assistant", prompt_ids=[1, 2])),
+                       event(chat_chunk(" the ca", ids=[40, 41, 42]))])
+    body = {"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}
+    paused = Paused("restart", "an operator's restart", None, transcript)
+
+    async def planned():
+        return await plan(decode, "engine 'a'", "chat", body, paused, lambda b: json.dumps(b).encode())
+
+    first = await planned()
+    assert first.splice.pending == "t"
+    again = await planned()  # the continuation failed before its first event: nothing of it went out
+    assert again.splice.pending == "t" and json.loads(again.body)["kv_transfer_params"]["prompt_token_ids"] == [1, 2, 40, 41, 42]
+    assert text_of(events_of(again.splice([event(chat_chunk(" sat", ids=[43]))]))) == "t sat"
+    third = await planned()  # and a pause after it: the client has it all, nothing is pending
+    assert third.splice.pending == "" and transcript.so_far() == " the cat sat"
+    assert json.loads(third.body)["kv_transfer_params"]["prompt_token_ids"] == [1, 2, 40, 41, 42, 43]
 
 
 def test_a_stop_string_that_begins_in_the_held_back_text_ends_the_answer_at_the_seam():
