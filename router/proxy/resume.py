@@ -23,13 +23,19 @@ from aiohttp import web
 
 CHAT, COMPLETIONS = "chat", "completions"
 ENGINE_FAILED = "engine_failed"  # the fourth reason a request is paused, beside engines.leases' cuts
-# Past this many bytes of relayed events a stream's transcript is parsed down to its text and ids:
-# what the router keeps per stream is then about 4 bytes per token, its text, and at most this much more.
-COMPACT_BYTES = 64 * 1024
+# Past this many bytes of relayed events a stream's transcript is read down to its text and ids: what the
+# router keeps per stream is then 8 bytes per token, its text as one string, and at most this much more.
+COMPACT_BYTES = 16 * 1024
 # The fields `return_token_ids` adds, as vLLM writes them (pydantic's compact JSON; never first in their
 # object). JSON escapes a quote inside a string, so no generated text can contain these bytes; ids are
 # integers, so the first `]` closes the list. One C call per chunk: the stream's hot path.
 _IDS_FIELD = re.compile(rb',"(?:prompt_)?token_ids":(?:null|\[[^\]]*\])')
+# What the parse of a stream's events looks for; events without any of these carry only text and ids, which
+# are read by pattern (resumable streams have one choice; JSON escapes quotes inside strings, so these bytes
+# cannot come from generated text).
+_UNUSUAL = re.compile(rb'"role"|"tool_calls"|"reasoning|"error"|"usage":\{|prompt_token_ids|"finish_reason":"|\[DONE\]')
+_IDS = re.compile(rb'"token_ids":\[([^\]]*)\]')
+_TEXT = {True: re.compile(rb'"content":("[^"\\]*(?:\\.[^"\\]*)*")'), False: re.compile(rb'"text":("[^"\\]*(?:\\.[^"\\]*)*")')}
 # Keys that make the rest of an answer depend on more than its ids so far (docs/operators.md lists why).
 _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _PENALTIES = ("frequency_penalty", "presence_penalty")  # vLLM counts them over output tokens only
@@ -97,7 +103,9 @@ def strip_ids(pieces: list[bytes], _sub=_IDS_FIELD.sub) -> list[bytes]:
 
 class Transcript:
     """The events a stream has sent its client, as references to the relayed chunks until they are
-    worth parsing (`COMPACT_BYTES`), then as the answer's text, its token ids and the prompt's."""
+    worth reading (`COMPACT_BYTES`), then as the answer's text, its token ids and the prompt's. Reading
+    costs the stream's hot path: most events carry only a piece of text and its ids, and are read by
+    pattern (`_TEXT`, `_IDS`: a few C calls per block); the others are parsed."""
 
     __slots__ = ("chat", "pieces", "size", "rest", "first", "text", "ids", "prompt_ids", "role_sent", "finish_reason",
                  "done", "usage", "unresumable")
@@ -124,11 +132,46 @@ class Transcript:
             self.compact()
 
     def compact(self) -> None:
+        """Read what was relayed: the events that say more than text and ids (the first, a role, a finish,
+        usage, tool calls, an error, [DONE]) parsed, the ordinary ones between them read by pattern."""
         data = self.rest + b"".join(self.pieces)
         self.pieces, self.size = [], 0
-        *events, self.rest = data.split(b"\n\n")
+        end = data.rfind(b"\n\n") + 2
+        if end < 2:
+            self.rest = data
+            return
+        block, self.rest = data[:end], data[end:]
+        at = 0
+        while self.first is None and at < end and not self.unresumable:
+            stop = block.find(b"\n\n", at) + 2
+            self._parse(block[at:stop])
+            at = stop
+        for match in _UNUSUAL.finditer(block, at):
+            if match.start() < at:
+                continue  # in an event parsed already
+            start = block.rfind(b"\n\n", at, match.start())
+            start = at if start < 0 else start + 2
+            stop = block.find(b"\n\n", match.end()) + 2
+            self._ordinary(block[at:start])
+            self._parse(block[start:stop])
+            at = stop
+        self._ordinary(block[at:])
+        if len(self.text) > 1:
+            self.text = ["".join(self.text)]  # one string, not one object per token
+
+    def _ordinary(self, events: bytes) -> None:
+        if not events:
+            return
+        texts = _TEXT[self.chat].findall(events)
+        if texts:
+            self.text.append("".join(json.loads(b"[" + b",".join(texts) + b"]")))
+        ids = b",".join(filter(None, _IDS.findall(events)))
+        if ids:
+            self.ids.extend(map(int, ids.split(b",")))
+
+    def _parse(self, events: bytes) -> None:
         datas = []
-        for event in events:
+        for event in events.split(b"\n\n"):
             for line in event.split(b"\n"):
                 if not line.startswith(b"data:"):
                     continue  # comments (keep-alive, the seam) and `event:` lines
@@ -139,7 +182,6 @@ class Transcript:
                     datas.append(line)
         if not datas:
             return
-        # One parse for the block: json.loads' own cost per call is most of a small event's.
         try:
             chunks = json.loads(b"[" + b",".join(datas) + b"]")
         except ValueError:

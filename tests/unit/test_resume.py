@@ -95,12 +95,29 @@ def test_what_a_continuation_cannot_follow_is_named(chunks, reason):
 
 def test_an_event_that_is_not_json_is_named_and_its_neighbours_are_still_read():
     transcript = Transcript(chat=True)
-    transcript.extend([event(chat_chunk("", ids=[], role="assistant", prompt_ids=[1])), b"data: 1,2\n\n",
+    transcript.extend([b"data: {not json\n\n", event(chat_chunk("", ids=[], role="assistant", prompt_ids=[1])),
                        event(chat_chunk(" the", ids=[40]))])
     with pytest.raises(NotResumable) as exc:
         transcript.so_far()
     assert exc.value.reason == "malformed"
     assert list(transcript.ids) == [40] and transcript.role_sent
+
+
+def test_ordinary_events_are_read_by_pattern_and_agree_with_a_parse():
+    """Past the first event, those that carry only text and ids are not parsed; escapes, quotes and
+    lookalike keys in the text must not fool the patterns."""
+    tricky = ['"text":"no', ' \\ back', 'slash\\"', ' "content":"x"', ' é\u00e9', ' [DONE]', '']
+    for chat in (True, False):
+        chunk = (lambda t, i, **kw: chat_chunk(t, ids=i, **kw)) if chat else (
+            lambda t, i, **kw: {"id": "c", "created": 1, "model": "a", "choices": [{"index": 0, "text": t, "token_ids": i,
+                                                                                    "finish_reason": None}]})
+        first = chat_chunk("", ids=[], role="assistant", prompt_ids=[1]) if chat else {
+            "id": "c", "created": 1, "model": "a", "choices": [{"index": 0, "text": "", "prompt_token_ids": [1], "token_ids": []}]}
+        events = [event(first)] + [event(chunk(t, [i])) for i, t in enumerate(tricky * 40, start=10)]
+        transcript = Transcript(chat=chat)
+        transcript.extend(events)
+        assert transcript.so_far() == "".join(tricky * 40)
+        assert list(transcript.ids) == list(range(10, 10 + len(tricky) * 40)) and not transcript.done
 
 
 def test_a_cut_inside_an_event_cannot_be_resumed():
