@@ -96,6 +96,30 @@ class Router(Observer, Events):
         self.history.state(engine.name, engine.state.value)
         self.placement.add(engine)
 
+    def resolve(self, model: Any, grant: Grant) -> tuple[Engine, str]:
+        """The engine for a request's `model` (None: the roster's default), if `grant` may use it, and the name
+        it was asked by: a roster name or alias, a virtual model (the member it picks), a LoRA adapter."""
+        if model is None:
+            model = self.default_model(grant)
+        elif not isinstance(model, str) or not model:
+            raise APIError(400, "'model' must be a non-empty string naming a model from GET /v1/models.", "missing_model",
+                           param="model")
+        if model in self.by_name:
+            return self.lookup(model, grant), model
+        if model in self.virtuals:  # the member it picks answers, under its own name
+            return self.pick_member(model, grant), model
+        for candidate in self.engines.values():  # a LoRA adapter (or other served name) an engine reported
+            if model in candidate.other_names and not candidate.retiring and grant.allows(candidate, model):
+                return candidate, model
+        raise self.unknown_model(model, grant)
+
+    def default_model(self, grant: Grant) -> str:
+        for m in self.roster.models:
+            if m.default and m.name in self.engines and grant.allows(self.engines[m.name], m.name):
+                return m.name
+        raise APIError(400, "The request names no 'model' and the roster has no default model (`default: true`). "
+                            f"Name one of: {self.usable_names(grant)}", "missing_model", param="model")
+
     def lookup(self, model: str, grant: Grant = EVERYTHING) -> Engine:
         """The engine serving roster name or alias `model`, if `grant` may use it; else the 404 of
         an unknown model, listing only the names `grant` may use."""

@@ -20,6 +20,11 @@ The request keeps its class: this node's (its key's, lowered by the client's X-H
 with it as X-Hotswap-Class, which the peer reads as any client's header, to lower the class of the
 key it checks, never to raise it; a batch request stays batch, and nobody is promoted by a hop.
 
+A paused stream (router.proxy.resume) whose model is awake on a peer is finished there rather than
+waiting here (`awake_peer`, `continue_on`): its continuation is the request sent, the answer is
+spliced into the client's stream as a local continuation would be. ServerlessLLM's live migration,
+done from outside the engine: the pause is one prefill on the peer.
+
 One hop only: the forwarded request carries `HOP_HEADER`, and a node that receives it answers
 its own 404, so two nodes that each think the other has a model cannot pass it back and forth.
 The client's key travels with the request and the peer checks it (the fleet shares its keys);
@@ -40,6 +45,7 @@ import aiohttp
 from aiohttp import web
 
 from config.schema import Roster
+from config.sections import INTERACTIVE
 from router.errors import CLIENT_CLOSED, APIError, anthropic_path, sse_error
 from router.fleet.listings import Listings
 from router.fleet.node import NODE_HEADER, card
@@ -53,9 +59,18 @@ REQUEST_HEADERS = ("Authorization", "x-api-key", "anthropic-version", "anthropic
 CREDENTIALS = ("Authorization", "x-api-key")
 ANSWER_HEADERS = ("Content-Type", "Retry-After", NODE_HEADER, "Cache-Control", "X-Request-Id")
 CONNECT_S = 5.0
+DETOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=30)
 BUSY_RETRY_AFTER_S = 1.0
 TAIL_CHUNKS = 16  # a stream's last chunks kept for its record: where the usage event is
 log = logging.getLogger("hotswap")
+
+
+class PeerFailed(Exception):
+    """A paused answer could not be finished on the peer; `sent`: some of it reached the client first."""
+
+    def __init__(self, why: str, sent: bool = False):
+        super().__init__(why)
+        self.sent = sent
 
 
 class Passed(NamedTuple):
@@ -142,6 +157,70 @@ class Peers:
                                            status=502, anthropic=anthropic_path(path)))
             await response.write_eof()
             return Passed(response, named, status, first, b"")
+        finally:
+            self.passed_on[peer] -= 1
+
+    # -- a paused answer finished on a peer (router.proxy.endpoint's Walk.migrate) ----------------
+
+    async def awake_peer(self, request: web.Request, router, model: str) -> Optional[str]:
+        """A peer where `model` is awake now (asked afresh) with a connection to spare, or None."""
+        peers = router.roster.node.peer_urls()
+        if not peers or HOP_HEADER in request.headers:
+            return None
+        digest, headers = _credential(_passed_on(request), anthropic=False)
+        listings = await self.listings.read(self.session, peers, digest, headers, fresh=True)
+        limit = router.roster.node.peer_connections
+        return next((url for url, listing in listings.items() if listing is not None
+                     and listing.models.get(model, (False, 0.0))[0] and self.passed_on[url] < limit), None)
+
+    def _continuing(self, request: web.Request, router, peer: str, klass: str) -> tuple[str, dict[str, str]]:
+        headers = {**_passed_on(request), CLASS_HEADER: klass, HOP_HEADER: card(router.roster)["name"],
+                   "Content-Type": "application/json"}
+        return self.listings.of(peer).node or "a peer", headers
+
+    async def detokenize(self, request: web.Request, router, peer: str, model: str, ids: list[int]) -> str:
+        """`ids` as text, by the peer's engine for `model` (the tokenizer that will continue the answer)."""
+        node, headers = self._continuing(request, router, peer, INTERACTIVE)
+        try:
+            async with self.session.post(peer + "/detokenize", json={"model": model, "tokens": ids}, headers=headers,
+                                         timeout=DETOKENIZE_TIMEOUT) as answer:
+                text = (await answer.json(content_type=None)).get("prompt") if answer.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as exc:
+            raise PeerFailed(f"peer node '{node}' did not decode the answer so far ({type(exc).__name__})") from None
+        if not isinstance(text, str):
+            raise PeerFailed(f"peer node '{node}' did not decode the answer so far (HTTP {answer.status})")
+        return text
+
+    async def continue_on(self, request: web.Request, router, peer: str, path: str, body: bytes, klass: str,
+                          response: web.StreamResponse, splice) -> str:
+        """Send a paused stream's continuation to `peer` and write its events, as `splice`
+        (router.proxy.continuation.Splice) rewrites them, into the client's open `response`; the peer's node
+        name. Raises PeerFailed, with `sent` True once any of it reached the client."""
+        node, headers = self._continuing(request, router, peer, klass)
+        queue = router.roster.queue
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_S, sock_read=queue.max_wait_s + queue.stall_timeout_s)
+        sent = False
+        self.passed_on[peer] += 1
+        try:
+            async with self.session.post(peer + path, data=body, headers=headers, timeout=timeout) as answer:
+                if answer.status != 200 or answer.content_type != "text/event-stream":
+                    raise PeerFailed(f"peer node '{node}' answered the continuation with HTTP {answer.status}")
+                node = answer.headers.get(NODE_HEADER, node)
+                async for chunk in answer.content.iter_any():
+                    out = splice([chunk])
+                    if out:
+                        sent = True
+                        if not await _written(request, response, b"".join(out), queue.stall_timeout_s):
+                            raise ConnectionResetError("the client took nothing of its stream for queue.stall_timeout_s")
+                    if splice.ended:
+                        break
+                if rest := splice.flush():
+                    await response.write(b"".join(rest))
+                return node
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self.listings.forget(peer)
+            self.listings.of(peer).failed(f"a continuation passed on to it failed ({type(exc).__name__})", time.monotonic())
+            raise PeerFailed(f"peer node '{node}' failed mid-answer ({type(exc).__name__})", sent) from None
         finally:
             self.passed_on[peer] -= 1
 

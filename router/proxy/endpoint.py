@@ -26,20 +26,20 @@ from config.sections import INTERACTIVE
 from engines.engine import Engine
 from router.proxy import keepalive, routes
 from router.auth import grant_of
-from router.fleet import PEERS_KEY
+from router.fleet import PEERS_KEY, PeerFailed
 from router.errors import CLIENT_CLOSED, APIError, sse_error
-from router.keys import Grant, class_priority, request_class
+from router.keys import class_priority, request_class
 from router.live import ROUTED_MODEL, ROUTER_KEY, Router
 from router.metrics import UNKNOWN_MODEL
 from router.proxy.body import Form, encoded, read_form, read_json
 from router.proxy.forward import ANSWER_NUMBERS, CUT, NONE, ClientClosed, forward, json_for, read_numbers
-from router.proxy.responses import Pin, ResponseIds, StreamSniffer, id_in_answer
+from router.proxy.responses import RESPONSE_IDS_KEY, engine_for, pinned_engine, pinning
 from router.proxy.continuation import Cut, Finished, Pauses, Plan, detokenize, end_cut, plan, too_often
 from router.proxy.resume import ENGINE_FAILED, Paused, Transcript, asking_ids, resumable
 from router.scheduling import Lease
 
-RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
 PROBE_WAIT_S = 10.0  # longer than engines.watch's health call: its verdict comes first
+MIGRATED = "migrated"  # a paused answer finished on a peer node: its resume's reason, whatever paused it
 RESUME_KEEPALIVE_S = 15.0  # a paused stream's comment lines when queue.stream_keepalive_s is 0: it must not look dead
 MAX_WAIT_HEADER = "X-Hotswap-Max-Wait"
 # Endpoints whose vLLM request takes `priority` (vLLM 0.32 and 0.33: chat_completion/protocol.py:388,
@@ -68,30 +68,6 @@ def max_wait(request: web.Request) -> Optional[float]:
 def uses_priority(engine: Engine) -> bool:
     """Whether the engine runs vLLM's priority scheduling (`--scheduling-policy priority` in its args or command)."""
     return engine.spec.flag("--scheduling-policy") == "priority"
-
-
-def default_model(router, grant: Grant) -> str:
-    for m in router.roster.models:
-        if m.default and m.name in router.engines and grant.allows(router.engines[m.name], m.name):
-            return m.name
-    raise APIError(400, "The request names no 'model' and the roster has no default model (`default: true`). "
-                        f"Name one of: {router.usable_names(grant)}", "missing_model", param="model")
-
-
-def resolve(router, model: Any, grant: Grant) -> tuple[Engine, str]:
-    """The engine for a request's `model` (None: the roster's default), if `grant` may use it, and the name it was asked by."""
-    if model is None:
-        model = default_model(router, grant)
-    elif not isinstance(model, str) or not model:
-        raise APIError(400, "'model' must be a non-empty string naming a model from GET /v1/models.", "missing_model", param="model")
-    if model in router.by_name:
-        return router.lookup(model, grant), model
-    if model in router.virtuals:  # the member it picks answers, under its own name
-        return router.pick_member(model, grant), model
-    for candidate in router.engines.values():  # a LoRA adapter (or other served name) an engine reported
-        if model in candidate.other_names and not candidate.retiring and grant.allows(candidate, model):
-            return candidate, model
-    raise router.unknown_model(model, grant)
 
 
 async def proxy_endpoint(request: web.Request) -> web.StreamResponse:
@@ -208,6 +184,7 @@ class Walk:
         self.first_byte_at = self.first_byte_at or request.get("first_byte_at")
         log.info("paused an answer of %s to %s (%s): %s; it resumes once the model serves again", engine.name,
                  request.remote, paused.reason, paused.why)
+        await self.migrate(route, paused, pauses)
         if paused.reason == ENGINE_FAILED and engine.probe is not None:  # a lease before the probe's verdict would be for a dead engine
             await asyncio.wait({engine.probe}, timeout=PROBE_WAIT_S)
         try:
@@ -235,6 +212,45 @@ class Walk:
         router.metrics.stream_resumed(engine.name, paused.reason, pauses.ended())
         return response, then
 
+    async def migrate(self, route: routes.Route, paused: Paused, pauses: Pauses) -> None:
+        """Finish a paused stream on a peer node where its model is awake, if one is (router.fleet.peers): raises
+        AnsweredInStream when it did, Paused when the peer failed after some of it went out; returns to wait here."""
+        response, transcript, model = paused.response, paused.transcript, self.body.get("model")
+        if response is None or transcript is None or not isinstance(model, str):
+            return
+        peers, router, engine = self.request.app[PEERS_KEY], self.router, self.engine
+        assert engine is not None
+        peer = await peers.awake_peer(self.request, router, model)
+        if peer is None:
+            return
+        try:
+            then = await plan(lambda ids: peers.detokenize(self.request, router, peer, model, ids), f"peer {peer}",
+                              route.endpoint, self.body, paused, encoded)
+            assert then.splice is not None
+            await response.write(keepalive.migrating_comment(paused))
+            self.peer = await peers.continue_on(self.request, router, peer, route.path, then.body, self.klass or INTERACTIVE,
+                                                response, then.splice)
+        except PeerFailed as exc:
+            if exc.sent:  # what went out is in the transcript: the rest is asked for again, here or elsewhere
+                raise Paused(ENGINE_FAILED, str(exc), response, transcript) from None
+            log.info("an answer of %s to %s could not be finished on a peer (%s); it waits here", engine.name,
+                     self.request.remote, exc)
+            return
+        except Cut as exc:
+            self.cut = exc.reason
+            router.metrics.stream_cut(engine.name, exc.reason)
+            raise keepalive.AnsweredInStream(await end_cut(response, exc, route.anthropic), 503) from None
+        except Finished as done:
+            await done.send(response)
+            router.metrics.stream_resumed(engine.name, paused.reason, pauses.ended())
+            raise
+        await response.write_eof()
+        waited = pauses.ended()
+        pauses.resumed[-1] = MIGRATED
+        router.metrics.stream_resumed(engine.name, MIGRATED, waited)
+        log.info("resumed an answer of %s to %s on peer node %s after %.2f s", engine.name, self.request.remote, self.peer, waited)
+        raise keepalive.AnsweredInStream(response, 200)
+
     async def read(self, route: routes.Route) -> None:
         """The client's body (bounded in size and time): a multipart form (audio) or JSON; its `model`, and
         whether it asks for a stream."""
@@ -254,9 +270,9 @@ class Walk:
         grant = grant_of(self.request)
         try:
             if self.form is not None:
-                self.engine, self.name = resolve(self.router, self.asked, grant)
+                self.engine, self.name = self.router.resolve(self.asked, grant)
             else:
-                self.engine, self.name = _engine_for(self.request, self.router, self.body, route)
+                self.engine, self.name = engine_for(self.request, self.router, self.body, route.creates_response)
         except APIError as exc:
             if exc.code != "model_not_found" or self.form is not None:
                 raise
@@ -320,7 +336,7 @@ class Walk:
                 form_type, data = await self.form.encode(model if model in engine.served_names else engine.served_name)
                 return await forward(self.request, router.upstreams, engine, route.path, data, content_type=form_type, **kw)
             if route.creates_response:
-                kw.update(_pinning(self.request, engine, self.name, self.body))
+                kw.update(pinning(self.request, engine, self.name, self.body))
             if (route.endpoint in PRIORITY_ENDPOINTS or "priority" in self.body) and uses_priority(engine):
                 asked = self.body.get("priority")
                 priority = class_priority(asked, self.klass or INTERACTIVE)
@@ -341,7 +357,7 @@ class Walk:
         """A Responses retrieve or cancel: the engine that created the response, a lease, the call."""
         request = self.request
         response_id = request.match_info["response_id"]
-        self.engine = _usable(self.router, request.app[RESPONSE_IDS_KEY].pin(response_id), grant_of(request))
+        self.engine = pinned_engine(self.router, request.app[RESPONSE_IDS_KEY].pin(response_id), grant_of(request))
         if self.engine is None:
             raise APIError(404, f"Response with id '{response_id}' not found (the router pins the responses it saw "
                                 "created, for a bounded time).", "response_not_found", param="response_id")
@@ -380,38 +396,3 @@ class Walk:
             completion_tokens=numbers.completion_tokens, mean_acceptance_length=numbers.mean_acceptance_length,
             request_class=self.klass, resumed=",".join(self.pauses.resumed) if self.pauses and self.pauses.resumed else None,
             paused_s=self.pauses.paused_s if self.pauses else None, cut=self.cut)
-
-
-def _engine_for(request: web.Request, router, body: dict[str, Any], route: routes.Route) -> tuple[Engine, str]:
-    model = body.get("model")
-    if route.creates_response and (model is None or model in router.virtuals):
-        # A follow-up without a model continues where its conversation lives, under the name it was started with;
-        # one by a virtual name, on the member that holds the conversation (another member never saw it).
-        previous = body.get("previous_response_id")
-        pin = request.app[RESPONSE_IDS_KEY].pin(previous) if isinstance(previous, str) else None
-        engine = _usable(router, pin, grant_of(request))
-        if engine is not None and pin is not None and (model is None or router.virtuals.reaches(grant_of(request), model, engine)):
-            return engine, pin.model
-    return resolve(router, model, grant_of(request))
-
-
-def _usable(router, pin: Optional[Pin], grant: Grant) -> Optional[Engine]:
-    """The engine a response was pinned to, unless it has left the roster or `grant` may not use it
-    under the name the response was created with (the same check as resolution's)."""
-    engine = router.engines.get(pin.engine) if pin is not None else None
-    if engine is None or pin is None or engine.retiring:
-        return None
-    if not (grant.allows(engine, pin.model) or router.virtuals.reaches(grant, pin.model, engine)):
-        return None
-    return engine
-
-
-def _pinning(request: web.Request, engine: Engine, name: str, body: dict[str, Any]) -> dict[str, Any]:
-    ids = request.app[RESPONSE_IDS_KEY]
-
-    def remember(response_id: str) -> None:
-        ids.remember(response_id, engine.name, name)
-
-    if body.get("stream") is True:
-        return {"sniffer": StreamSniffer(remember)}
-    return {"on_answer": lambda payload: (rid := id_in_answer(payload)) and remember(rid)}

@@ -89,6 +89,10 @@ def seam_comment(paused: Paused, engine: Engine) -> bytes:
     return f": paused ({paused.reason}); resumes once {engine.name} serves again\n\n".encode()
 
 
+def migrating_comment(paused: Paused) -> bytes:
+    return f": paused ({paused.reason}); resumes on a peer node where the model is awake\n\n".encode()
+
+
 async def wait_again(request: web.Request, scheduler, engine: Engine, paused: Paused, interval: float, anthropic: bool,
                      klass: str, max_wait_s: Optional[float]):
     """The lease again, for the rest of the answer. A stream waits with comment lines on its open response."""

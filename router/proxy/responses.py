@@ -12,7 +12,13 @@ import collections
 import json
 import re
 import time
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
+
+from aiohttp import web
+
+from engines.engine import Engine
+from router.auth import grant_of
+from router.keys import Grant
 
 MAX_IDS = 100_000
 TTL_S = 24 * 3600.0
@@ -80,3 +86,45 @@ class StreamSniffer:
             self.found(match.group(1).decode("utf-8", "replace"))
         if match or len(self.buffer) > SNIFF_LIMIT:
             self.done, self.buffer = True, b""
+
+
+# -- the engine a Responses request goes to, and how its answer's id is remembered -------------------
+
+RESPONSE_IDS_KEY = web.AppKey("response_ids", ResponseIds)
+
+
+def engine_for(request: web.Request, router, body: dict[str, Any], creates_response: bool) -> tuple[Engine, str]:
+    """The engine for a request's `model` (Router.resolve); a Responses follow-up's, where its conversation lives."""
+    model = body.get("model")
+    if creates_response and (model is None or model in router.virtuals):
+        # A follow-up without a model continues where its conversation lives, under the name it was started with;
+        # one by a virtual name, on the member that holds the conversation (another member never saw it).
+        previous = body.get("previous_response_id")
+        pin = request.app[RESPONSE_IDS_KEY].pin(previous) if isinstance(previous, str) else None
+        engine = pinned_engine(router, pin, grant_of(request))
+        if engine is not None and pin is not None and (model is None or router.virtuals.reaches(grant_of(request), model, engine)):
+            return engine, pin.model
+    return router.resolve(model, grant_of(request))
+
+
+def pinned_engine(router, pin: Optional[Pin], grant: Grant) -> Optional[Engine]:
+    """The engine a response was pinned to, unless it has left the roster or `grant` may not use it
+    under the name the response was created with (the same check as resolution's)."""
+    engine = router.engines.get(pin.engine) if pin is not None else None
+    if engine is None or pin is None or engine.retiring:
+        return None
+    if not (grant.allows(engine, pin.model) or router.virtuals.reaches(grant, pin.model, engine)):
+        return None
+    return engine
+
+
+def pinning(request: web.Request, engine: Engine, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    """forward()'s arguments that remember the id of the response `engine` creates."""
+    ids = request.app[RESPONSE_IDS_KEY]
+
+    def remember(response_id: str) -> None:
+        ids.remember(response_id, engine.name, name)
+
+    if body.get("stream") is True:
+        return {"sniffer": StreamSniffer(remember)}
+    return {"on_answer": lambda payload: (rid := id_in_answer(payload)) and remember(rid)}

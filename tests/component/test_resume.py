@@ -9,12 +9,12 @@ import asyncio
 import json
 import os
 import signal
-from typing import Any
+from typing import Any, Optional
 
 import aiohttp
 import pytest
 
-from tests.support import RouterProcess, eventually, http, roster_dict, sim_model
+from tests.support import RouterProcess, eventually, free_port, http, roster_dict, sim_model
 
 SLOW = ("--sim-token-rate", "40")
 
@@ -94,10 +94,12 @@ def story(chat: bool) -> tuple[str, dict[str, Any]]:
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
 
-async def cut_midway(router: RouterProcess, chat: bool, cut) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[bytes]]:
-    """The same greedy request answered uncut, then answered while `cut()` runs a third of the way through."""
+async def cut_midway(router: RouterProcess, chat: bool, cut, uncut: Optional[list[dict[str, Any]]] = None
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[bytes]]:
+    """The same greedy request answered uncut (unless given), then answered while `cut()` runs a third of the way through."""
     path, body = story(chat)
-    uncut, _, _ = await raw_stream(router, path, body)
+    if uncut is None:
+        uncut, _, _ = await raw_stream(router, path, body)
     started = asyncio.Event()
     reading = asyncio.create_task(raw_stream(router, path, body, started, after=40))
     await asyncio.wait_for(started.wait(), 30)
@@ -167,3 +169,26 @@ async def test_a_stream_that_cannot_be_resumed_exactly_is_cut_as_before_and_coun
     events, _, done = await asyncio.wait_for(reading, 30)
     assert done == 0 and "so it was cut; retry it" in events[-1]["error"]["message"]
     assert 'reason="structured_output"} 1.0' in await metric(router, "hotswap_streams_cut_total")
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+async def test_a_stream_paused_here_is_finished_on_a_peer_where_its_model_is_awake(start_router, chat):
+    """Two nodes serve `a`; node-1's is put to sleep mid-stream: the rest comes from node-2's, at once,
+    into the same stream, word for word (the peer's pause is one prefill, not a wake here)."""
+    one_port, two_port = free_port(), free_port()
+    one = await start_router(roster_dict(sim_model("a", args=SLOW), swap={"drain_timeout_s": 0.3},
+                                         node={"name": "node-1", "peers": [f"http://127.0.0.1:{two_port}"]}), port=one_port)
+    two = await start_router(roster_dict(sim_model("a", args=SLOW),
+                                         node={"name": "node-2", "peers": [f"http://127.0.0.1:{one_port}"]}), port=two_port)
+    path, body = story(chat)
+    uncut, _, _ = await raw_stream(two, path, body)  # also: node-2's `a` is awake
+
+    async def sleep_here() -> None:
+        status, _, slept = await http(one, "POST", "/admin/sleep?model=a")
+        assert status == 200 and slept["result"] == "sleeping"
+
+    _, _, comments = await cut_midway(one, chat, sleep_here, uncut=uncut)
+    assert any(b"resumes on a peer node" in c for c in comments), comments
+    assert 'reason="migrated"} 1.0' in await metric(one, "hotswap_streams_resumed_total")
+    assert "on peer node node-2" in one.log()
+    assert (await one.engine("a"))["state"] != "awake", "node-1 did not wake `a` again for it"
