@@ -848,7 +848,7 @@ async def test_a_level1_park_copies_out_only_once_the_sleeper_demoted_for_its_ho
 
     slept: list[int] = []
 
-    async def sleep(level: int) -> None:
+    async def sleep(level: int, preempt: Optional[str] = None) -> None:
         slept.append(level)
         hot.state, hot.sleep_level = State.SLEEPING, level
 
