@@ -227,10 +227,20 @@ class Splice:
         self.rest = b""
         self.ended = False  # a stop across the seam ended the answer: the continuation is cut off
         self.generated = 0
+        # From the plan (right after the lease) to the continuation's first event: its prompt's recompute,
+        # the engine's prefill rate the scheduler prices a preemption at (`prefill`).
+        self.planned_at, self.first_at = time.monotonic(), None
+
+    def prefill(self) -> Optional[tuple[int, float]]:
+        """The tokens the continuation computed again (the prompt and the answer's first `j`), and the seconds
+        to its first event; None if none came."""
+        return None if self.first_at is None else (self.prompt_tokens + self.j, self.first_at - self.planned_at)
 
     def __call__(self, pieces: list[bytes]) -> list[bytes]:
         data = self.rest + b"".join(pieces)
         *events, self.rest = data.split(b"\n\n")
+        if events and self.first_at is None:
+            self.first_at = time.monotonic()
         out: list[bytes] = []
         for event in events:
             if not self.ended:

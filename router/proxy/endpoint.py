@@ -308,8 +308,12 @@ class Walk:
         kw: dict[str, Any] = {"prepared": prepared, "stall_s": router.roster.queue.stall_timeout_s,
                               "numbers": router.activity.wants_answers, "resumable": self.unresumable is None}
         if then is not None:
-            return await forward(self.request, router.upstreams, engine, route.path, then.body, anthropic=route.anthropic,
-                                 transcript=then.transcript, splice=then.splice, **kw)
+            try:
+                return await forward(self.request, router.upstreams, engine, route.path, then.body, anthropic=route.anthropic,
+                                     transcript=then.transcript, splice=then.splice, **kw)
+            finally:  # the engine's prefill rate, measured: what a preemption of its batch streams is priced at
+                if then.splice is not None and (seen := then.splice.prefill()) is not None:
+                    router.placement.costs.observe_prefill(engine.name, *seen)
         ids = self.stream and self.unresumable is None
         if ids:
             kw.update(transcript=Transcript(route.endpoint == "chat"), strip=self.body.get("return_token_ids") is not True)

@@ -220,8 +220,8 @@ class SimEngine:
         self._enter(State.AWAKE)
 
     async def drain(self, preempt: Optional[str] = None) -> bool:
+        # The streams it cuts wait on the event of this awake period (a fresh one made here would reach none).
         self._enter(State.DRAINING)
-        self._cut = asyncio.Event()
         if preempt is not None:  # batch work yields at once: cut now, not at the deadline
             busy = self.leases.count > 0
             self.preempted += self.leases.count
@@ -347,6 +347,7 @@ class Client:
     asked: float
     outcome: Optional[str] = None  # None while waiting or served; granted | refused: REASON | left | cut
     served: bool = False  # holds its lease now
+    resumed: int = 0  # times it was preempted and waited again for the rest (as the proxy does)
     task: Optional[asyncio.Task[None]] = field(default=None, repr=False)
 
 
