@@ -103,7 +103,7 @@ class Leases:
         """Cut every running request now, without the drain's grace: batch work yielding to an interactive
         waiter (the proxy pauses and resumes each one, router.proxy.resume)."""
         if self.count:
-            log.info("engine %s: preempting %d batch request(s): %s", self.engine, self.count, why)
+            log.info("engine %s: cutting %d request(s) at once, to be resumed (%s)", self.engine, self.count, why)
             await self.cut_all(why, PREEMPTED)
 
     async def cut_all(self, why: str, reason: str = DRAIN_DEADLINE) -> None:
