@@ -48,6 +48,8 @@ async def test_a_batch_stream_yields_at_once_to_a_user_of_another_model_and_resu
     assert text_of(events, True) == text_of(uncut, True), "word for word the answer the uncut stream gave"
     assert 'model="a",reason="preempted"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
     assert 'model="a",reason="preempt"} 1.0' in await metric(router, "hotswap_evictions_total")
+    status, _, timeline = await http(router, "GET", "/admin/timeline?minutes=5")
+    assert status == 200 and [(m["engine"], m["kind"]) for m in timeline["marks"]] == [("a", "preempt")]
     records = await activity(router)
     [resumed] = [r for r in records if r.get("resumed")]
     assert (resumed["model"], resumed["class"], resumed["resumed"]) == ("a", "batch", "preempted")
