@@ -95,6 +95,11 @@ class Leases:
         has generated so far, read only when a preemption is priced."""
         return _Cuttable(self, cut, tokens)
 
+    @property
+    def unresumable(self) -> int:
+        """Running requests that said nothing of their size: a cut would lose them, so they are never preempted."""
+        return len(self._cuts) - len(self._sizes)
+
     def tokens_in_flight(self) -> int:
         """The tokens a cut of every running request would have to compute again (those that say)."""
         return sum(size() for size in list(self._sizes.values()))

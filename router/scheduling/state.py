@@ -223,8 +223,10 @@ class SchedulerState:
     def preemptible(self, engine: Engine) -> bool:
         """Whether everything `engine` serves is batch work (an operator's lease or an interactive request is
         neither): an interactive waiter need not wait out its hold or its drain, its streams yield at once
-        (`engines.leases.PREEMPTED`, paused and resumed by the proxy). An interactive stream is never preempted."""
-        return engine.in_flight > 0 and self.batch_leases.get(engine.name, 0) >= engine.in_flight
+        (`engines.leases.PREEMPTED`, paused and resumed by the proxy). An interactive stream is never preempted,
+        nor an answer the proxy could not resume exactly (the cut would lose it): those drain as before."""
+        return engine.in_flight > 0 and self.batch_leases.get(engine.name, 0) >= engine.in_flight \
+            and not engine.leases.unresumable
 
     def interactive_demand(self, engine: Engine, now: float) -> tuple[Optional[str], float]:
         """Why `engine` has interactive demand (None: it has none), and in how many seconds that ends

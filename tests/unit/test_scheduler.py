@@ -40,7 +40,7 @@ class FakeEngine:
         self.sleep_level = level if state is State.SLEEPING else None
         self.in_flight = 0
         self.tokens = 0  # what its running requests would compute again if cut (a preemption's price)
-        self.leases = SimpleNamespace(tokens_in_flight=lambda: self.tokens)
+        self.leases = SimpleNamespace(tokens_in_flight=lambda: self.tokens, unresumable=0)
         self.gate = SimpleNamespace(needs_restart=None)  # what the scheduler reads of the gate record
         self.retiring = False
         self.failure: Optional[str] = None

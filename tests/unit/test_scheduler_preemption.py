@@ -85,6 +85,15 @@ async def test_an_operators_lease_is_not_batch_work(clock):
     assert actions(s.decide(clock.now)) == [], "only work the scheduler knows to be batch yields at once"
 
 
+async def test_batch_work_that_could_not_be_resumed_exactly_is_not_preempted(clock):
+    evals, chat = awake("evals", clock), FakeEngine("chat")
+    s = scheduler(evals, chat, clock=clock)
+    serving(s, evals, BATCH, 2)
+    evals.leases.unresumable = 1  # n > 1, say: a cut would lose it
+    wait_for(s, chat, clock.now)
+    assert actions(s.decide(clock.now)) == [], "it holds its engine as before: max_hold_s, then a drain"
+
+
 async def test_min_active_s_still_protects_a_model_that_just_woke(clock):
     evals, chat = FakeEngine("evals", State.AWAKE, since=clock.now - 2), FakeEngine("chat")
     s = scheduler(evals, chat, clock=clock, min_active_s=5)
@@ -165,7 +174,7 @@ async def test_the_leases_cut_every_running_request_at_once_as_preempted():
 
     running = [asyncio.ensure_future(request(n)) for n in (100, 250)]
     await asyncio.sleep(0)
-    assert leases.tokens_in_flight() == 350
+    assert leases.tokens_in_flight() == 350 and leases.unresumable == 0
     await asyncio.wait_for(leases.preempt("room for chat"), 1)
     assert cuts == [PREEMPTED, PREEMPTED] and leases.count == 0
     await asyncio.gather(*running)
