@@ -281,9 +281,8 @@ class Engine:
         self._enter(State.DRAINING)
         started = time.monotonic()
         if preempt is not None:
-            busy = self.leases.count > 0
+            idle = not self.leases.count
             await self.leases.preempt(preempt)
-            idle = not busy
         else:
             idle = await self.leases.drain(self.swap.drain_timeout_s, reason)
         self._step_done("drain", started, True)

@@ -219,7 +219,8 @@ class Walk:
             router.metrics.stream_cut(engine.name, "wait")
             raise exc
         try:
-            then = await plan(router.upstreams, engine, route.endpoint, self.body, paused, lambda body: json_for(engine, body, encoded(body)))
+            then = await plan(router.upstreams, engine, route.endpoint, self.body, paused, lambda body: json_for(engine, body, encoded(body)),
+                              lambda tokens, seconds: router.placement.costs.observe_prefill(engine.name, tokens, seconds))
         except BaseException as exc:  # the lease goes back whatever ends the plan (the client leaving too)
             router.placement.release(engine, self.klass)
             if isinstance(exc, Cut):
@@ -308,12 +309,8 @@ class Walk:
         kw: dict[str, Any] = {"prepared": prepared, "stall_s": router.roster.queue.stall_timeout_s,
                               "numbers": router.activity.wants_answers, "resumable": self.unresumable is None}
         if then is not None:
-            try:
-                return await forward(self.request, router.upstreams, engine, route.path, then.body, anthropic=route.anthropic,
-                                     transcript=then.transcript, splice=then.splice, **kw)
-            finally:  # the engine's prefill rate, measured: what a preemption of its batch streams is priced at
-                if then.splice is not None and (seen := then.splice.prefill()) is not None:
-                    router.placement.costs.observe_prefill(engine.name, *seen)
+            return await forward(self.request, router.upstreams, engine, route.path, then.body, anthropic=route.anthropic,
+                                 transcript=then.transcript, splice=then.splice, **kw)
         ids = self.stream and self.unresumable is None
         if ids:
             kw.update(transcript=Transcript(route.endpoint == "chat"), strip=self.body.get("return_token_ids") is not True)
