@@ -251,8 +251,9 @@ class Swap(Section):
                                    "engine is expected to cost is its wake times the chance of a request within it.")
     wake_ahead: bool = Field(True, description="Wake the parked engine likeliest to be asked for next into room nobody waits "
                              "for (or room idle, less likely engines hold), when the numbers say it pays (docs/operators.md).")
-    drain_timeout_s: float = Field(30, ge=0, description="In-flight requests get this long before sleep aborts them; an aborted answer is paused "
-                                   "and resumed once the model serves again (docs/operators.md, \"When a model's turn ends mid-answer\").")
+    drain_timeout_s: float = Field(30, ge=0, description="In-flight requests get this long before sleep aborts them; an "
+                                   "aborted answer is paused and resumed once the model serves again (docs/operators.md, "
+                                   "\"When a model's turn ends mid-answer\").")
     boot_timeout_s: float = Field(900, gt=0, description="A cold boot must be healthy within this.")
     kill_grace_s: float = Field(
         15, gt=0, description="Stopping an engine (shutdown, restart, router death): SIGTERM to its process group, SIGKILL after this long."

@@ -134,9 +134,9 @@ class Engine:
     def release(self) -> None:
         self.last_used = self.leases.give_back()
 
-    def cuttable(self, cut: Callable[[str, str], None]) -> ContextManager[None]:
-        """While a leaseholder's request runs: how to end it early (`engines.leases`)."""
-        return self.leases.cuttable(cut)
+    def cuttable(self, cut: Callable[[str, str], None], tokens: Optional[Callable[[], int]] = None) -> ContextManager[None]:
+        """While a leaseholder's request runs: how to end it early, and what it would cost to compute again (`engines.leases`)."""
+        return self.leases.cuttable(cut, tokens)
 
     # -- transitions ---------------------------------------------------------------------
 
@@ -274,20 +274,26 @@ class Engine:
 
     # -- sleep ---------------------------------------------------------------------------
 
-    async def drain(self, reason: str = DRAIN_DEADLINE) -> bool:
+    async def drain(self, reason: str = DRAIN_DEADLINE, preempt: Optional[str] = None) -> bool:
         """Stop leasing; let in-flight requests finish, up to drain_timeout_s, then cut the rest
-        (engines.leases). Before a sleep, and before a stop that takes a sleep's place. True if all finished."""
+        (engines.leases). Before a sleep, and before a stop that takes a sleep's place. True if all finished.
+        `preempt`: why its requests (batch work only, the scheduler has checked) are cut at once instead."""
         self._enter(State.DRAINING)
         started = time.monotonic()
-        idle = await self.leases.drain(self.swap.drain_timeout_s, reason)
+        if preempt is not None:
+            idle = not self.leases.count
+            await self.leases.preempt(preempt)
+        else:
+            idle = await self.leases.drain(self.swap.drain_timeout_s, reason)
         self._step_done("drain", started, True)
         return idle
 
-    async def sleep(self, level: Optional[int] = None) -> None:
-        """Drain, then park vLLM on rung `level` (engines.ladder; stragglers past the drain deadline are aborted)."""
+    async def sleep(self, level: Optional[int] = None, preempt: Optional[str] = None) -> None:
+        """Drain (or preempt: `drain`), then park vLLM on rung `level` (engines.ladder; stragglers past the drain
+        deadline are aborted)."""
         level = self.sleep_levels[-1] if level is None else level
         self.last_phases = {}
-        mode = "wait" if await self.drain() else "abort"
+        mode = "wait" if await self.drain(preempt=preempt) else "abort"
         await self.host.before_sleep(self.client, self.process)
         await self._run_steps(ladder.down(level, mode))
         self.sleep_level = level

@@ -32,6 +32,9 @@ class Leases:
         self._idle = asyncio.Event()
         self._idle.set()
         self._cuts: dict[object, Callable[[str, str], None]] = {}  # how to end each running request early
+        # What each running request would cost to compute again if cut now (prompt + tokens so far), where it says:
+        # the price of preempting its engine (router.scheduling.costs).
+        self._sizes: dict[object, Callable[[], int]] = {}
         self._cutting: Optional[tuple[str, str]] = None  # why and its reason code, while they are being cut
         # Little's law: the mean time a lease is held is the leases' time held (the count integrated
         # over time) over the leases given back, both decaying as demand does (swap.demand_tau_s), so
@@ -86,10 +89,27 @@ class Leases:
                            f"when swap.drain_timeout_s={timeout:g} s ran out", reason)
         return False
 
-    def cuttable(self, cut: Callable[[str, str], None]) -> ContextManager[None]:
+    def cuttable(self, cut: Callable[[str, str], None], tokens: Optional[Callable[[], int]] = None) -> ContextManager[None]:
         """While a leaseholder's request runs: `cut(why, reason)` ends it early and makes it give its lease
-        back. One that starts while the leases are being cut is cut at once."""
-        return _Cuttable(self, cut)
+        back. One that starts while the leases are being cut is cut at once. `tokens`: its prompt plus what it
+        has generated so far, read only when a preemption is priced."""
+        return _Cuttable(self, cut, tokens)
+
+    @property
+    def unresumable(self) -> int:
+        """Running requests that said nothing of their size: a cut would lose them, so they are never preempted."""
+        return len(self._cuts) - len(self._sizes)
+
+    def tokens_in_flight(self) -> int:
+        """The tokens a cut of every running request would have to compute again (those that say)."""
+        return sum(size() for size in list(self._sizes.values()))
+
+    async def preempt(self, why: str) -> None:
+        """Cut every running request now, without the drain's grace: batch work yielding to an interactive
+        waiter (the proxy pauses and resumes each one, router.proxy.resume)."""
+        if self.count:
+            log.info("engine %s: cutting %d request(s) at once, to be resumed (%s)", self.engine, self.count, why)
+            await self.cut_all(why, PREEMPTED)
 
     async def cut_all(self, why: str, reason: str = DRAIN_DEADLINE) -> None:
         """Cut every request still running and wait (briefly) until their leases are back."""
@@ -109,15 +129,19 @@ class _Cuttable:
     """`Leases.cuttable`, as a class: entered on every proxied request, where a generator-based
     context manager costs several times as much."""
 
-    __slots__ = ("leases", "cut")
+    __slots__ = ("leases", "cut", "tokens")
 
-    def __init__(self, leases: Leases, cut: Callable[[str], None]) -> None:
-        self.leases, self.cut = leases, cut
+    def __init__(self, leases: Leases, cut: Callable[[str, str], None], tokens: Optional[Callable[[], int]]) -> None:
+        self.leases, self.cut, self.tokens = leases, cut, tokens
 
     def __enter__(self) -> None:
         self.leases._cuts[self] = self.cut
+        if self.tokens is not None:
+            self.leases._sizes[self] = self.tokens
         if self.leases._cutting is not None:
             self.cut(*self.leases._cutting)
 
     def __exit__(self, *exc: object) -> None:
         del self.leases._cuts[self]
+        if self.tokens is not None:
+            del self.leases._sizes[self]

@@ -289,6 +289,8 @@ class Router(Observer, Events):
 
     def evicted(self, engine: Engine, reason: str) -> None:
         self.metrics.evicted(engine, reason)
+        if reason == "preempt":  # the timeline shows where batch streams were paused for a user
+            self.history.mark(engine.name, "preempt", f"{engine.in_flight} batch request(s) paused for a user's waiter")
 
     def woke_ahead(self, engine: Engine, outcome: str) -> None:
         self.metrics.woke_ahead(engine, outcome)

@@ -101,6 +101,9 @@ def _marker(mark: dict[str, Any], cx: float, cy: float, name: str) -> str:
     if mark["kind"] == "ahead":  # a wake ahead of demand (woken), then its outcome (used, unused, failed)
         return (f"<polygon class='ahead-marker' points='{cx - 5:.1f},{cy - 6:.1f} {cx + 6:.1f},{cy:.1f} {cx - 5:.1f},{cy + 6:.1f}' "
                 f"fill='{'#1a7f37' if mark['detail'] == 'used' else '#8c959f'}'>{title}</polygon>")
+    if mark["kind"] == "preempt":  # a pause sign: its batch streams were paused, to be resumed
+        return (f"<g class='preempt-marker'>{title}<rect x='{cx - 6:.1f}' y='{cy - 7:.1f}' width='12' height='14' fill='#fff'/>"
+                f"<path d='M{cx - 3:.1f},{cy - 6:.1f} v12 M{cx + 3:.1f},{cy - 6:.1f} v12' stroke='#9a6700' stroke-width='3'/></g>")
     colour, css = ("#cf222e", "refusal-marker") if mark["kind"] == "refused" else ("#e16f24", "allowed-marker")
     return (f"<g class='{css}'>{title}<circle cx='{cx:.1f}' cy='{cy:.1f}' r='8' fill='#fff'/>"
             f"<path d='M{cx - 5:.1f},{cy - 5:.1f} l10,10 M{cx + 5:.1f},{cy - 5:.1f} l-10,10' stroke='{colour}' "

@@ -65,10 +65,12 @@ def too_often(reasons: list[str], why: str) -> None:
                                    f"again (the request may be what kills it); the last: {why}")
 
 
-async def plan(decode: Decode, where: str, endpoint: str, body: dict[str, Any], paused: Paused, encode) -> Plan:
+async def plan(decode: Decode, where: str, endpoint: str, body: dict[str, Any], paused: Paused, encode,
+               prefilled: Optional[Callable[[int, float], None]] = None) -> Plan:
     """The continuation to send now the lease is back (`decode`: ids to text, by the engine or peer `where` that
     will continue it). Raises Cut when the answer cannot be resumed exactly, Finished when the client has every
-    token of it already, Paused when the engine failed again."""
+    token of it already, Paused when the engine failed again. `prefilled(tokens, seconds)`: told how long the
+    continuation's prompt took to its first event (`Splice`)."""
     chat = endpoint == CHAT
     transcript = paused.transcript
     if transcript is None:  # a buffered answer: its engine's partial answer never reached the router; sent again whole
@@ -104,7 +106,7 @@ async def plan(decode: Decode, where: str, endpoint: str, body: dict[str, Any], 
     ids = [*prompt_ids, *transcript.ids]
     include_stop = bool(body.get("include_stop_str_in_output"))
     splice = Splice(transcript, j, len(prompt_ids), include_usage, pending, drop, stops(body), include_stop,
-                    before=text if include_stop else "", strip=body.get("return_token_ids") is not True)
+                    before=text if include_stop else "", strip=body.get("return_token_ids") is not True, prefilled=prefilled)
     return Plan(encode(continuation(endpoint, body, ids, j)), transcript, splice)
 
 
@@ -212,7 +214,8 @@ class Splice:
     if the client asked for it), ids only if the client asked for them. Records what it sends."""
 
     def __init__(self, transcript: Transcript, j: int, prompt_tokens: int, include_usage: bool, pending: str, drop: str,
-                 stop: tuple[str, ...], include_stop: bool, before: str, strip: bool) -> None:
+                 stop: tuple[str, ...], include_stop: bool, before: str, strip: bool,
+                 prefilled: Optional[Callable[[int, float], None]] = None) -> None:
         self.transcript = transcript
         self.identity = transcript.first or {}
         self.j, self.prompt_tokens = j, prompt_tokens
@@ -230,10 +233,16 @@ class Splice:
         self.rest = b""
         self.ended = False  # a stop across the seam ended the answer: the continuation is cut off
         self.generated = 0
+        # From the plan (right after the lease) to the continuation's first event: the recompute of its prompt and
+        # the answer's first `j` tokens, the engine's prefill rate the scheduler prices a preemption at.
+        self.planned_at, self.prefilled = time.monotonic(), prefilled
 
     def __call__(self, pieces: list[bytes]) -> list[bytes]:
         data = self.rest + b"".join(pieces)
         *events, self.rest = data.split(b"\n\n")
+        if events and self.prefilled is not None:
+            self.prefilled(self.prompt_tokens + self.j, time.monotonic() - self.planned_at)
+            self.prefilled = None
         out: list[bytes] = []
         for event in events:
             if not self.ended:

@@ -197,7 +197,8 @@ class Walk:
             raise exc
         try:
             then = await plan(lambda ids: detokenize(router.upstreams, engine, ids), f"engine '{engine.name}'", route.endpoint,
-                              self.body, paused, lambda body: json_for(engine, body, encoded(body)))
+                              self.body, paused, lambda body: json_for(engine, body, encoded(body)),
+                              lambda tokens, seconds: router.placement.costs.observe_prefill(engine.name, tokens, seconds))
         except BaseException as exc:  # the lease goes back whatever ends the plan (the client leaving too)
             router.placement.release(engine, self.klass)
             if isinstance(exc, Cut):

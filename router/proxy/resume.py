@@ -239,6 +239,12 @@ class Transcript:
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
 
+    def tokens(self, prompt_guess: int) -> int:
+        """Its prompt's tokens and the answer's so far: what a cut now would compute again (priced by the
+        scheduler only when it weighs a preemption). `prompt_guess` until the first chunk has said."""
+        self.compact()
+        return (prompt_guess if self.prompt_ids is None else len(self.prompt_ids)) + len(self.ids)
+
     def so_far(self) -> str:
         """The answer's text the client has, once everything relayed is read. Raises NotResumable
         when what was sent cannot be continued exactly."""

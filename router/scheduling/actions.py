@@ -68,11 +68,12 @@ class Actions(Costs, RosterChanges, Staging):
             elif decision.action == "wake":
                 await self._wake(engine)
             elif decision.action == "park":
-                await self._park(engine, decision.why, 2 if decision.level is None else decision.level, decision.after)
+                await self._park(engine, decision.why, 2 if decision.level is None else decision.level, decision.after,
+                                 decision.preempt)
             elif decision.action == "deepen":
                 await self._deepen(engine, decision.why, 2 if decision.level is None else decision.level)
             elif decision.action == "stop":
-                await self._stop(engine, decision.why)
+                await self._stop(engine, decision.why, decision.preempt)
             elif decision.action == "demote":
                 await self._demote(engine, decision.why)
             elif decision.action == "retire":
@@ -145,16 +146,16 @@ class Actions(Costs, RosterChanges, Staging):
         self._grant(target, swap_id)
         self._record(swap_id, target, moved, "ok", started, {**phases, **target.last_phases}, predicted)
 
-    async def _park(self, engine: Engine, why: str, level: int, after: tuple[str, ...] = ()) -> None:
+    async def _park(self, engine: Engine, why: str, level: int, after: tuple[str, ...] = (), preempt: bool = False) -> None:
         log.info("parking %s at level %d (%s)", engine.name, level, why)
-        self.events.evicted(engine, _reason(why))
+        self.events.evicted(engine, "preempt" if preempt else _reason(why))
         # Its Level-1 copy was given the host RAM those demotions and stops free: copied out before they end,
         # both would be held at once, over host.ram_budget_gb.
         freeing = [self.busy[name] for name in after if name in self.busy]
         if freeing:
             await asyncio.wait(freeing)
-        started, serving = time.monotonic(), engine.in_flight > 0
-        await engine.sleep(level)
+        started, serving = time.monotonic(), engine.in_flight > 0 and not preempt  # a preemption's cut is no drain to learn
+        await engine.sleep(level, preempt=why if preempt else None)
         self.costs.observe_sleep(engine.name, time.monotonic() - started, engine.last_phases.get("drain") if serving else None)
         self._log_host_memory(engine, level)
         # KV-parked, what its processes hold is its weights besides its residual: not a residual to keep.
@@ -171,12 +172,12 @@ class Actions(Costs, RosterChanges, Staging):
         if self.capacity.nvml:
             await asyncio.to_thread(self._measure_residual, engine)
 
-    async def _stop(self, engine: Engine, why: str) -> None:
+    async def _stop(self, engine: Engine, why: str, preempt: bool = False) -> None:
         was = f"asleep at level {engine.sleep_level}" if engine.state is State.SLEEPING else engine.state.value
         log.info("stopping %s (%s): %s; it boots cold when next needed", engine.name, was, why)
-        self.events.evicted(engine, "stop")
-        if engine.state is State.AWAKE:
-            await engine.drain()  # its requests finish first (or are cut at swap.drain_timeout_s), as before a sleep
+        self.events.evicted(engine, "preempt" if preempt else "stop")
+        if engine.state is State.AWAKE:  # its requests finish first (or are cut at swap.drain_timeout_s), as before a sleep
+            await engine.drain(preempt=why if preempt else None)
         await engine.stop()
 
     async def _demote(self, engine: Engine, why: str) -> None:

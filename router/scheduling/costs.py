@@ -56,6 +56,14 @@ class Costs(SchedulerState):
                     ready_in, level=KV_PARKED)
         return [kv, full]
 
+    def preempt_cost(self, engine: Engine, now: float) -> float:
+        """Seconds of waiting a preemption of `engine`'s batch streams costs them: each waits at least its
+        engine's wake back (as predicted, from the level it would park at), and all of what they had (prompt
+        plus tokens generated so far) is computed again at the engine's prefill rate (`WakeCosts.prefill_s`)."""
+        level, _ = self._choose_level(engine, now)
+        recompute = self.costs.prefill_s(engine.name, engine.leases.tokens_in_flight())
+        return engine.in_flight * self._next_wake_s(engine, level) + recompute
+
     def _sleeper_offers(self, ledger: Ledger, engine: Engine, now: float) -> list[Victim]:
         """A sleeper can be stopped; a KV-parked one can also go down a rung, freeing its weights but
         keeping its process (and its next wake short of a boot)."""

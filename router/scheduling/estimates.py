@@ -21,6 +21,10 @@ from typing import Optional
 
 ALPHA = 0.3  # weight of the newest measurement
 UNKNOWN_S = 30.0  # a model never booted yet (only before its first boot is measured)
+# Tokens per second an engine prefills, until one of its resumed answers is measured (a paused answer's
+# prompt and text so far, over the time from its lease to its first token): a modest GPU's order, so a
+# preemption is not priced as free before anything is known.
+PREFILL_TPS = 5000.0
 
 
 class WakeCosts:
@@ -29,6 +33,7 @@ class WakeCosts:
         self.wake: dict[tuple[str, int], float] = {}  # Level 2: the wakes that did not find their checkpoint staged
         self.sleep: dict[str, float] = {}
         self.drain: dict[str, float] = {}  # the drains of its parks that had requests in flight
+        self.prefill_tps: dict[str, float] = {}  # tokens per second its resumed answers were computed again at
         self.level1_prior: dict[str, float] = {}  # a Level-2 wake without its reloads (and its stage)
         self.kv_prior: dict[str, float] = {}  # a Level-2 wake without its weights' steps: the KV re-allocation, reset and gate
         self.gate: dict[str, float] = {}  # the gate step of its boots
@@ -71,6 +76,15 @@ class WakeCosts:
         if busy_drain_s is not None:
             self.drain[name] = _ewma(self.drain.get(name), busy_drain_s)
 
+    def observe_prefill(self, name: str, tokens: int, seconds: float) -> None:
+        """A resumed answer's recompute: `tokens` (its prompt and text so far) took `seconds` to its first token."""
+        if tokens > 0 and seconds > 0:
+            self.prefill_tps[name] = _ewma(self.prefill_tps.get(name), tokens / seconds)
+
+    def prefill_s(self, name: str, tokens: int) -> float:
+        """Seconds `name` takes to compute `tokens` again, at its measured prefill rate (else PREFILL_TPS)."""
+        return tokens / self.prefill_tps.get(name, PREFILL_TPS)
+
     def drain_s(self, name: str, bound: float) -> float:
         """How long parking `name` while it serves makes a waiter wait for its requests to finish: as
         measured, else `bound` (swap.drain_timeout_s: no drain lasts longer)."""
@@ -80,6 +94,7 @@ class WakeCosts:
         self.boot.pop(name, None)
         self.sleep.pop(name, None)
         self.drain.pop(name, None)
+        self.prefill_tps.pop(name, None)
         self.level1_prior.pop(name, None)
         self.kv_prior.pop(name, None)
         self.gate.pop(name, None)

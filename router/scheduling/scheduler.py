@@ -292,11 +292,15 @@ class Scheduler(WakeAhead):
             if engine.state is State.SLEEPING and not (room_can_come and self.waiting[engine.name]):
                 candidates += self._sleeper_offers(ledger, engine, now)
             elif engine.state is State.AWAKE:
-                ready_in = self._evictable_in(engine, oldest, now)
+                preempt = not batch and self.preemptible(engine)  # a user need not wait out batch work's hold or drain
+                ready_in = self._evictable_in(engine, oldest, now, preempt)
                 if ready_in > 0:
                     waits.append(ready_in)
                     blocked |= rival
                 offers = self._park_offers(ledger, engine, now, engine.in_flight > 0, ready_in, rival)
+                if preempt:
+                    lost = self.preempt_cost(engine, now)
+                    offers = [dataclasses.replace(v, cost=v.cost + lost) for v in offers]
                 (forced if rival else candidates).extend(offers)
         if held:
             self.held_by[target.name] = "interactive demand keeps the room: " + "; ".join(held)
@@ -313,7 +317,8 @@ class Scheduler(WakeAhead):
         # requests to drain) costs the waiters and whoever asks for the target meanwhile.
         later = placement.cheapest(ledger, target, [v for v in candidates if v.action == "park"], forced)
         later_wait = max((v.ready_in for v in later or ()), default=0.0)
-        drain = max((self.costs.drain_s(v.engine.name, self.swap.drain_timeout_s) for v in later or () if v.busy), default=0.0)
+        drain = max((self.costs.drain_s(v.engine.name, self.swap.drain_timeout_s) for v in later or ()
+                     if v.busy and (batch or not self.preemptible(v.engine))), default=0.0)  # a preemption has no drain
         waiting_cost = self.waited(target, later_wait + drain, now, asking=self.queued(target)) + sum(v.cost for v in later or ())
         stops = chosen is not None and any(v.action == "stop" for v in chosen)
         chosen_cost = sum(v.cost for v in chosen or ())
@@ -329,21 +334,33 @@ class Scheduler(WakeAhead):
         wait = later_wait if later else min(waits, default=None)
         return None, min(held_waits + ([] if wait is None else [wait]), default=None)
 
-    def _evictable_in(self, engine: Engine, oldest: float, now: float) -> float:
+    def _evictable_in(self, engine: Engine, oldest: float, now: float, preempt: bool = False) -> float:
         """Seconds until an awake engine may be parked for a waiter that arrived at `oldest` (0: now).
         min_active_s protects a wake someone asked for: an engine booted in the background and not
-        used since is parked at once (as the latest booted was while the roster booted)."""
+        used since is parked at once (as the latest booted was while the roster booted). `preempt`: its
+        work is batch only and the waiter is a user's, so max_hold_s does not hold it (min_active_s still
+        does: it is what keeps a model from being swapped out as it arrives, whoever asked for it)."""
         unclaimed = engine.last_used < engine.since and not engine.in_flight
         wait = 0.0 if unclaimed else self.swap.min_active_s - (now - engine.since)
-        if engine.in_flight:
+        if engine.in_flight and not preempt:
             wait = max(wait, oldest + self.swap.max_hold_s - now)
         return max(wait, 0.0)
 
-    def _move(self, victim: Victim, why: str, ledger: Ledger, now: float, batch: bool = True) -> list[Decision]:
+    def _preempt(self, victim: Victim, why: str, ledger: Ledger, now: float) -> list[Decision]:
+        """A batch-only engine's move for a user's waiter: its streams are cut at once (`preempted`), paused and
+        resumed later as batch waiters of its model, instead of drained."""
+        why = f"preempt {victim.engine.in_flight} batch request(s) of {victim.engine.name}: {why}"
+        return [dataclasses.replace(d, preempt=True) if d.engine is victim.engine else d
+                for d in self._move(victim, why, ledger, now, batch=False, preempt=True)]
+
+    def _move(self, victim: Victim, why: str, ledger: Ledger, now: float, batch: bool = True,
+              preempt: bool = False) -> list[Decision]:
         """The decisions that move `victim`: its park, and the Level-1 sleepers demoted for its host RAM
         (`batch`: the move yields to users, as all but room for a user's waiter do: it demotes no sleeper with
         interactive demand)."""
         engine = victim.engine
+        if not batch and not preempt and engine.state is State.AWAKE and self.preemptible(engine):
+            return self._preempt(victim, why, ledger, now)
         if victim.action == "stop":
             return [Decision("stop", engine, f"{why} ({victim.why})" if victim.why else why)]
         if victim.action == "deepen":

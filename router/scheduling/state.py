@@ -65,6 +65,7 @@ class Decision:
     why: str = ""
     level: Optional[int] = None  # park, deepen: the sleep level chosen (0: KV-parked)
     after: tuple[str, ...] = ()  # park: the engines whose demotion or stop, decided with it, frees its host RAM
+    preempt: bool = False  # park, stop: its streams (batch work only) are cut at once for a user's waiter, not drained
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class SchedulerState:
         self.boot_done = asyncio.Event()
         self.interactive_leases: collections.Counter[str] = collections.Counter()  # engine -> interactive in flight
         self.interactive_seen: dict[str, float] = {}  # engine -> when an interactive request last arrived or ended
+        self.batch_leases: collections.Counter[str] = collections.Counter()  # engine -> batch in flight (preemptible)
         self.held_by: dict[str, str] = {}  # batch-only target -> whose interactive demand keeps its room (for its 503)
         self.history: collections.deque[SwapRecord] = collections.deque(maxlen=20)
         self.swap_ids = itertools.count(1)
@@ -205,12 +207,26 @@ class SchedulerState:
             if self.interactive_leases[engine.name] <= 0:
                 del self.interactive_leases[engine.name]
                 ended_demand = True  # a batch target may now be able to take its room (after interactive_hold_s)
+        elif klass == BATCH:
+            self.batch_leases[engine.name] -= 1
+            if self.batch_leases[engine.name] <= 0:
+                del self.batch_leases[engine.name]
         if engine.in_flight == 0 or ended_demand:
             self.poke()
 
     def _leased(self, engine: Engine, klass: Optional[str]) -> None:
         if klass == INTERACTIVE:
             self.interactive_leases[engine.name] += 1
+        elif klass == BATCH:
+            self.batch_leases[engine.name] += 1
+
+    def preemptible(self, engine: Engine) -> bool:
+        """Whether everything `engine` serves is batch work (an operator's lease or an interactive request is
+        neither): an interactive waiter need not wait out its hold or its drain, its streams yield at once
+        (`engines.leases.PREEMPTED`, paused and resumed by the proxy). An interactive stream is never preempted,
+        nor an answer the proxy could not resume exactly (the cut would lose it): those drain as before."""
+        return engine.in_flight > 0 and self.batch_leases.get(engine.name, 0) >= engine.in_flight \
+            and not engine.leases.unresumable
 
     def interactive_demand(self, engine: Engine, now: float) -> tuple[Optional[str], float]:
         """Why `engine` has interactive demand (None: it has none), and in how many seconds that ends

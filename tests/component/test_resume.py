@@ -20,13 +20,13 @@ SLOW = ("--sim-token-rate", "40")
 
 
 async def raw_stream(router: RouterProcess, path: str, body: dict[str, Any], started: asyncio.Event | None = None,
-                     after: int = 3) -> tuple[list[dict[str, Any]], list[bytes], int]:
+                     after: int = 3, headers: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], list[bytes], int]:
     """The stream's data events, its comment lines and its [DONE] count, read as a client's SSE parser would."""
     events: list[dict[str, Any]] = []
     comments: list[bytes] = []
     done = 0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-        async with s.post(router.url + path, json={**body, "stream": True}) as r:
+        async with s.post(router.url + path, json={**body, "stream": True}, headers=headers) as r:
             assert r.status == 200, await r.text()
             buffer = b""
             async for data in r.content.iter_any():

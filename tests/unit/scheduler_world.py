@@ -145,6 +145,8 @@ class SimEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._cut = asyncio.Event()
+        self.cut_reason = "drain_deadline"  # why its last streams were cut
+        self.preempted = 0  # streams cut by preemptions, in all
 
     # -- what placement and the scheduler read ------------------------------------------------------
 
@@ -193,6 +195,7 @@ class SimEngine:
         if self.state is not State.FAILED:
             self.failed_from = (self.state, self.sleep_level)  # what its dying process still holds on the GPU
             self.state, self.since, self.failure = State.FAILED, self.world.loop.now, f"engine {self.name}: {what}"
+            self.cut_reason = "engine_failed"
             self._cut.set()  # its streams end with it
         return EngineFailed(self.failure or what)
 
@@ -216,9 +219,17 @@ class SimEngine:
         await self._take(self.timing.boot_s, "boot")
         self._enter(State.AWAKE)
 
-    async def drain(self) -> bool:
+    async def drain(self, preempt: Optional[str] = None) -> bool:
+        # The streams it cuts wait on the event of this awake period (a fresh one made here would reach none).
         self._enter(State.DRAINING)
-        self._cut = asyncio.Event()
+        if preempt is not None:  # batch work yields at once: cut now, not at the deadline
+            busy = self.leases.count > 0
+            self.preempted += self.leases.count
+            self.cut_reason = "preempted"
+            self._cut.set()
+            await self._idle.wait()
+            return not busy
+        self.cut_reason = "drain_deadline"
         try:
             async with asyncio.timeout(self.world.swap.drain_timeout_s):
                 await self._idle.wait()
@@ -228,9 +239,9 @@ class SimEngine:
             await self._idle.wait()
             return False
 
-    async def sleep(self, level: Optional[int] = None) -> None:
+    async def sleep(self, level: Optional[int] = None, preempt: Optional[str] = None) -> None:
         level = 2 if level is None else level
-        await self.drain()
+        await self.drain(preempt)
         await self._take(self.timing.sleep_s, "sleep")
         self._enter(State.SLEEPING)
         self.sleep_level = level
@@ -336,6 +347,7 @@ class Client:
     asked: float
     outcome: Optional[str] = None  # None while waiting or served; granted | refused: REASON | left | cut
     served: bool = False  # holds its lease now
+    resumed: int = 0  # times it was preempted and waited again for the rest (as the proxy does)
     task: Optional[asyncio.Task[None]] = field(default=None, repr=False)
 
 

@@ -125,6 +125,19 @@ def parse(svg: str) -> ElementTree.Element:
 SVG = "{http://www.w3.org/2000/svg}"
 
 
+def test_a_preemption_is_drawn_on_its_engines_lane_as_a_pause_with_why():
+    clock = Clock()
+    h = History(clock)
+    h.state("evals", "awake")
+    clock.now += 2
+    h.mark("evals", "preempt", "2 batch request(s) paused for a user's waiter")
+    h.state("evals", "draining")
+    clock.now += 1
+    root = parse(pictures.timeline(window(h, 30), {"evals": [0]}))
+    [marker] = [g for g in root.iter(SVG + "g") if g.get("class") == "preempt-marker"]
+    assert "evals: preempt: 2 batch request(s) paused" in marker.find(SVG + "title").text
+
+
 def test_the_timeline_is_well_formed_svg_with_a_lane_per_engine_and_every_name_escaped():
     data = scenario()
     svg = pictures.timeline(data, {"a": [0], NASTY: [0], "big": [0, 1]})

@@ -229,3 +229,15 @@ def test_with_the_stop_string_kept_in_the_output_a_match_may_begin_in_what_the_c
 
 def test_stop_strings_are_read_as_vllm_takes_them():
     assert stops({"stop": "x"}) == ("x",) and stops({"stop": ["a", "", 3]}) == ("a",) and stops({}) == ()
+
+
+def test_a_continuation_tells_once_how_long_its_prompt_took_to_its_first_event():
+    """The engine's prefill rate, measured where a resume recomputes (the price of a preemption)."""
+    transcript, _ = seamed(" the cat")
+    told: list[tuple[int, float]] = []
+    splice = Splice(transcript, 2, 2, True, "", "", (), False, before="", strip=True,
+                    prefilled=lambda tokens, seconds: told.append((tokens, seconds)))
+    splice([event(chat_chunk(" sat", ids=[42]))])
+    splice([event(chat_chunk(" down", ids=[43]))])
+    [(tokens, seconds)] = told
+    assert tokens == 4 and seconds >= 0, "the prompt's 2 tokens and the 2 of the answer it continues"

@@ -39,6 +39,8 @@ class FakeEngine:
         self.last_used = since
         self.sleep_level = level if state is State.SLEEPING else None
         self.in_flight = 0
+        self.tokens = 0  # what its running requests would compute again if cut (a preemption's price)
+        self.leases = SimpleNamespace(tokens_in_flight=lambda: self.tokens, unresumable=0)
         self.gate = SimpleNamespace(needs_restart=None)  # what the scheduler reads of the gate record
         self.retiring = False
         self.failure: Optional[str] = None
@@ -848,7 +850,7 @@ async def test_a_level1_park_copies_out_only_once_the_sleeper_demoted_for_its_ho
 
     slept: list[int] = []
 
-    async def sleep(level: int) -> None:
+    async def sleep(level: int, preempt: Optional[str] = None) -> None:
         slept.append(level)
         hot.state, hot.sleep_level = State.SLEEPING, level
 

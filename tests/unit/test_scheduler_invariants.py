@@ -197,6 +197,7 @@ class Checker:
 
     def starting(self, decision: Any) -> None:
         engine, action = decision.engine, decision.action
+        self.check_preemption(decision)
         if action in TAKES_ROOM and (demand := self.interactive_demand(engine)):
             users = [c for c in self.world.waiting() if c.klass == INTERACTIVE and c.engine is not engine]
             if not users and not decision.why.startswith(("idle", "host RAM over")):
@@ -204,6 +205,27 @@ class Checker:
                                "and no interactive request waits for anything")
         if action in ("wake", "boot") and engine.name in self.slept_by_operator and not self.s.waiting[engine.name]:
             self.breaks(7, f"{action} {engine.name}, which an operator put to sleep, with no request for it ({decision.why})")
+
+    def check_preemption(self, decision: Any) -> None:
+        """Promise 8 (the new one beside DESIGN.md's seven): an interactive waiter never waits behind an engine whose
+        in-flight work is batch only (its park for that waiter preempts, it does not drain); an interactive stream
+        is never preempted. And promise 4's part of it: only a user's waiter preempts."""
+        engine, action = decision.engine, decision.action
+        served = [c for c in self.world.clients if c.engine is engine and c.served]
+        if decision.preempt:
+            if any(c.klass != BATCH for c in served):
+                self.breaks(8, f"{action} {engine.name} preempts an interactive stream ({decision.why})")
+            users = [c for c in self.world.waiting() if c.klass == INTERACTIVE and c.engine is not engine
+                     and (set(c.engine.spec.devices) & set(engine.spec.devices)
+                          or (c.engine.spec.group and c.engine.spec.group == engine.spec.group))]
+            if not users:
+                self.breaks(4, f"{action} {engine.name} preempts its batch streams with no user waiting ({decision.why})")
+        elif action in ("park", "stop") and engine.state is State.AWAKE and served and all(c.klass == BATCH for c in served) \
+                and decision.why.startswith("room for "):
+            target = decision.why[len("room for "):].split(";")[0].split(" ")[0]
+            if any(c.klass == INTERACTIVE and c.engine.name == target for c in self.world.waiting()):
+                self.breaks(8, f"{action} {engine.name} drains batch-only work while a user waits for {target} "
+                               f"({decision.why})")
 
     def after_decide(self, plan: Any) -> None:
         for d in plan.decisions:
@@ -354,11 +376,16 @@ class SchedulerRun(RuleBasedStateMachine):
             c.outcome = "left"
             raise
         c.served = True
+        started = self.world.loop.now
         try:
             ran = await c.engine.serve(c.hold_s)
         finally:
             c.served = False
             self.s.release(c.engine, c.klass)
+        if not ran and c.engine.cut_reason == "preempted":  # as the proxy does: it waits again, for the rest
+            c.hold_s = max(c.hold_s - (self.world.loop.now - started), 0.01)
+            c.resumed += 1
+            return await self._client(c)
         c.outcome = "granted" if ran else "cut"
         self.checker.ended(c)
 
@@ -534,6 +561,7 @@ PLANTS = {
     3: ("_choose_level", lambda original: lambda self, engine, *a, **k: (1, []) if engine.spec.sleep_level == "auto"
         else original(self, engine, *a, **k)),
     4: ("interactive_demand", lambda original: lambda self, engine, now: (None, 0.0)),
+    8: ("preemptible", lambda original: lambda self, engine: engine.in_flight > 0),  # counts an interactive stream as batch
     5: ("_targets", loses_a_removed_engine),
     6: ("ahead_decisions", lambda original: wakes_ahead_whatever_fits),
     7: ("ahead_decisions", forgets_operators),
@@ -646,4 +674,27 @@ def test_a_model_changed_by_a_reload_before_its_first_boot_is_not_booted_again_o
     state.time_passes(seconds=200.0)  # m1's residual is in big's way: m1 is stopped for it
     state.promises_hold()
     assert state.world.engines["m1"].state is State.COLD, "stopped, and not booted again: nobody asked for it"
+    state.teardown()
+
+
+def test_a_user_preempts_batch_streams_which_wait_and_finish_later() -> None:
+    """The preemption through the simulated world: the batch stream is cut at once for the user, waits as a batch
+    waiter of its model, and is served the rest once the user's model is done with the GPU."""
+    roster = two_models(min_active_s=0.0, max_hold_s=120.0, drain_timeout_s=30.0, interactive_hold_s=0.0,
+                        wake_ahead=False)
+    for model, _, _ in roster["models"]:
+        model["args"] = ["--gpu-memory-utilization", "0.6"]
+    state = SchedulerRun()
+    state.boot(roster=roster)
+    state.time_passes(seconds=200.0)
+    state.request(which=0, klass=BATCH, n=1, hold_s=300.0, by_virtual=False)
+    state.time_passes(seconds=10.0)
+    state.request(which=1, klass=INTERACTIVE, n=1, hold_s=5.0, by_virtual=False)
+    batch, user = state.world.clients
+    state.time_passes(seconds=20.0)  # well under max_hold_s and drain_timeout_s
+    state.promises_hold()
+    assert user.outcome == "granted" and batch.resumed == 1 and state.world.engines["m0"].preempted == 1
+    state.time_passes(seconds=400.0)
+    state.promises_hold()
+    assert batch.outcome == "granted", "resumed on m0 once m1 was idle, and ran to its end"
     state.teardown()
