@@ -91,9 +91,11 @@ async def test_a_sleep_ends_a_stalled_clients_lease_at_the_drain_deadline(start_
     assert engine["state"] == "awake" and engine["in_flight"] == 0 and engine["pid"] == pid
 
 
-async def test_a_stream_still_running_at_the_drain_deadline_ends_with_an_error_event_that_says_why(start_router):
+async def test_a_stream_that_cannot_be_resumed_still_running_at_the_drain_deadline_ends_with_an_error_that_says_why(start_router):
+    # A penalty counts the answer's own tokens, which a continuation would count as prompt: it cannot be resumed exactly.
     router = await start_router(roster_dict(sim_model("a", args=("--sim-token-rate", "20")), swap={"drain_timeout_s": 1}))
-    stream = await client(router).completions.create(model="a", prompt="slow", max_tokens=200, stream=True)
+    stream = await client(router).completions.create(model="a", prompt="slow", max_tokens=200, stream=True,
+                                                     frequency_penalty=0.5)
     await anext(aiter(stream))
     status, _, body = await http(router, "POST", "/admin/sleep?model=a")
     assert status == 200 and body["result"] == "sleeping" and body["engine"]["in_flight"] == 0
