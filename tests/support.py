@@ -197,6 +197,14 @@ def roster_dict(*models: dict[str, Any], **sections: Any) -> dict[str, Any]:
 _sdk_clients: list[openai.AsyncOpenAI] = []
 
 
+async def sim_fault(router: RouterProcess, name: str, step: str, kind: str, times=1) -> None:
+    """Engine `name`'s simulator answers its next `times` `step`s with fault `kind` (engines/sim/control.py)."""
+    port = (await router.engine(name))["port"]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{port}/sim/faults", json={"step": step, "kind": kind, "times": times}) as r:
+            assert r.status == 200
+
+
 def client(router: RouterProcess, key: str = "unused") -> openai.AsyncOpenAI:
     return _sdk(router.url + "/v1", key)
 

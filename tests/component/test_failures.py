@@ -11,14 +11,7 @@ import openai
 import pytest
 
 from router.cli.status import render
-from tests.support import RouterProcess, ask, client, eventually, http, pid_alive, roster_dict, sim_model
-
-
-async def sim_fault(router: RouterProcess, name: str, step: str, kind: str, times=1) -> None:
-    port = (await router.engine(name))["port"]
-    async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://127.0.0.1:{port}/sim/faults", json={"step": step, "kind": kind, "times": times}) as r:
-            assert r.status == 200
+from tests.support import RouterProcess, ask, client, eventually, http, pid_alive, roster_dict, sim_fault, sim_model
 
 
 async def test_when_every_engine_fails_to_boot_the_log_says_so_plainly(tmp_path):

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import aiohttp
 import pytest
 
-from tests.support import RouterProcess, eventually, free_port, http, roster_dict, sim_model
+from tests.support import RouterProcess, eventually, free_port, http, roster_dict, sim_fault, sim_model
 
 SLOW = ("--sim-token-rate", "40")
 
@@ -171,24 +171,43 @@ async def test_a_stream_that_cannot_be_resumed_exactly_is_cut_as_before_and_coun
     assert 'reason="structured_output"} 1.0' in await metric(router, "hotswap_streams_cut_total")
 
 
-@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
-async def test_a_stream_paused_here_is_finished_on_a_peer_where_its_model_is_awake(start_router, chat):
-    """Two nodes serve `a`; node-1's is put to sleep mid-stream: the rest comes from node-2's, at once,
-    into the same stream, word for word (the peer's pause is one prefill, not a wake here)."""
+async def two_nodes(start_router) -> tuple[RouterProcess, RouterProcess]:
+    """node-1 and node-2 both serve `a`, each the other's peer; node-1's drain deadline is short."""
     one_port, two_port = free_port(), free_port()
     one = await start_router(roster_dict(sim_model("a", args=SLOW), swap={"drain_timeout_s": 0.3},
                                          node={"name": "node-1", "peers": [f"http://127.0.0.1:{two_port}"]}), port=one_port)
     two = await start_router(roster_dict(sim_model("a", args=SLOW),
                                          node={"name": "node-2", "peers": [f"http://127.0.0.1:{one_port}"]}), port=two_port)
+    return one, two
+
+
+async def sleep_a(router: RouterProcess) -> None:
+    status, _, slept = await http(router, "POST", "/admin/sleep?model=a")
+    assert status == 200 and slept["result"] == "sleeping"
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+async def test_a_stream_paused_here_is_finished_on_a_peer_where_its_model_is_awake(start_router, chat):
+    """node-1's `a` is put to sleep mid-stream: the rest comes from node-2's, at once, into the same
+    stream, word for word (the peer's pause is one prefill, not a wake here)."""
+    one, two = await two_nodes(start_router)
     path, body = story(chat)
     uncut, _, _ = await raw_stream(two, path, body)  # also: node-2's `a` is awake
-
-    async def sleep_here() -> None:
-        status, _, slept = await http(one, "POST", "/admin/sleep?model=a")
-        assert status == 200 and slept["result"] == "sleeping"
-
-    _, _, comments = await cut_midway(one, chat, sleep_here, uncut=uncut)
+    _, _, comments = await cut_midway(one, chat, lambda: sleep_a(one), uncut=uncut)
     assert any(b"resumes on a peer node" in c for c in comments), comments
     assert 'reason="migrated"} 1.0' in await metric(one, "hotswap_streams_resumed_total")
     assert "on peer node node-2" in one.log()
     assert (await one.engine("a"))["state"] != "awake", "node-1 did not wake `a` again for it"
+
+
+async def test_a_peer_that_fails_the_continuation_before_any_of_it_went_out_leaves_the_stream_to_finish_here(start_router):
+    one, two = await two_nodes(start_router)
+    path, body = story(False)
+    uncut, _, _ = await raw_stream(two, path, body)
+    await sim_fault(two, "a", "generate", "http500")  # node-2's engine refuses the continuation
+
+    _, _, comments = await cut_midway(one, False, lambda: sleep_a(one), uncut=uncut)
+    assert any(b"resumes on a peer node" in c for c in comments), comments
+    assert "could not be finished on a peer" in one.log() and "on peer node node-2" not in one.log()
+    assert 'reason="drain_deadline"} 1.0' in await metric(one, "hotswap_streams_resumed_total")
+    assert (await one.engine("a"))["state"] == "awake", "node-1 woke `a` again and finished it"
