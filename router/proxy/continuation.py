@@ -106,7 +106,7 @@ async def plan(decode: Decode, where: str, endpoint: str, body: dict[str, Any], 
     ids = [*prompt_ids, *transcript.ids]
     include_stop = bool(body.get("include_stop_str_in_output"))
     splice = Splice(transcript, j, len(prompt_ids), include_usage, pending, drop, stops(body), include_stop,
-                    before=text if include_stop else "", strip=body.get("return_token_ids") is not True, prefilled=prefilled)
+                    before=text if include_stop else "", prefilled=prefilled)
     return Plan(encode(continuation(endpoint, body, ids, j)), transcript, splice)
 
 
@@ -211,15 +211,16 @@ class Splice:
     """Rewrites a continuation's events as the rest of the client's answer: the first chunk's identity
     throughout, no second role delta, the seam's held-back text first (or the text the client has
     already dropped), stop strings checked across the seam, the usage counting the whole answer (only
-    if the client asked for it), ids only if the client asked for them. Records what it sends."""
+    if the client asked for it), each choice's `token_ids` as the first part had them, never the
+    continuation's prompt ids (the answer so far). Records what it sends."""
 
     def __init__(self, transcript: Transcript, j: int, prompt_tokens: int, include_usage: bool, pending: str, drop: str,
-                 stop: tuple[str, ...], include_stop: bool, before: str, strip: bool,
+                 stop: tuple[str, ...], include_stop: bool, before: str,
                  prefilled: Optional[Callable[[int, float], None]] = None) -> None:
         self.transcript = transcript
         self.identity = transcript.first or {}
         self.j, self.prompt_tokens = j, prompt_tokens
-        self.include_usage, self.strip = include_usage, strip
+        self.include_usage = include_usage
         self.pending, self.drop = pending, drop
         self.stop, self.include_stop = stop, include_stop
         # The seam's window: held until a stop string that begins before the continuation's own text (in
@@ -282,6 +283,7 @@ class Splice:
             chunk.pop("usage")  # continuous usage the client never asked for
         kept = []
         for choice in choices:
+            choice.pop("prompt_token_ids", None)  # completions: the continuation's prompt, in its first choice
             delta = choice.get("delta") if self.transcript.chat else None
             if isinstance(delta, dict) and delta.get("role") is not None:
                 delta.pop("role")
@@ -356,9 +358,6 @@ class Splice:
 
     def _send(self, chunk: dict[str, Any]) -> bytes:
         self.transcript.record(chunk)
-        if self.strip:
-            for choice in chunk.get("choices") or ():
-                choice.pop("token_ids", None)
         return _event(chunk)
 
 

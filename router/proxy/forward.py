@@ -98,7 +98,7 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
                   ) -> web.StreamResponse:
     """`numbers`: read the answer's numbers into `request[ANSWER_NUMBERS]` (for the activity log; an
     engine with a draft has them read anyway, for its acceptance watch); a stream keeps its last bytes for it.
-    `resumable`: a cut raises Paused; `transcript` records a stream's events (`strip`: of the token ids the client
+    `resumable`: a cut raises Paused; `transcript` records a stream's events (`strip`: of the prompt's ids the client
     did not ask for), `splice` rewrites a continuation's."""
     client = engine.client
     if client is None:  # a lease implies a started engine; say so rather than crash if that ever breaks

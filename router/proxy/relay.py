@@ -24,7 +24,7 @@ from typing import Awaitable, Callable, Optional
 from router.proxy.exchange import ClientGone
 from router.proxy.responses import StreamSniffer
 from router.proxy.continuation import Splice
-from router.proxy.resume import Transcript, strip_ids
+from router.proxy.resume import Transcript, strip_prompt_ids
 
 TERMINATOR = b"0\r\n\r\n"
 # The final usage event and `data: [DONE]` arrive as one or two body pieces each (one HTTP chunk per
@@ -43,9 +43,10 @@ class Relay:
                  transcript: Optional[Transcript] = None, strip: bool = False, rewrite: Optional[Splice] = None) -> None:
         self.transport = transport
         self.chunked = chunked_out
-        self.raw = chunked_out and chunked_in and not strip and rewrite is None
+        self.can_raw = chunked_out and chunked_in and rewrite is None
+        self.raw = self.can_raw and not strip
         self.transcript = transcript  # what the client got, should the answer be resumed (router.proxy.resume)
-        self.strip = strip  # the token ids asked for the transcript, not by the client
+        self.strip = strip  # the prompt's ids asked for the transcript, not by the client: in the first event
         self.rewrite = rewrite  # a continuation's events, rewritten as the rest of the client's answer (it records them)
         self.sniffer = sniffer
         # The stream's last decoded pieces (references, no copies), where the final usage event
@@ -66,12 +67,14 @@ class Relay:
                 self.sniffer.feed(piece)
             if self.sniffer.done:
                 self.sniffer = None
+        first_out = False
         if self.rewrite is not None:
             pieces = self.rewrite(pieces)
         elif self.transcript is not None:
             self.transcript.extend(pieces)
             if self.strip:
-                pieces = strip_ids(pieces)
+                pieces = strip_prompt_ids(pieces)
+                first_out = at_boundary and any(b"\n\n" in piece for piece in pieces)
         if self.tail is not None:
             self.tail.extend(pieces)
         if self.raw:
@@ -88,6 +91,8 @@ class Relay:
             else:
                 transport.writelines(pieces)
             self.written += size
+        if first_out:  # the prompt's ids went with the first event; the rest go as the engine framed them
+            self.strip, self.raw = False, self.can_raw
         return True
 
     def congested(self) -> bool:

@@ -6,10 +6,12 @@ the relayed text happens to tokenize back to the ids the model produced, which i
 (docs/contributors.md, "Resuming an answer", has the measurements). So a resumable stream is asked
 for with `return_token_ids` (vllm/entrypoints/openai/chat_completion/protocol.py:423,
 completion/protocol.py:171): its first chunk carries the prompt's ids, every chunk its own. The
-client gets the chunks without those fields unless it asked for them (`strip_ids`).
-
-The hot path pays for a stream only a reference to each chunk it relays and the removal of the ids
-fields; the chunks are parsed (into text and ids) only past `COMPACT_BYTES`, and at a cut.
+client gets the prompt's ids only if it asked for them (`strip_prompt_ids`, on the first event); the
+answer's ids ride along in each choice's `token_ids`, as vLLM writes them (OpenAI's clients ignore a
+field they do not know, as they ignore vLLM's `stop_reason`): removing them from every chunk cost a
+resumable stream 10-15% of its proxy CPU (docs/benchmarks.md), and the hot path pays for resuming
+only a reference to each chunk it relays. The chunks are read (into text and ids) past
+`COMPACT_BYTES`, and at a cut.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ ENGINE_FAILED = "engine_failed"  # the fourth reason a request is paused, beside
 # Past this many bytes of relayed events a stream's transcript is read down to its text and ids: what the
 # router keeps per stream is then 8 bytes per token, its text as one string, and at most this much more.
 COMPACT_BYTES = 16 * 1024
-# The fields `return_token_ids` adds, as vLLM writes them (pydantic's compact JSON; never first in their
-# object). JSON escapes a quote inside a string, so no generated text can contain these bytes; ids are
-# integers, so the first `]` closes the list. One C call per chunk: the stream's hot path.
-_IDS_FIELD = re.compile(rb',"(?:prompt_)?token_ids":(?:null|\[[^\]]*\])')
+# The prompt's ids `return_token_ids` adds to a stream's first event, as vLLM writes them (pydantic's compact
+# JSON; never first in their object). JSON escapes a quote inside a string, so no generated text can contain
+# these bytes; ids are integers, so the first `]` closes the list.
+_PROMPT_IDS_FIELD = re.compile(rb',"prompt_token_ids":(?:null|\[[^\]]*\])')
 # What the parse of a stream's events looks for; events without any of these carry only text and ids, which
 # are read by pattern (resumable streams have one choice; JSON escapes quotes inside strings, so these bytes
 # cannot come from generated text).
@@ -97,8 +99,8 @@ def encoded_with_ids(data: bytes) -> bytes:
     return json.dumps(with_ids(json.loads(data))).encode()
 
 
-def strip_ids(pieces: list[bytes], _sub=_IDS_FIELD.sub) -> list[bytes]:
-    """The relayed chunks without the ids fields the router asked for (the client did not). A field cut
+def strip_prompt_ids(pieces: list[bytes], _sub=_PROMPT_IDS_FIELD.sub) -> list[bytes]:
+    """The relayed chunks without the prompt's ids the router asked for (the client did not). A field cut
     across two chunks is left whole: an extra field is still valid JSON."""
     return [_sub(b"", piece) for piece in pieces]
 

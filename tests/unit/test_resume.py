@@ -9,7 +9,7 @@ import json
 import pytest
 
 from router.proxy.continuation import Splice, continuation, plan, stops
-from router.proxy.resume import COMPACT_BYTES, NotResumable, Paused, Transcript, asking_ids, resumable, strip_ids
+from router.proxy.resume import COMPACT_BYTES, NotResumable, Paused, Transcript, asking_ids, resumable, strip_prompt_ids
 
 
 def event(chunk: dict) -> bytes:
@@ -46,18 +46,19 @@ def text_of(events: list) -> str:
                    for e in events if isinstance(e, dict) for c in e.get("choices", []))
 
 
-def test_the_ids_asked_for_the_router_never_reach_a_client_that_did_not_ask():
+def test_the_prompts_ids_asked_for_by_the_router_never_reach_a_client_that_did_not_ask():
     first = event(chat_chunk("", ids=[], role="assistant", prompt_ids=[5, 6, 7]))
     later = event(chat_chunk(" the", ids=[11]))
-    assert [json.loads(p[6:]) for p in strip_ids([first, later])] == [chat_chunk("", role="assistant"), chat_chunk(" the")]
-    null = event(chat_chunk(" x", ids=None)).replace(b'"finish_reason":null', b'"finish_reason":null,"token_ids":null')
-    assert b"token_ids" not in strip_ids([null])[0]
+    assert [json.loads(p[6:]) for p in strip_prompt_ids([first, later])] == [chat_chunk("", ids=[], role="assistant"),
+                                                                             chat_chunk(" the", ids=[11])]
+    null = event(chat_chunk(" x")).replace(b'"finish_reason":null', b'"finish_reason":null,"prompt_token_ids":null')
+    assert b"prompt_token_ids" not in strip_prompt_ids([null])[0]
 
 
 def test_a_field_cut_across_two_chunks_is_left_whole_rather_than_broken():
-    piece = event(chat_chunk(" the", ids=[11, 12]))
+    piece = event(chat_chunk("", role="assistant", prompt_ids=[11, 12]))
     head, tail = piece[:piece.index(b"12")], piece[piece.index(b"12"):]
-    assert strip_ids([head, tail]) == [head, tail]
+    assert strip_prompt_ids([head, tail]) == [head, tail]
 
 
 def test_a_body_asks_for_ids_without_being_encoded_again_and_a_clients_own_choice_wins():
@@ -157,7 +158,7 @@ def seamed(transcript_text: str, pending="", drop="", stop=(), include_usage=Tru
                        event(chat_chunk(transcript_text, ids=[40, 41]))])
     transcript.so_far()
     return transcript, Splice(transcript, 2, 2, include_usage, pending, drop, tuple(stop), include_stop,
-                              before=transcript_text if include_stop else "", strip=True)
+                              before=transcript_text if include_stop else "")
 
 
 def test_the_continuation_reads_as_the_rest_of_the_clients_answer():
@@ -171,7 +172,8 @@ def test_the_continuation_reads_as_the_rest_of_the_clients_answer():
     events = events_of(out)
     assert events[-1] == "[DONE]" and len(events) == 4, "the continuation's role delta is the client's second: dropped"
     assert {(e["id"], e["created"]) for e in events[:-1]} == {("chatcmpl-1", 100)}
-    assert text_of(events) == " sat down" and not any("token_ids" in json.dumps(e) for e in events[:-1])
+    assert text_of(events) == " sat down" and not any("prompt_token_ids" in json.dumps(e) for e in events[:-1])
+    assert [c["token_ids"] for e in events[:2] for c in e["choices"]] == [[42], [43]], "the answer's ids, as before the seam"
     assert events[2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
     assert list(transcript.ids) == [40, 41, 42, 43], "a second cut continues from here"
 
@@ -235,7 +237,7 @@ def test_a_continuation_tells_once_how_long_its_prompt_took_to_its_first_event()
     """The engine's prefill rate, measured where a resume recomputes (the price of a preemption)."""
     transcript, _ = seamed(" the cat")
     told: list[tuple[int, float]] = []
-    splice = Splice(transcript, 2, 2, True, "", "", (), False, before="", strip=True,
+    splice = Splice(transcript, 2, 2, True, "", "", (), False, before="",
                     prefilled=lambda tokens, seconds: told.append((tokens, seconds)))
     splice([event(chat_chunk(" sat", ids=[42]))])
     splice([event(chat_chunk(" down", ids=[43]))])
