@@ -32,6 +32,11 @@ _IDS_MARK = b'token_ids":'
 # Keys that make the rest of an answer depend on more than its ids so far (docs/operators.md lists why).
 _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _PENALTIES = ("frequency_penalty", "presence_penalty")  # vLLM counts them over output tokens only
+# vLLM 0.32 renders chat messages with a non-text part (an image, audio, a file) again and ignores the ids it
+# was given (chat_completion/protocol.py:1033-1051, renderers/online_renderer.py:128-133): its answer would start over.
+_TEXT_PARTS = ("text", "input_text", "output_text", "refusal", "thinking", "tool_reference")
+_MEDIA_KEYS = ("image_url", "input_image", "image_embeds", "image_pil", "audio_url", "input_audio", "audio_embeds",
+               "video_url", "video_embeds", "prompt_embeds")
 
 
 class Paused(Exception):
@@ -67,7 +72,24 @@ def resumable(endpoint: str, body: dict[str, Any], anthropic: bool) -> Optional[
         return "structured_output"
     if any(body.get(key) not in (None, 0) for key in _PENALTIES):
         return "penalties"
+    if body.get("bad_words"):
+        return "bad_words"  # matched against the answer's own tokens only (vllm/v1/sample/sampler.py:385)
+    if body.get("truncate_prompt_tokens") not in (None, -1):
+        return "truncation"  # the continuation's prompt (prompt and answer so far) would be cut elsewhere
+    if endpoint == CHAT and _media(body.get("messages")):
+        return "media"
     return None
+
+
+def _media(messages: Any) -> bool:
+    """Whether a message has a content part that is not text (vllm/renderers/chat_utils.py:1824-1843)."""
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and (part.get("type", "text") not in _TEXT_PARTS or
+                                           any(key in part for key in _MEDIA_KEYS)):
+                return True
+    return False
 
 
 def with_ids(body: dict[str, Any]) -> dict[str, Any]:

@@ -104,6 +104,11 @@ def test_a_cut_inside_an_event_cannot_be_resumed():
     ({"messages": [], "n": 2}, "n"),
     ({"messages": [], "response_format": {"type": "json_object"}}, "structured_output"),
     ({"messages": [], "frequency_penalty": 0.5}, "penalties"),
+    ({"messages": [], "repetition_penalty": 1.2}, None),  # counted over the prompt and the answer: the same set
+    ({"messages": [], "bad_words": ["a b"]}, "bad_words"),
+    ({"messages": [], "truncate_prompt_tokens": 100}, "truncation"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "media"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, None),
     ({"messages": [], "response_format": {"type": "text"}, "tools": [{}]}, None),
 ])
 def test_which_requests_can_be_resumed_exactly(body, reason):
