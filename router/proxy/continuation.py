@@ -85,6 +85,12 @@ async def plan(upstreams: Upstreams, engine: Engine, endpoint: str, body: dict[s
         raise Finished(transcript, "", include_usage, len(prompt_ids), len(transcript.ids))
     try:
         j, decoded = await whole_characters(upstreams, engine, transcript.ids)
+        if not (decoded.startswith(text) or text.startswith(decoded)) and transcript.silent:
+            # vLLM's /detokenize writes special tokens out; its stream skipped them (skip_special_tokens):
+            # decode again without the ids the stream sent without text and that are whole text alone.
+            skipped = await specials(upstreams, engine, transcript.silent)
+            if skipped:
+                j, decoded = await whole_characters(upstreams, engine, transcript.ids, skipped)
     except UpstreamError as exc:  # the engine failed again: one more pause
         raise Paused(ENGINE_FAILED, f"engine '{engine.name}' failed before the rest could be asked for: {exc}",
                      paused.response, transcript) from None
@@ -95,13 +101,14 @@ async def plan(upstreams: Upstreams, engine: Engine, endpoint: str, body: dict[s
     else:
         raise Cut("mismatch", "the answer's token ids do not decode to the text its client got")
     left = remaining(body, j)
+    beyond = len(transcript.ids) - j  # ids the client has past the seam: the continuation writes them again
     transcript.restart_at(j, decoded)
     if left is not None and left <= 0:  # the cut fell after its last token: only the end is left to send
         raise Finished(transcript, pending, include_usage, len(prompt_ids), j)
     ids = [*prompt_ids, *transcript.ids]
     include_stop = bool(body.get("include_stop_str_in_output"))
     splice = Splice(transcript, j, len(prompt_ids), include_usage, pending, drop, stops(body), include_stop,
-                    before=text if include_stop else "", strip=body.get("return_token_ids") is not True)
+                    before=text if include_stop else "", strip=body.get("return_token_ids") is not True, beyond=beyond)
     return Plan(encode(continuation(endpoint, body, ids, j)), transcript, splice)
 
 
@@ -137,15 +144,30 @@ def stops(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in stop if isinstance(s, str) and s) if isinstance(stop, list) else ()
 
 
-async def whole_characters(upstreams: Upstreams, engine: Engine, ids: array) -> tuple[int, str]:
+async def whole_characters(upstreams: Upstreams, engine: Engine, ids: array,
+                           skipped: frozenset[int] = frozenset()) -> tuple[int, str]:
     """The longest run of `ids` from the start that decodes to whole characters, and its text (the
-    continuing engine's `/detokenize`; a UTF-8 character is at most 4 ids long on a byte-level vocabulary)."""
+    continuing engine's `/detokenize`, without the `skipped` ids; a UTF-8 character is at most 4 ids long
+    on a byte-level vocabulary)."""
     j = len(ids)
     while True:
-        text = (await detokenize(upstreams, engine, list(ids[:j]))) if j else ""
+        text = (await detokenize(upstreams, engine, [i for i in ids[:j] if i not in skipped])) if j else ""
         if not text.endswith(REPLACEMENT) or j == 0 or len(ids) - j >= 4:
             return j, text
         j -= 1
+
+
+async def specials(upstreams: Upstreams, engine: Engine, silent: set[int]) -> frozenset[int]:
+    """Of the ids a stream sent without text, those that decode alone to whole text: special tokens, which
+    vLLM's stream skips (skip_special_tokens, vllm/v1/engine/detokenizer.py:187-198) and its /detokenize
+    writes out (it has no skip_special_tokens: entrypoints/serve/tokenize/protocol.py:164-176). The others were bytes of a character or
+    text held back for a stop string."""
+    out = set()
+    for i in sorted(silent):
+        text = await detokenize(upstreams, engine, [i])
+        if text and REPLACEMENT not in text:
+            out.add(i)
+    return frozenset(out)
 
 
 async def detokenize(upstreams: Upstreams, engine: Engine, ids: list[int]) -> str:
@@ -209,11 +231,12 @@ class Splice:
     if the client asked for it), ids only if the client asked for them. Records what it sends."""
 
     def __init__(self, transcript: Transcript, j: int, prompt_tokens: int, include_usage: bool, pending: str, drop: str,
-                 stop: tuple[str, ...], include_stop: bool, before: str, strip: bool) -> None:
+                 stop: tuple[str, ...], include_stop: bool, before: str, strip: bool, beyond: int = 0) -> None:
         self.transcript = transcript
         self.identity = transcript.first or {}
         self.j, self.prompt_tokens = j, prompt_tokens
         self.include_usage, self.strip = include_usage, strip
+        self.beyond = beyond  # the continuation's first ids that a client asking for ids already has (as `drop` is text)
         self.pending, self.drop = pending, drop
         self.stop, self.include_stop = stop, include_stop
         # The seam's window: held until a stop string that begins before the continuation's own text (in
@@ -321,6 +344,8 @@ class Splice:
         window_text = self.before + seen
         found = [(at, s) for s in self.stop if 0 <= (at := window_text.find(s)) < self.starts and at + len(s) > len(self.before)]
         choice = dict(last["choices"][0]) if last["choices"] else {"index": 0}
+        if any(isinstance(c.get("token_ids"), list) for h in held for c in h["choices"]):
+            choice["token_ids"] = [i for h in held for c in h["choices"] for i in c.get("token_ids") or ()]
         key = "content" if self.transcript.chat else "text"
         if found:
             at, s = min(found)
@@ -344,9 +369,12 @@ class Splice:
 
     def _send(self, chunk: dict[str, Any]) -> bytes:
         self.transcript.record(chunk)
-        if self.strip:
-            for choice in chunk.get("choices") or ():
+        for choice in chunk.get("choices") or ():
+            if self.strip:
                 choice.pop("token_ids", None)
+            elif self.beyond and isinstance(choice.get("token_ids"), list):
+                n = min(self.beyond, len(choice["token_ids"]))
+                choice["token_ids"], self.beyond = choice["token_ids"][n:], self.beyond - n
         return _event(chunk)
 
 

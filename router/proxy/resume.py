@@ -25,6 +25,7 @@ ENGINE_FAILED = "engine_failed"  # the fourth reason a request is paused, beside
 # Past this many bytes of relayed events a stream's transcript is parsed down to its text and ids:
 # what the router keeps per stream is then about 4 bytes per token, its text, and at most this much more.
 COMPACT_BYTES = 64 * 1024
+MAX_SILENT = 64  # distinct ids kept that came without text (router.proxy.continuation asks the engine about each)
 # The fields `return_token_ids` adds, as vLLM writes them (pydantic's compact JSON; never first in their
 # object). JSON escapes a quote inside a string, so no generated text can contain these bytes.
 _ID_KEYS = (b',"token_ids":', b',"prompt_token_ids":')
@@ -136,7 +137,7 @@ class Transcript:
     worth parsing (`COMPACT_BYTES`), then as the answer's text, its token ids and the prompt's."""
 
     __slots__ = ("chat", "pieces", "size", "rest", "first", "text", "ids", "prompt_ids", "role_sent", "finish_reason",
-                 "done", "usage", "unresumable")
+                 "done", "usage", "unresumable", "silent")
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
@@ -152,6 +153,9 @@ class Transcript:
         self.done = False  # `data: [DONE]` went out
         self.usage = False  # a usage chunk went out
         self.unresumable: Optional[str] = None  # what was sent that a continuation cannot follow
+        # Ids that came alone in a chunk without text: a special token vLLM skipped (skip_special_tokens), or
+        # the first bytes of a character, or text held back for a stop string (router.proxy.continuation tells).
+        self.silent: set[int] = set()
 
     def extend(self, pieces: list[bytes]) -> None:
         self.pieces.extend(pieces)
@@ -210,6 +214,8 @@ class Transcript:
                 self.text.append(content)
             if isinstance(choice.get("token_ids"), list):
                 self.ids.extend(choice["token_ids"])
+                if len(choice["token_ids"]) == 1 and not content and len(self.silent) < MAX_SILENT:
+                    self.silent.add(choice["token_ids"][0])
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
 

@@ -93,6 +93,14 @@ def test_what_a_continuation_cannot_follow_is_named(chunks, reason):
     assert exc.value.reason == reason
 
 
+def test_ids_that_came_alone_without_text_are_kept_for_the_seam_to_tell_special_tokens_from_partial_characters():
+    transcript = Transcript(chat=True)
+    transcript.extend([event(chat_chunk("", ids=[], role="assistant", prompt_ids=[1])), event(chat_chunk(" a", ids=[40])),
+                       event(chat_chunk("", ids=[2])), event(chat_chunk(" b", ids=[41])), event(chat_chunk("", ids=[42, 43]))])
+    assert transcript.so_far() == " a b" and list(transcript.ids) == [40, 2, 41, 42, 43]
+    assert transcript.silent == {2}
+
+
 def test_a_cut_inside_an_event_cannot_be_resumed():
     transcript = Transcript(chat=False)
     transcript.extend([b'data: {"id":"c","choices":[{"text":" a"'])
@@ -136,6 +144,18 @@ def seamed(transcript_text: str, pending="", drop="", stop=(), include_usage=Tru
     transcript.so_far()
     return transcript, Splice(transcript, 2, 2, include_usage, pending, drop, tuple(stop), include_stop,
                               before=transcript_text if include_stop else "", strip=True)
+
+
+def test_a_client_asking_for_ids_gets_the_ids_past_the_seam_once():
+    transcript = Transcript(chat=True)
+    transcript.extend([event(chat_chunk("", ids=[], role="assistant", prompt_ids=[1, 2])),
+                       event(chat_chunk(" the", ids=[40])), event(chat_chunk(" cat", ids=[41, 42]))])
+    transcript.so_far()
+    transcript.restart_at(1, " the")  # the seam stepped back to a whole character: the client has 41 and 42 already
+    splice = Splice(transcript, 1, 2, False, "", " cat", (), False, before="", strip=False, beyond=2)
+    sent = events_of(splice([event(chat_chunk(" c", ids=[41])), event(chat_chunk("at sat", ids=[42, 43]))]))
+    assert text_of(sent) == " sat" and [i for e in sent for c in e["choices"] for i in c.get("token_ids") or []] == [43]
+    assert list(transcript.ids) == [40, 41, 42, 43]
 
 
 def test_the_continuation_reads_as_the_rest_of_the_clients_answer():
