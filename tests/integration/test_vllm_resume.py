@@ -45,7 +45,10 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "config" / "examples" / "vllm-cpu.yaml"
 MODEL = "tiny-plain"
 MAX_TOKENS = 64
-PACE_MS = 15  # a cut stream's pace (vllm_pace.py): the reader's freeze lands within a token or two of chunk N
+# A cut stream's pace (vllm_pace.py): the reader's freeze lands within a token or two of chunk N, and a
+# reader starved by a busy machine still has (MAX_TOKENS - LAST_N) * PACE_MS (1.2 s) to send it.
+PACE_MS = 50
+LAST_N = 40
 SEED = int(os.environ.get("HOTSWAP_RESUME_SEED") or random.SystemRandom().randrange(1 << 20))
 PROMPTS = ["The router wakes the model and", "A student reads the first page", "Our team builds a small house"]
 
@@ -84,15 +87,20 @@ def rng(request: pytest.FixtureRequest) -> random.Random:
 
 def request(chat: bool, prompt: str = PROMPTS[0]) -> tuple[str, dict[str, Any]]:
     body: dict[str, Any] = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                            "return_token_ids": True, "stream_options": {"include_usage": True},
-                            "vllm_xargs": {"hotswap_pace_ms": PACE_MS}}
+                            "return_token_ids": True, "stream_options": {"include_usage": True}}
     body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
 
+def paced(body: dict[str, Any]) -> dict[str, Any]:
+    """The same request, one token every PACE_MS at least (the logits are untouched: the same answer)."""
+    return {**body, "vllm_xargs": {"hotswap_pace_ms": PACE_MS}}
+
+
 class Stream:
-    def __init__(self, events: list[dict[str, Any]], comments: list[bytes], done: int):
+    def __init__(self, events: list[dict[str, Any]], comments: list[bytes], done: int, paused_at: Optional[int]):
         self.events, self.comments, self.done = events, comments, done
+        self.paused_at = paused_at  # data events before the pause's comment
 
     def ids(self) -> list[int]:
         return [i for e in self.events for c in e.get("choices", []) for i in c.get("token_ids") or []]
@@ -108,7 +116,7 @@ async def stream(live: LiveRouter, path: str, body: dict[str, Any], after: Optio
     while it runs)."""
     events: list[dict[str, Any]] = []
     comments: list[bytes] = []
-    done, cutting = 0, None
+    done, cutting, paused_at = 0, None, None
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOOT_TIMEOUT_S + 180)) as s:
         async with s.post(live.url + path, json={**body, "stream": True}) as r:
             assert r.status == 200, await r.text()
@@ -120,6 +128,8 @@ async def stream(live: LiveRouter, path: str, body: dict[str, Any], after: Optio
                     for line in block.split(b"\n"):
                         if line.startswith(b":"):
                             comments.append(line)
+                            if b"paused" in line and paused_at is None:
+                                paused_at = len(events)
                         elif line == b"data: [DONE]":
                             done += 1
                         elif line.startswith(b"data: "):
@@ -129,7 +139,7 @@ async def stream(live: LiveRouter, path: str, body: dict[str, Any], after: Optio
                     cutting = asyncio.create_task(cut())
     if cutting is not None:
         await cutting
-    return Stream(events, comments, done)
+    return Stream(events, comments, done, paused_at)
 
 
 def freeze(live: LiveRouter) -> None:
@@ -178,15 +188,16 @@ async def test_a_greedy_stream_cut_by_a_sleep_after_n_chunks_resumes_token_for_t
     path, body = request(chat)
     uncut = await stream(router, path, body)
     before = resumed(router, "drain_deadline")
-    n = rng.randrange(2, MAX_TOKENS - 8)
+    n = rng.randrange(2, LAST_N)
     progress(f"{'chat' if chat else 'completions'}: the reader puts {MODEL} to sleep after {n} chunks")
 
     async def sleep() -> None:
         status, answer = await asyncio.to_thread(http, "POST", router.url + f"/admin/sleep?model={MODEL}")
         assert status == 200 and answer["result"] == "sleeping", answer
 
-    cut = await stream(router, path, body, after=n, cut=sleep)
+    cut = await stream(router, path, paced(body), after=n, cut=sleep)
     assert any(b"paused (drain_deadline)" in c for c in cut.comments), ("the stream was not cut", cut.comments)
+    progress(f"  the stream was paused after {cut.paused_at} chunks")
     same_answer(cut, uncut, chat)
     assert resumed(router, "drain_deadline") == before + 1
     assert router.awake() == [MODEL], "the paused request woke the model by itself"
@@ -198,14 +209,15 @@ async def test_an_engine_killed_mid_stream_is_restarted_and_the_restart_finishes
     uncut = await stream(router, path, body)
     reaper = router.engine(MODEL)["pid"]
     pid = vllm_serve(reaper)
-    n = rng.randrange(2, MAX_TOKENS - 8)
+    n = rng.randrange(2, LAST_N)
     progress(f"chat: the reader SIGKILLs {MODEL}'s vllm serve (pid {pid}) after {n} chunks; the router restarts it")
 
     async def kill() -> None:
         os.kill(pid, signal.SIGKILL)
 
-    cut = await stream(router, path, body, after=n, cut=kill)
+    cut = await stream(router, path, paced(body), after=n, cut=kill)
     assert any(b"paused (engine_failed)" in c for c in cut.comments), ("the stream was not cut", cut.comments)
+    progress(f"  the stream was paused after {cut.paused_at} chunks")
     same_answer(cut, uncut, True)
     assert router.engine(MODEL)["pid"] != reaper
     assert resumed(router, "engine_failed") == 1
