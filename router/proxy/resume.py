@@ -61,8 +61,8 @@ def resumable(endpoint: str, body: dict[str, Any], anthropic: bool) -> Optional[
     """None if an answer to `body` can be resumed exactly when cut, else the reason it cannot."""
     if anthropic or endpoint not in (CHAT, COMPLETIONS):
         return "shape"
-    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
-        return "n"
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1) or body.get("use_beam_search"):
+        return "n"  # several sequences (beam search keeps several until the end): one continuation has one
     if endpoint == COMPLETIONS:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -110,6 +110,7 @@ def test_a_cut_inside_an_event_cannot_be_resumed():
 
 @pytest.mark.parametrize("body, reason", [
     ({"messages": [], "n": 2}, "n"),
+    ({"messages": [], "use_beam_search": True}, "n"),
     ({"messages": [], "response_format": {"type": "json_object"}}, "structured_output"),
     ({"messages": [], "frequency_penalty": 0.5}, "penalties"),
     ({"messages": [], "repetition_penalty": 1.2}, None),  # counted over the prompt and the answer: the same set
