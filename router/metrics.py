@@ -35,8 +35,8 @@ RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2, 4)
 DRIFT_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 EVICTION_REASONS = ("room", "idle", "admin", "boot", "demote", "stop", "preempt")
 RESUME_REASONS = ("drain_deadline", "engine_failed", "restart", "preempted", "migrated")
-CUT_REASONS = ("n", "tools", "reasoning", "structured_output", "penalties", "shape", "mid_event", "no_token_ids",
-               "engine_error", "malformed", "mismatch", "detokenize", "wait", "too_many", "engine_failed")
+CUT_REASONS = ("n", "tools", "reasoning", "structured_output", "penalties", "bad_words", "truncation", "media", "shape",
+               "mid_event", "no_token_ids", "engine_error", "malformed", "mismatch", "detokenize", "wait", "too_many", "engine_failed")
 AHEAD_OUTCOMES = ("woken", "used", "unused", "failed")
 RESTART_REASONS = ("failed", "gate", "midlife", "admin", "roster")
 

@@ -27,15 +27,12 @@ from typing import Any, Awaitable, Callable, NamedTuple, Optional
 from aiohttp import web
 
 from engines.engine import Engine
-from router.errors import APIError, sse_error
+from router.errors import sse_error
 from router.proxy.exchange import UpstreamError
-from router.proxy.resume import CHAT, ENGINE_FAILED, NotResumable, Paused, Transcript, with_ids
+from router.proxy.resume import CHAT, ENGINE_FAILED, Cut, NotResumable, Paused, Transcript, with_ids
 from router.proxy.upstream import Upstreams, request_bytes
 
 DETOKENIZE_TIMEOUT_S = 30.0
-MAX_RESUMES = 8  # an answer cut more often than this is cut for good
-# An answer whose engine died under it this often may be what kills it (a poison request): no more restarts for it.
-MAX_FAILURES = 2
 REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a character it has not seen whole
 Decode = Callable[[list[int]], Awaitable[str]]  # token ids to text: an engine's /detokenize, here or on a peer
 
@@ -46,23 +43,6 @@ class Plan(NamedTuple):
     body: bytes
     transcript: Optional[Transcript]
     splice: Optional[Splice]
-
-
-class Cut(Exception):
-    """The paused answer cannot be resumed: `reason` labels it in hotswap_streams_cut_total."""
-
-    def __init__(self, reason: str, why: str):
-        super().__init__(why)
-        self.reason = reason
-
-
-def too_often(reasons: list[str], why: str) -> None:
-    """Raises Cut when an answer was paused too often to try again (`reasons`: each pause's, this one's last)."""
-    if len(reasons) > MAX_RESUMES:
-        raise Cut("too_many", f"the answer was cut {len(reasons)} times; the last: {why}")
-    if reasons.count(ENGINE_FAILED) > MAX_FAILURES:
-        raise Cut("engine_failed", f"its engine failed {MAX_FAILURES + 1} times while answering it, so it is not tried "
-                                   f"again (the request may be what kills it); the last: {why}")
 
 
 async def plan(decode: Decode, where: str, endpoint: str, body: dict[str, Any], paused: Paused, encode,
@@ -88,6 +68,12 @@ async def plan(decode: Decode, where: str, endpoint: str, body: dict[str, Any], 
         raise Finished(transcript, "", include_usage, len(prompt_ids), len(transcript.ids))
     try:
         j, decoded = await whole_characters(decode, transcript.ids)
+        if not (decoded.startswith(text) or text.startswith(decoded)) and transcript.silent:
+            # vLLM's /detokenize writes special tokens out; its stream skipped them (skip_special_tokens):
+            # decode again without the ids the stream sent without text and that are whole text alone.
+            skipped = await specials(decode, transcript.silent)
+            if skipped:
+                j, decoded = await whole_characters(decode, transcript.ids, skipped)
     except UpstreamError as exc:  # the engine failed again: one more pause
         raise Paused(ENGINE_FAILED, f"{where} failed before the rest could be asked for: {exc}",
                      paused.response, transcript) from None
@@ -98,6 +84,7 @@ async def plan(decode: Decode, where: str, endpoint: str, body: dict[str, Any], 
     else:
         raise Cut("mismatch", "the answer's token ids do not decode to the text its client got")
     left = remaining(body, j)
+    beyond = len(transcript.ids) - j  # ids the client has past the seam: the continuation writes them again
     # The ids from here are the continuation's; the text stays the client's (the splice records what it sends,
     # pending text included), so a second pause before the pending text went out finds it pending again.
     transcript.restart_at(j)
@@ -106,7 +93,7 @@ async def plan(decode: Decode, where: str, endpoint: str, body: dict[str, Any], 
     ids = [*prompt_ids, *transcript.ids]
     include_stop = bool(body.get("include_stop_str_in_output"))
     splice = Splice(transcript, j, len(prompt_ids), include_usage, pending, drop, stops(body), include_stop,
-                    before=text if include_stop else "", prefilled=prefilled)
+                    before=text if include_stop else "", beyond=beyond, prefilled=prefilled)
     return Plan(encode(continuation(endpoint, body, ids, j)), transcript, splice)
 
 
@@ -142,15 +129,29 @@ def stops(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in stop if isinstance(s, str) and s) if isinstance(stop, list) else ()
 
 
-async def whole_characters(decode: Decode, ids: array) -> tuple[int, str]:
+async def whole_characters(decode: Decode, ids: array, skipped: frozenset[int] = frozenset()) -> tuple[int, str]:
     """The longest run of `ids` from the start that decodes to whole characters, and its text (the
-    continuing engine's `/detokenize`; a UTF-8 character is at most 4 ids long on a byte-level vocabulary)."""
+    continuing engine's `/detokenize`, without the `skipped` ids; a UTF-8 character is at most 4 ids long
+    on a byte-level vocabulary)."""
     j = len(ids)
     while True:
-        text = (await decode(list(ids[:j]))) if j else ""
+        text = (await decode([i for i in ids[:j] if i not in skipped])) if j else ""
         if not text.endswith(REPLACEMENT) or j == 0 or len(ids) - j >= 4:
             return j, text
         j -= 1
+
+
+async def specials(decode: Decode, silent: set[int]) -> frozenset[int]:
+    """Of the ids a stream sent without text, those that decode alone to whole text: special tokens, which
+    vLLM's stream skips (skip_special_tokens, vllm/v1/engine/detokenizer.py:187-198) and its /detokenize
+    writes out (it has no skip_special_tokens: entrypoints/serve/tokenize/protocol.py:164-176). The others
+    were bytes of a character or text held back for a stop string."""
+    out = set()
+    for i in sorted(silent):
+        text = await decode([i])
+        if text and REPLACEMENT not in text:
+            out.add(i)
+    return frozenset(out)
 
 
 async def detokenize(upstreams: Upstreams, engine: Engine, ids: list[int]) -> str:
@@ -215,12 +216,13 @@ class Splice:
     continuation's prompt ids (the answer so far). Records what it sends."""
 
     def __init__(self, transcript: Transcript, j: int, prompt_tokens: int, include_usage: bool, pending: str, drop: str,
-                 stop: tuple[str, ...], include_stop: bool, before: str,
+                 stop: tuple[str, ...], include_stop: bool, before: str, beyond: int = 0,
                  prefilled: Optional[Callable[[int, float], None]] = None) -> None:
         self.transcript = transcript
         self.identity = transcript.first or {}
         self.j, self.prompt_tokens = j, prompt_tokens
         self.include_usage = include_usage
+        self.beyond = beyond  # the continuation's first ids that the client already has (as `drop` is text)
         self.pending, self.drop = pending, drop
         self.stop, self.include_stop = stop, include_stop
         # The seam's window: held until a stop string that begins before the continuation's own text (in
@@ -335,6 +337,8 @@ class Splice:
         window_text = self.before + seen
         found = [(at, s) for s in self.stop if 0 <= (at := window_text.find(s)) < self.starts and at + len(s) > len(self.before)]
         choice = dict(last["choices"][0]) if last["choices"] else {"index": 0}
+        if any(isinstance(c.get("token_ids"), list) for h in held for c in h["choices"]):
+            choice["token_ids"] = [i for h in held for c in h["choices"] for i in c.get("token_ids") or ()]
         key = "content" if self.transcript.chat else "text"
         if found:
             at, s = min(found)
@@ -358,38 +362,8 @@ class Splice:
 
     def _send(self, chunk: dict[str, Any]) -> bytes:
         self.transcript.record(chunk)
+        for choice in chunk.get("choices") or ():
+            if self.beyond and isinstance(choice.get("token_ids"), list):
+                n = min(self.beyond, len(choice["token_ids"]))
+                choice["token_ids"], self.beyond = choice["token_ids"][n:], self.beyond - n
         return _event(chunk)
-
-
-async def end_cut(response: Optional[web.StreamResponse], cut: Cut, anthropic: bool) -> web.StreamResponse:
-    """An answer that could not be resumed: a stream ends with its error event, a buffered request gets the 503."""
-    message = f"{cut}; it was cut and cannot be resumed ({cut.reason}); retry it"
-    if response is None:
-        raise APIError(503, message, "stream_cut")
-    await response.write(sse_error(message, "stream_cut", status=503, anthropic=anthropic))
-    await response.write_eof()
-    return response
-
-
-class Pauses:
-    """A request's pauses, for its metrics and its record: each one's reason, those that were resumed, and
-    the time they waited."""
-
-    __slots__ = ("reasons", "resumed", "paused_s", "since")
-
-    def __init__(self) -> None:
-        self.reasons: list[str] = []
-        self.resumed: list[str] = []
-        self.paused_s = 0.0
-        self.since = 0.0
-
-    def began(self, reason: str) -> None:
-        self.reasons.append(reason)
-        self.since = time.monotonic()
-
-    def ended(self) -> float:
-        """The pause just resumed: how long it waited."""
-        waited = time.monotonic() - self.since
-        self.paused_s += waited
-        self.resumed.append(self.reasons[-1])
-        return waited

@@ -34,8 +34,8 @@ from router.metrics import UNKNOWN_MODEL
 from router.proxy.body import Form, encoded, read_form, read_json
 from router.proxy.forward import ANSWER_NUMBERS, CUT, NONE, ClientClosed, forward, json_for, read_numbers
 from router.proxy.responses import RESPONSE_IDS_KEY, engine_for, pinned_engine, pinning
-from router.proxy.continuation import Cut, Finished, Pauses, Plan, detokenize, end_cut, plan, too_often
-from router.proxy.resume import ENGINE_FAILED, Paused, Transcript, asking_ids, resumable
+from router.proxy.continuation import Finished, Plan, detokenize, plan
+from router.proxy.resume import ENGINE_FAILED, Cut, Paused, Pauses, Transcript, asking_ids, end_cut, resumable, too_often
 from router.scheduling import Lease
 
 PROBE_WAIT_S = 10.0  # longer than engines.watch's health call: its verdict comes first

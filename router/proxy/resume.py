@@ -12,22 +12,32 @@ field they do not know, as they ignore vLLM's `stop_reason`): removing them from
 resumable stream 10-15% of its proxy CPU (docs/benchmarks.md), and the hot path pays for resuming
 only a reference to each chunk it relays. The chunks are read (into text and ids) past
 `COMPACT_BYTES`, and at a cut.
+
+A request's pauses are counted here too (`Pauses`): one paused too often, or whose engine died under
+it too often, is cut for good (`too_often`, `Cut`, `end_cut`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from array import array
 from typing import Any, Iterator, Optional
 
 from aiohttp import web
 
+from router.errors import APIError, sse_error
+
 CHAT, COMPLETIONS = "chat", "completions"
+MAX_RESUMES = 8  # an answer cut more often than this is cut for good
+# An answer whose engine died under it this often may be what kills it (a poison request): no more restarts for it.
+MAX_FAILURES = 2
 ENGINE_FAILED = "engine_failed"  # the fourth reason a request is paused, beside engines.leases' cuts
 # Past this many bytes of relayed events a stream's transcript is read down to its text and ids: what the
 # router keeps per stream is then 8 bytes per token, its text as one string, and at most this much more.
 COMPACT_BYTES = 16 * 1024
+MAX_SILENT = 64  # distinct ids kept that came without text (router.proxy.continuation asks the engine about each)
 # The prompt's ids `return_token_ids` adds to a stream's first event, as vLLM writes them (pydantic's compact
 # JSON; never first in their object). JSON escapes a quote inside a string, so no generated text can contain
 # these bytes; ids are integers, so the first `]` closes the list.
@@ -43,6 +53,11 @@ _TEXT = {True: re.compile(rb'"content":("[^"\\]*(?:\\.[^"\\]*)*")'), False: re.c
 # Keys that make the rest of an answer depend on more than its ids so far (docs/operators.md lists why).
 _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _PENALTIES = ("frequency_penalty", "presence_penalty")  # vLLM counts them over output tokens only
+# vLLM 0.32 renders chat messages with a non-text part (an image, audio, a file) again and ignores the ids it
+# was given (chat_completion/protocol.py:1033-1051, renderers/online_renderer.py:128-133): its answer would start over.
+_TEXT_PARTS = ("text", "input_text", "output_text", "refusal", "thinking", "tool_reference")
+_MEDIA_KEYS = ("image_url", "input_image", "image_embeds", "image_pil", "audio_url", "input_audio", "audio_embeds",
+               "video_url", "video_embeds", "prompt_embeds")
 
 
 class Paused(Exception):
@@ -66,8 +81,8 @@ def resumable(endpoint: str, body: dict[str, Any], anthropic: bool) -> Optional[
     """None if an answer to `body` can be resumed exactly when cut, else the reason it cannot."""
     if anthropic or endpoint not in (CHAT, COMPLETIONS):
         return "shape"
-    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
-        return "n"
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1) or body.get("use_beam_search"):
+        return "n"  # several sequences (beam search keeps several until the end): one continuation has one
     if endpoint == COMPLETIONS:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -78,7 +93,24 @@ def resumable(endpoint: str, body: dict[str, Any], anthropic: bool) -> Optional[
         return "structured_output"
     if any(body.get(key) not in (None, 0) for key in _PENALTIES):
         return "penalties"
+    if body.get("bad_words"):
+        return "bad_words"  # matched against the answer's own tokens only (vllm/v1/sample/sampler.py:385)
+    if body.get("truncate_prompt_tokens") not in (None, -1):
+        return "truncation"  # the continuation's prompt (prompt and answer so far) would be cut elsewhere
+    if endpoint == CHAT and _media(body.get("messages")):
+        return "media"
     return None
+
+
+def _media(messages: Any) -> bool:
+    """Whether a message has a content part that is not text (vllm/renderers/chat_utils.py:1824-1843)."""
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and (part.get("type", "text") not in _TEXT_PARTS or
+                                           any(key in part for key in _MEDIA_KEYS)):
+                return True
+    return False
 
 
 def with_ids(body: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +153,7 @@ class Transcript:
     pattern (`_TEXT`, `_IDS`: a few C calls per block); the others are parsed."""
 
     __slots__ = ("chat", "pieces", "size", "rest", "first", "text", "ids", "prompt_ids", "role_sent", "finish_reason",
-                 "done", "usage", "unresumable")
+                 "done", "usage", "unresumable", "silent")
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
@@ -137,6 +169,9 @@ class Transcript:
         self.done = False  # `data: [DONE]` went out
         self.usage = False  # a usage chunk went out
         self.unresumable: Optional[str] = None  # what was sent that a continuation cannot follow
+        # Ids that came alone in a chunk without text: a special token vLLM skipped (skip_special_tokens), or
+        # the first bytes of a character, or text held back for a stop string (router.proxy.continuation tells).
+        self.silent: set[int] = set()
 
     def extend(self, pieces: list[bytes]) -> None:
         self.pieces.extend(pieces)
@@ -175,12 +210,15 @@ class Transcript:
     def _ordinary(self, events: bytes) -> None:
         if not events:
             return
-        texts = _TEXT[self.chat].findall(events)
+        texts, ids = _TEXT[self.chat].findall(events), _IDS.findall(events)
+        if len(texts) != len(ids) or b'""' in texts:  # an event with ids and no text: which ones came alone counts
+            self._parse(events)
+            return
         if texts:
             self.text.append("".join(json.loads(b"[" + b",".join(texts) + b"]")))
-        ids = b",".join(filter(None, _IDS.findall(events)))
-        if ids:
-            self.ids.extend(map(int, ids.split(b",")))
+        joined = b",".join(filter(None, ids))
+        if joined:
+            self.ids.extend(map(int, joined.split(b",")))
 
     def _parse(self, events: bytes) -> None:
         datas = []
@@ -238,6 +276,8 @@ class Transcript:
                 self.text.append(content)
             if isinstance(choice.get("token_ids"), list):
                 self.ids.extend(choice["token_ids"])
+                if len(choice["token_ids"]) == 1 and not content and len(self.silent) < MAX_SILENT:
+                    self.silent.add(choice["token_ids"][0])
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
 
@@ -265,3 +305,56 @@ class Transcript:
     def restart_at(self, ids: int) -> None:
         """After a seam: the answer is its first `ids` ids; the continuation's follow."""
         del self.ids[ids:]
+
+
+# -- a request's pauses, and the end of one that cannot be resumed --------------------------------
+
+class Cut(Exception):
+    """The paused answer cannot be resumed: `reason` labels it in hotswap_streams_cut_total."""
+
+    def __init__(self, reason: str, why: str):
+        super().__init__(why)
+        self.reason = reason
+
+
+def too_often(reasons: list[str], why: str) -> None:
+    """Raises Cut when an answer was paused too often to try again (`reasons`: each pause's, this one's last)."""
+    if len(reasons) > MAX_RESUMES:
+        raise Cut("too_many", f"the answer was cut {len(reasons)} times; the last: {why}")
+    if reasons.count(ENGINE_FAILED) > MAX_FAILURES:
+        raise Cut("engine_failed", f"its engine failed {MAX_FAILURES + 1} times while answering it, so it is not tried "
+                                   f"again (the request may be what kills it); the last: {why}")
+
+
+async def end_cut(response: Optional[web.StreamResponse], cut: Cut, anthropic: bool) -> web.StreamResponse:
+    """An answer that could not be resumed: a stream ends with its error event, a buffered request gets the 503."""
+    message = f"{cut}; it was cut and cannot be resumed ({cut.reason}); retry it"
+    if response is None:
+        raise APIError(503, message, "stream_cut")
+    await response.write(sse_error(message, "stream_cut", status=503, anthropic=anthropic))
+    await response.write_eof()
+    return response
+
+
+class Pauses:
+    """A request's pauses, for its metrics and its record: each one's reason, those that were resumed, and
+    the time they waited."""
+
+    __slots__ = ("reasons", "resumed", "paused_s", "since")
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+        self.resumed: list[str] = []
+        self.paused_s = 0.0
+        self.since = 0.0
+
+    def began(self, reason: str) -> None:
+        self.reasons.append(reason)
+        self.since = time.monotonic()
+
+    def ended(self) -> float:
+        """The pause just resumed: how long it waited."""
+        waited = time.monotonic() - self.since
+        self.paused_s += waited
+        self.resumed.append(self.reasons[-1])
+        return waited

@@ -121,6 +121,18 @@ def test_ordinary_events_are_read_by_pattern_and_agree_with_a_parse():
         assert list(transcript.ids) == list(range(10, 10 + len(tricky) * 40)) and not transcript.done
 
 
+def test_ids_that_came_alone_without_text_are_kept_for_the_seam_to_tell_special_tokens_from_partial_characters():
+    transcript = Transcript(chat=True)
+    transcript.extend([event(chat_chunk("", ids=[], role="assistant", prompt_ids=[1])), event(chat_chunk(" a", ids=[40])),
+                       event(chat_chunk("", ids=[2])), event(chat_chunk(" b", ids=[41])), event(chat_chunk("", ids=[42, 43]))])
+    assert transcript.so_far() == " a b" and list(transcript.ids) == [40, 2, 41, 42, 43]
+    assert transcript.silent == {2}
+    long = Transcript(chat=True)  # past the budget too, where ordinary events are read by pattern
+    long.extend([event(chat_chunk("", ids=[], role="assistant", prompt_ids=[1]))] +
+                [event(chat_chunk(" a", ids=[40])), event(chat_chunk("", ids=[2]))] * 200)
+    assert long.so_far() == " a" * 200 and long.silent == {2}
+
+
 def test_a_cut_inside_an_event_cannot_be_resumed():
     transcript = Transcript(chat=False)
     transcript.extend([b'data: {"id":"c","choices":[{"text":" a"'])
@@ -130,9 +142,15 @@ def test_a_cut_inside_an_event_cannot_be_resumed():
 
 @pytest.mark.parametrize("body, reason", [
     ({"messages": [], "n": 2}, "n"),
+    ({"messages": [], "use_beam_search": True}, "n"),
     ({"messages": [], "response_format": {"type": "json_object"}}, "structured_output"),
     ({"messages": [], "frequency_penalty": 0.5}, "penalties"),
     ({"messages": [], "response_format": {"type": "text"}, "tools": [{}]}, None),
+    ({"messages": [], "repetition_penalty": 1.2}, None),  # counted over the prompt and the answer: the same set
+    ({"messages": [], "bad_words": ["a b"]}, "bad_words"),
+    ({"messages": [], "truncate_prompt_tokens": 100}, "truncation"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "media"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, None),
 ])
 def test_which_requests_can_be_resumed_exactly(body, reason):
     assert resumable("chat", body, anthropic=False) == reason
@@ -159,6 +177,18 @@ def seamed(transcript_text: str, pending="", drop="", stop=(), include_usage=Tru
     transcript.so_far()
     return transcript, Splice(transcript, 2, 2, include_usage, pending, drop, tuple(stop), include_stop,
                               before=transcript_text if include_stop else "")
+
+
+def test_a_client_gets_the_ids_past_the_seam_once():
+    transcript = Transcript(chat=True)
+    transcript.extend([event(chat_chunk("", ids=[], role="assistant", prompt_ids=[1, 2])),
+                       event(chat_chunk(" the", ids=[40])), event(chat_chunk(" cat", ids=[41, 42]))])
+    transcript.so_far()
+    transcript.restart_at(1)  # the seam stepped back to a whole character: the client has 41 and 42 already
+    splice = Splice(transcript, 1, 2, False, "", " cat", (), False, before="", beyond=2)
+    sent = events_of(splice([event(chat_chunk(" c", ids=[41])), event(chat_chunk("at sat", ids=[42, 43]))]))
+    assert text_of(sent) == " sat" and [i for e in sent for c in e["choices"] for i in c.get("token_ids") or []] == [43]
+    assert list(transcript.ids) == [40, 41, 42, 43]
 
 
 def test_the_continuation_reads_as_the_rest_of_the_clients_answer():
