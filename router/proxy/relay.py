@@ -45,8 +45,10 @@ class Relay:
         self.chunked = chunked_out
         self.can_raw = chunked_out and chunked_in and rewrite is None
         self.raw = self.can_raw and not strip
+        self.raw_next = False
         self.transcript = transcript  # what the client got, should the answer be resumed (router.proxy.resume)
         self.strip = strip  # the prompt's ids asked for the transcript, not by the client: in the first event
+        self.first: list[bytes] = []  # while stripping, the first event until it is whole
         self.rewrite = rewrite  # a continuation's events, rewritten as the rest of the client's answer (it records them)
         self.sniffer = sniffer
         # The stream's last decoded pieces (references, no copies), where the final usage event
@@ -58,6 +60,8 @@ class Relay:
 
     def forward(self, raw: bytes, pieces: list[bytes], at_boundary: bool) -> bool:
         transport = self.transport
+        if self.raw_next:
+            self.raw, self.raw_next = True, False
         if transport.is_closing():
             return False
         if self.rewrite is not None and self.rewrite.ended:
@@ -67,14 +71,12 @@ class Relay:
                 self.sniffer.feed(piece)
             if self.sniffer.done:
                 self.sniffer = None
-        first_out = False
         if self.rewrite is not None:
             pieces = self.rewrite(pieces)
         elif self.transcript is not None:
             self.transcript.extend(pieces)
             if self.strip:
-                pieces = strip_prompt_ids(pieces)
-                first_out = at_boundary and any(b"\n\n" in piece for piece in pieces)
+                pieces = self._without_prompt_ids(pieces)
         if self.tail is not None:
             self.tail.extend(pieces)
         if self.raw:
@@ -91,9 +93,21 @@ class Relay:
             else:
                 transport.writelines(pieces)
             self.written += size
-        if first_out:  # the prompt's ids went with the first event; the rest go as the engine framed them
-            self.strip, self.raw = False, self.can_raw
+        if not (self.raw or self.strip) and at_boundary and self.transcript is not None:
+            # The prompt's ids went with the first event: the rest go as the engine framed them, from the next call
+            # on (this one's raw bytes may hold the body's end, which went out as pieces).
+            self.raw_next = self.can_raw
         return True
+
+    def _without_prompt_ids(self, pieces: list[bytes]) -> list[bytes]:
+        """The first event, once whole, without the prompt's ids; nothing while it is not."""
+        self.first.extend(pieces)
+        data = b"".join(self.first)
+        if b"\n\n" not in data:
+            self.first = [data]
+            return []
+        self.first, self.strip = [], False
+        return strip_prompt_ids([data])
 
     def congested(self) -> bool:
         # Above the transport's high-water mark it has paused aiohttp's protocol, so the
@@ -129,6 +143,9 @@ class Relay:
         """The engine's answer is complete: close the body (the raw path forwarded the engine's own end)."""
         if self.rewrite is not None and (rest := self.rewrite.flush()):
             self.rewrite, self.transcript = None, None  # rewritten and recorded already
+            self.forward(b"", rest, True)
+        if self.first:  # an answer that ended inside its first event: what came of it, as it came
+            rest, self.first, self.strip, self.transcript = self.first, [], False, None
             self.forward(b"", rest, True)
         if self.chunked and not self.raw and not self.transport.is_closing():
             self.transport.write(TERMINATOR)

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.proxy.relay import Relay
+from router.proxy.resume import Transcript
 from router.proxy.exchange import Connection, Exchange, UpstreamError
 from router.proxy.upstream import Pool
 
@@ -102,7 +103,7 @@ def chunked(chunks: list[tuple[bytes, bytes]], last_ext: bytes, trailers: list[t
     return out + b"0" + last_ext + b"\r\n" + b"".join(b"%s: %s\r\n" % t for t in trailers) + b"\r\n"
 
 
-async def relay_blocks(blocks: list[bytes], lost: bool, chunked_in: bool = True):
+async def relay_blocks(blocks: list[bytes], lost: bool, chunked_in: bool = True, relay_of=None):
     """Feed `blocks` to a connection as its receive blocks (the engine closes after them when
     `lost`), relay the stream to a client; returns the client's transport, the error, if any,
     and the connection."""
@@ -115,7 +116,7 @@ async def relay_blocks(blocks: list[bytes], lost: bool, chunked_in: bool = True)
     async def handler() -> None:
         try:
             await exchange.head()
-            relay = Relay(client, True, exchange.chunked)  # type: ignore[arg-type]
+            relay = (relay_of or Relay)(client, True, exchange.chunked)  # type: ignore[arg-type]
             try:
                 await exchange.relay(relay, asyncio.sleep)
             except UpstreamError as exc:
@@ -243,3 +244,27 @@ def test_a_buffered_answer_is_exactly_its_own_body_whatever_follows_it(payload, 
     status, body, conn = asyncio.run(buffered(split(wire + extra, cuts)))
     assert (status, body) == (201, payload)  # the status is the answer's own, never the next one's
     assert conn.closed and not conn.pool.idle
+
+
+@SETTINGS
+@given(texts=st.lists(st.text("ab ", min_size=1, max_size=6), min_size=1, max_size=12),
+       cuts=st.lists(st.integers(min_value=0, max_value=3000), max_size=8))
+def test_a_resumable_stream_reaches_the_client_whole_without_the_prompts_ids(texts, cuts):
+    """The relay removes the prompt's ids from the first event, then passes the engine's framing on: the
+    client's body is every event (the first without its prompt ids) and ends, however the blocks fall
+    (the whole answer may arrive before the relay attaches)."""
+    def event(text: str, i: int, first: bool = False) -> bytes:
+        prompt = ',"prompt_token_ids":[1,2,3]' if first else ""
+        return b'data: {"id":"c","choices":[{"index":0,"text":"%s"%s,"token_ids":[%d]}]}\n\n' % (
+            text.encode(), prompt.encode(), i)
+    events = [event("", 0, first=True)] + [event(t, i) for i, t in enumerate(texts, start=1)] + [b"data: [DONE]\n\n"]
+    body = chunked([(e, b"") for e in events], b"", [])
+
+    def resumable(client, chunked_out, chunked_in):
+        return Relay(client, chunked_out, chunked_in, transcript=Transcript(chat=False), strip=True)
+
+    client, error, _ = asyncio.run(relay_blocks(split(HEAD + body, cuts), lost=False, relay_of=resumable))
+    assert error is None
+    oracle = Oracle(CLIENT_HEAD + bytes(client.data))
+    assert oracle.complete, "the client's stream ends"
+    assert bytes(oracle.body) == b"".join(events).replace(b',"prompt_token_ids":[1,2,3]', b"")
