@@ -168,10 +168,15 @@ def model_servers(model: str, nodes: list[Node]) -> str:
     lines = [agent_servers(model, n) if len(n) > 2 else f"    server {n[0]} {n[1]} check\n" for n in nodes]
     if not any(len(n) > 2 for n in nodes):
         return "".join(lines)
-    # Retry a refused connection on the same line (after HAProxy's 1 s turn-around) until that line is
-    # marked down, and only the last retry elsewhere: a dead node has two lines here, and redispatching at
-    # once spent all 3 retries on them before either was marked down (measured in try-local).
-    return "    option allbackups\n    option redispatch -1\n" + "".join(lines)
+    # A node that dies (SIGKILL) has two lines here, and a request that reaches the front in the first
+    # ~100 ms keeps being sent to them: HAProxy's 1 s turn-around between retries applies to neither a
+    # connection refused inside connect() (loopback, a host that answers with a reset) nor a reused idle
+    # connection the dead node had closed, and a failure on such a connection (an empty response) does not
+    # count for `observe layer4`. Each retry goes through the balancer again (`option redispatch 1`, from
+    # the defaults), and there are enough of them to outlast that window: try-local's KILL run measured up
+    # to 7 retries for one request (3 lost it, and HAProxy then closes a keep-alive client's connection
+    # without an answer). A dead line costs a refused connect, or once `timeout connect`: it is then down.
+    return "    option allbackups\n    retries 12\n" + "".join(lines)
 
 
 def render(placement: dict[str, list[Node]], bind: str, dns: bool = False, stats: Optional[str] = None,
