@@ -20,6 +20,7 @@ fresh simulated engines (always this tree's `engines.sim`, so every arm meets th
   batch     this tree, with a batch client added to the trace (`--batch-*`: a job of requests for one
             model, all due at once, sent as `X-Hotswap-Class: batch` by a fixed number of workers without
             streaming, as an evaluation harness sends them); its interactive waits are set against hotswap's
+  batch-before  `--ab-src` with the same batch client: the batch arm's A/B against the code before
 
 Client wait = the time to the first token (embeddings: to the answer). A request streams its
 trace's output tokens at its model's rate, read to the end (its engine is busy until then); its
@@ -50,7 +51,9 @@ from replay import Failed, at_arrival_times, lru_cost, running_router  # bench/r
 from wake_report import WITHIN_S, Result, report, section, summary  # bench/wake_report.py: the section it writes
 
 log = logging.getLogger("bench")
-ARMS = ("hotswap", "no-ahead", "lru", "before", "batch")
+ARMS = ("hotswap", "no-ahead", "lru", "before", "batch", "batch-before")
+BATCH_ARMS = ("batch", "batch-before")
+BEFORE_ARMS = ("before", "batch-before")  # run from --ab-src
 BATCH_HEADER = {"X-Hotswap-Class": "batch"}
 CALIBRATION_REQUESTS = 20
 
@@ -110,11 +113,11 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
         if arm == "lru":
             scheduler.cost = lru_cost(scheduler)
 
-    if arm == "batch":
+    if arm in BATCH_ARMS:
         trace = sorted(trace + batch_flood(trace, args.batch_model, args.batch_requests, args.batch_at_minute * 60,
                                            args.batch_tokens), key=lambda r: r.t)
     # A batch request may wait until the trace's interactive demand is over: queue.batch_max_wait_s at most.
-    longest_wait_s = max(MAX_WAIT_S, batch_max_wait_s() or 0.0) if arm == "batch" else MAX_WAIT_S
+    longest_wait_s = max(MAX_WAIT_S, batch_max_wait_s() or 0.0) if arm in BATCH_ARMS else MAX_WAIT_S
     timeout = aiohttp.ClientTimeout(total=(longest_wait_s + 2 * max(r.tokens for r in trace) / 30) * scale + 60)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as client, \
             running_router(text, arm, tmp / f"engines-{arm}", deadline, setup) as run:
@@ -199,7 +202,7 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
 
 def run_child(arm: str, args: argparse.Namespace, tmp: Path) -> Result:
     """Run one arm in a child process whose `router` is the arm's tree."""
-    tree = Path(args.ab_src) if arm == "before" else h.REPO
+    tree = Path(args.ab_src) if arm in BEFORE_ARMS else h.REPO
     out = tmp / f"result-{arm}.json"
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", arm, "--child-out", str(out), "--child-tmp", str(tmp),
             *args.passthrough]
@@ -262,7 +265,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     if not a.arms or not set(a.arms) <= set(ARMS):
         p.error(f"--arms: choose from {', '.join(ARMS)}")
-    if "before" in a.arms and not (a.ab_src and (Path(a.ab_src) / "router").is_dir()):
+    if set(BEFORE_ARMS) & set(a.arms) and not (a.ab_src and (Path(a.ab_src) / "router").is_dir()):
         p.error("--arms before needs --ab-src, a tree with router/ in it (e.g. `git worktree add /tmp/before <commit>`)")
     if not 0 < a.time_scale <= 1:
         p.error("--time-scale must be in (0, 1]")
