@@ -7,6 +7,7 @@ the whole group down when the router dies, SIGKILL included.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -183,7 +184,14 @@ class EngineProcess:
         after `kill_grace_s`. Should the reaper itself not be done a little after that
         (REAPER_MARGIN_S), the router SIGKILLs the group.
         """
-        if self.proc is None or self.proc.returncode is not None:
+        if self.proc is None:
+            return None
+        if self.proc.returncode is not None:
+            # The reaper is gone (killed on its own, say) and what it led may live on, holding the GPU and the
+            # router's connections to it: nothing is left to take it down but the router.
+            for pid in self.group_pids() - {self.proc.pid}:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             return self.returncode
         try:
             self.proc.send_signal(signal.SIGTERM)

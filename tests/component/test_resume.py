@@ -14,7 +14,7 @@ from typing import Any, Optional
 import aiohttp
 import pytest
 
-from tests.support import RouterProcess, eventually, free_port, http, roster_dict, sim_fault, sim_model
+from tests.support import RouterProcess, eventually, free_port, http, pid_alive, roster_dict, sim_fault, sim_model
 
 SLOW = ("--sim-token-rate", "40")
 
@@ -122,6 +122,18 @@ async def test_an_engine_killed_mid_stream_is_restarted_and_the_stream_completed
     _, _, comments = await cut_midway(router, True, lambda: asyncio.to_thread(os.kill, pid, signal.SIGKILL))
     assert any(b"paused (engine_failed)" in c for c in comments), comments
     assert await sim_pid(router, "a") != pid
+    assert 'reason="engine_failed"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
+
+
+async def test_a_reaper_killed_mid_stream_takes_its_engine_down_with_it_and_the_restart_finishes_the_stream(start_router):
+    """The pid /admin/status shows is the reaper's, which leads the engine's processes: killed on its own, it
+    leaves the engine running (and holding the GPU and the stream); the router takes that down itself."""
+    router = await start_router(roster_dict(sim_model("a", args=SLOW)))
+    reaper, engine = (await router.engine("a"))["pid"], await sim_pid(router, "a")
+    assert reaper != engine
+    await cut_midway(router, False, lambda: asyncio.to_thread(os.kill, reaper, signal.SIGKILL))
+    assert not pid_alive(engine), "the engine the dead reaper led is gone"
+    assert await sim_pid(router, "a") != engine
     assert 'reason="engine_failed"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
 
 
