@@ -13,7 +13,7 @@ from config.schema import ModelSpec, Queue, Swap
 from engines.engine import EngineFailed, State
 from engines.memory.host import PRIOR_FACTOR, HostMemory
 from engines.stage import Stager
-from router.scheduling.state import MAX_BACKOFF_S
+from router.scheduling.state import INTERACTIVE, MAX_BACKOFF_S
 from router.errors import APIError
 from router.scheduling import Capacity, Decision, Plan, Scheduler, Waiter
 from router.scheduling.placement import Victim
@@ -79,8 +79,8 @@ def scheduler(*engines: FakeEngine, clock: Clock, gpus: Optional[dict[int, float
     return Scheduler(list(engines), Swap(**settings), Queue(), Capacity(gpus, ram_gb), weights=weights, clock=clock)
 
 
-def wait_for(s: Scheduler, engine: FakeEngine, since: float) -> Waiter:
-    waiter = Waiter(engine, since)
+def wait_for(s: Scheduler, engine: FakeEngine, since: float, klass: Optional[str] = INTERACTIVE) -> Waiter:
+    waiter = Waiter(engine, since, klass)
     s.waiting[engine.name].append(waiter)
     return waiter
 

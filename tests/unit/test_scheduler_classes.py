@@ -12,9 +12,9 @@ import pytest
 from config.schema import Queue, Swap
 from engines.engine import State
 from router.errors import APIError
-from router.scheduling import Capacity, Plan, Scheduler, Waiter
+from router.scheduling import Capacity, Plan, Scheduler
 from router.scheduling.state import BATCH, INTERACTIVE
-from tests.unit.test_scheduler import Clock, FakeEngine, actions, awake, popular_beside, measured
+from tests.unit.test_scheduler import Clock, FakeEngine, actions, awake, popular_beside, measured, wait_for
 
 
 @pytest.fixture
@@ -25,12 +25,6 @@ def clock() -> Clock:
 def scheduler(*engines: FakeEngine, clock: Clock, hold_s: float = 60, queue: Queue = Queue()) -> Scheduler:
     swap = Swap(min_active_s=5, max_hold_s=30, interactive_hold_s=hold_s)
     return Scheduler(list(engines), swap, queue, Capacity(None, 100), clock=clock)
-
-
-def wait_for(s: Scheduler, engine: FakeEngine, since: float, klass: str = INTERACTIVE) -> Waiter:
-    waiter = Waiter(engine, since, klass)
-    s.waiting[engine.name].append(waiter)
-    return waiter
 
 
 async def test_batch_does_not_park_an_engine_an_interactive_request_used_within_the_hold(clock):

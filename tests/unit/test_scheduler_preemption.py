@@ -13,11 +13,11 @@ import pytest
 from config.schema import Queue, Swap
 from engines.engine import State
 from engines.leases import PREEMPTED, Leases
-from router.scheduling import Capacity, Scheduler, Waiter
+from router.scheduling import Capacity, Scheduler
 from router.scheduling.estimates import PREFILL_TPS
 from router.scheduling.history import Events
 from router.scheduling.state import BATCH, INTERACTIVE
-from tests.unit.test_scheduler import Clock, FakeEngine, actions, awake
+from tests.unit.test_scheduler import Clock, FakeEngine, actions, awake, wait_for
 
 
 @pytest.fixture
@@ -35,12 +35,6 @@ def serving(s: Scheduler, engine: FakeEngine, klass: str, n: int = 1) -> None:
     for _ in range(n):
         engine.try_lease()
         s._leased(engine, klass)
-
-
-def wait_for(s: Scheduler, engine: FakeEngine, since: float, klass: str = INTERACTIVE) -> Waiter:
-    waiter = Waiter(engine, since, klass)
-    s.waiting[engine.name].append(waiter)
-    return waiter
 
 
 async def test_a_user_does_not_wait_out_max_hold_s_behind_batch_streams_they_are_preempted(clock):
