@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import time
@@ -195,6 +196,31 @@ def roster_dict(*models: dict[str, Any], **sections: Any) -> dict[str, Any]:
 # -- clients of a running router (the real openai SDK; closed by the component conftest) ------------
 
 _sdk_clients: list[openai.AsyncOpenAI] = []
+
+
+class SSEReader:
+    """A stream read as a client's SSE parser reads it: its data events, its comment lines, its [DONE] count."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.comments: list[bytes] = []
+        self.done = 0
+
+    async def lines(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """Each line of the stream, once it has arrived whole and been recorded."""
+        buffer = b""
+        async for data in response.content.iter_any():
+            buffer += data
+            *blocks, buffer = buffer.split(b"\n\n")
+            for block in blocks:
+                for line in block.split(b"\n"):
+                    if line.startswith(b":"):
+                        self.comments.append(line)
+                    elif line == b"data: [DONE]":
+                        self.done += 1
+                    elif line.startswith(b"data: "):
+                        self.events.append(json.loads(line[6:]))
+                    yield line
 
 
 async def sim_fault(router: RouterProcess, name: str, step: str, kind: str, times=1) -> None:

@@ -6,7 +6,6 @@ word against the same request answered uncut (the simulator's greedy answers are
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from typing import Any, Optional
@@ -14,7 +13,7 @@ from typing import Any, Optional
 import aiohttp
 import pytest
 
-from tests.support import RouterProcess, eventually, free_port, http, pid_alive, roster_dict, sim_fault, sim_model
+from tests.support import RouterProcess, SSEReader, eventually, free_port, http, pid_alive, roster_dict, sim_fault, sim_model
 
 SLOW = ("--sim-token-rate", "40")
 
@@ -22,27 +21,14 @@ SLOW = ("--sim-token-rate", "40")
 async def raw_stream(router: RouterProcess, path: str, body: dict[str, Any], started: asyncio.Event | None = None,
                      after: int = 3, headers: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], list[bytes], int]:
     """The stream's data events, its comment lines and its [DONE] count, read as a client's SSE parser would."""
-    events: list[dict[str, Any]] = []
-    comments: list[bytes] = []
-    done = 0
+    sse = SSEReader()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         async with s.post(router.url + path, json={**body, "stream": True}, headers=headers) as r:
             assert r.status == 200, await r.text()
-            buffer = b""
-            async for data in r.content.iter_any():
-                buffer += data
-                *blocks, buffer = buffer.split(b"\n\n")
-                for block in blocks:
-                    for line in block.split(b"\n"):
-                        if line.startswith(b":"):
-                            comments.append(line)
-                        elif line == b"data: [DONE]":
-                            done += 1
-                        elif line.startswith(b"data: "):
-                            events.append(json.loads(line[6:]))
-                if started is not None and len(events) >= after:
+            async for _ in sse.lines(r):
+                if started is not None and len(sse.events) >= after:
                     started.set()
-    return events, comments, done
+    return sse.events, sse.comments, sse.done
 
 
 def text_of(events: list[dict[str, Any]], chat: bool) -> str:

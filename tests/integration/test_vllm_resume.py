@@ -36,6 +36,7 @@ from tests.component.test_resume import one_answer, text_of
 from tests.integration.harness import BOOT_TIMEOUT_S, REPORT, http, poll, progress
 from tests.integration.live_router import LiveRouter
 from tests.integration.tiny_models import SPECIALS
+from tests.support import SSEReader
 
 REPLACEMENT = "\ufffd"
 
@@ -114,32 +115,19 @@ async def stream(live: LiveRouter, path: str, body: dict[str, Any], after: Optio
     """The stream's data events, comments and [DONE] count. Once `after` data events are in, the reader
     freezes the engine where it is (`freeze`) and `cut()` starts (as a task: the reader goes on reading
     while it runs)."""
-    events: list[dict[str, Any]] = []
-    comments: list[bytes] = []
-    done, cutting, paused_at = 0, None, None
+    sse, cutting, paused_at = SSEReader(), None, None
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOOT_TIMEOUT_S + 180)) as s:
         async with s.post(live.url + path, json={**body, "stream": True}) as r:
             assert r.status == 200, await r.text()
-            buffer = b""
-            async for data in r.content.iter_any():
-                buffer += data
-                *blocks, buffer = buffer.split(b"\n\n")
-                for block in blocks:
-                    for line in block.split(b"\n"):
-                        if line.startswith(b":"):
-                            comments.append(line)
-                            if b"paused" in line and paused_at is None:
-                                paused_at = len(events)
-                        elif line == b"data: [DONE]":
-                            done += 1
-                        elif line.startswith(b"data: "):
-                            events.append(json.loads(line[6:]))
-                if cut is not None and cutting is None and len(events) >= (after or 0):
+            async for line in sse.lines(r):
+                if line.startswith(b":") and b"paused" in line and paused_at is None:
+                    paused_at = len(sse.events)
+                if cut is not None and cutting is None and len(sse.events) >= (after or 0):
                     await asyncio.to_thread(freeze, live)
                     cutting = asyncio.create_task(cut())
     if cutting is not None:
         await cutting
-    return Stream(events, comments, done, paused_at)
+    return Stream(sse.events, sse.comments, sse.done, paused_at)
 
 
 def freeze(live: LiveRouter) -> None:
