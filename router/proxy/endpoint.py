@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Optional
+from typing import Any, Awaitable, NoReturn, Optional
 from urllib.parse import quote
 
 from aiohttp import web
@@ -178,9 +178,7 @@ class Walk:
         try:
             too_often(pauses.reasons, paused.why)
         except Cut as exc:
-            self.cut = exc.reason
-            router.metrics.stream_cut(engine.name, exc.reason)
-            raise keepalive.AnsweredInStream(await end_cut(paused.response, exc, route.anthropic), 503) from None
+            await self.cut_for_good(exc, paused.response, route)
         self.first_byte_at = self.first_byte_at or request.get("first_byte_at")
         log.info("paused an answer of %s to %s (%s): %s; it resumes once the model serves again", engine.name,
                  request.remote, paused.reason, paused.why)
@@ -202,9 +200,7 @@ class Walk:
         except BaseException as exc:  # the lease goes back whatever ends the plan (the client leaving too)
             router.placement.release(engine, self.klass)
             if isinstance(exc, Cut):
-                self.cut = exc.reason
-                router.metrics.stream_cut(engine.name, exc.reason)
-                raise keepalive.AnsweredInStream(await end_cut(response, exc, route.anthropic), 503) from None
+                await self.cut_for_good(exc, response, route)
             if isinstance(exc, Finished):
                 assert response is not None
                 await exc.send(response)
@@ -212,6 +208,13 @@ class Walk:
             raise
         router.metrics.stream_resumed(engine.name, paused.reason, pauses.ended())
         return response, then
+
+    async def cut_for_good(self, cut: Cut, response: Optional[web.StreamResponse], route: routes.Route) -> NoReturn:
+        """An answer that cannot be resumed: counted with its reason and ended (a stream's error event, else a 503)."""
+        assert self.engine is not None
+        self.cut = cut.reason
+        self.router.metrics.stream_cut(self.engine.name, cut.reason)
+        raise keepalive.AnsweredInStream(await end_cut(response, cut, route.anthropic), 503) from None
 
     async def migrate(self, route: routes.Route, paused: Paused, pauses: Pauses) -> None:
         """Finish a paused stream on a peer node where its model is awake, if one is (router.fleet.peers): raises
@@ -238,9 +241,7 @@ class Walk:
                      self.request.remote, exc)
             return
         except Cut as exc:
-            self.cut = exc.reason
-            router.metrics.stream_cut(engine.name, exc.reason)
-            raise keepalive.AnsweredInStream(await end_cut(response, exc, route.anthropic), 503) from None
+            await self.cut_for_good(exc, response, route)
         except Finished as done:
             await done.send(response)
             router.metrics.stream_resumed(engine.name, paused.reason, pauses.ended())
