@@ -281,6 +281,12 @@ class Costs(SchedulerState):
         """Its predicted wake from `level` (None: a boot), staged where its next one likely will be."""
         return self.costs.wake_s(engine.name, level, level == 2 and self.staged_next(engine))
 
+    def _target_wake_s(self, target: Engine) -> float:
+        """How long `target` would take to answer were its room made now: its wake, or a boot."""
+        if target.state in (State.COLD, State.FAILED):
+            return self.costs.boot_s(target.name)
+        return self._next_wake_s(target, target.sleep_level)
+
     def deeper_level(self, engine: Engine, now: float) -> Optional[int]:
         """The rung a KV-parked `engine` goes down to when its weights' room is needed: what a full park
         would choose now (Level 1 while host RAM holds it as it is, else 2); None: neither (a stop)."""

@@ -261,6 +261,7 @@ class Scheduler(WakeAhead):
         # For work that yields to users, an engine with interactive demand is no victim (a group rival holding its
         # share blocks it).
         batch = self.yields_to_users(target)
+        wake_s = self._target_wake_s(target) if batch else 0.0
         held: list[str] = []
         held_waits: list[float] = []  # when a hold ends by time alone (interactive_hold_s): look again then
         self.held_by.pop(target.name, None)
@@ -272,7 +273,7 @@ class Scheduler(WakeAhead):
             if engine is target or engine.spec.pin:
                 continue
             rival = target.spec.group is not None and engine.spec.group == target.spec.group
-            demand, ends_in = self.interactive_demand(engine, now) if batch else (None, 0.0)
+            demand, ends_in = self.interactive_demand(engine, now, wake_s) if batch else (None, 0.0)
             if demand is not None:
                 if set(engine.spec.devices) & set(target.spec.devices) or rival:
                     held.append(demand)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -24,6 +25,8 @@ from router.scheduling.estimates import Demand, WakeCosts
 from router.scheduling.history import Events, SwapRecord
 from router.scheduling.placement import Capacity, Ledger
 
+# More likely than not: a chance of one arrival or more above 1/2 is an expected count above ln 2.
+LIKELY = math.log(2)
 # States an engine is only in while an action drives it.
 MID_TRANSITION = frozenset({State.BOOTING, State.DRAINING, State.WAKING, State.VERIFYING})
 # Actions that need the engine's full share while they run (a restart passes through COLD:
@@ -89,6 +92,7 @@ class SchedulerState:
         self.backoff = Backoff([e.name for e in engines], clock)
         self.costs = WakeCosts(self.weights)
         self.demand = Demand(swap.demand_tau_s)
+        self.user_demand = Demand(swap.demand_tau_s)  # interactive arrivals alone: what a batch wake must not take room from
         self.busy: dict[str, asyncio.Future[None]] = {}  # engine -> done when its action ends
         self.doing: dict[str, tuple[str, float, float]] = {}  # engine -> (action, started, predicted seconds)
         self.parking_level: dict[str, int] = {}  # engine being parked -> the level it goes to
@@ -196,6 +200,7 @@ class SchedulerState:
         self.put_to_sleep.discard(engine.name)
         if klass == INTERACTIVE:
             self.interactive_seen[engine.name] = now
+            self.user_demand.arrived(engine.name, now)
 
     def release(self, engine: Engine, klass: Optional[str] = None) -> None:
         """Give back a lease `acquire` returned; `klass` as it was acquired with (None: an operator's)."""
@@ -228,10 +233,12 @@ class SchedulerState:
         return engine.in_flight > 0 and self.batch_leases.get(engine.name, 0) >= engine.in_flight \
             and not engine.leases.unresumable
 
-    def interactive_demand(self, engine: Engine, now: float) -> tuple[Optional[str], float]:
+    def interactive_demand(self, engine: Engine, now: float, within_s: float = 0.0) -> tuple[Optional[str], float]:
         """Why `engine` has interactive demand (None: it has none), and in how many seconds that ends
         by time alone (0: it ends when requests do, which pokes). Batch work never parks, stops or
-        preempts such an engine: `_make_room`."""
+        preempts such an engine: `_make_room`. `within_s`: the wake the batch work would start; a user
+        more likely than not to ask for `engine` before it ends is demand too (its model would wait
+        out that wake, then its own, only to preempt the batch work at once)."""
         name, hold = engine.name, self.swap.interactive_hold_s
         if self.interactive_leases.get(name):
             return f"'{name}' has {self.interactive_leases[name]} interactive request(s) in flight", 0.0
@@ -242,6 +249,11 @@ class SchedulerState:
         if seen is not None and now - seen < hold:
             return (f"'{name}' served an interactive request {now - seen:.1f} s ago (swap.interactive_hold_s="
                     f"{hold:g})", seen + hold - now)
+        expected = self.user_demand.rate(name, now) * within_s  # users' requests for it within the wake
+        if expected > LIKELY:
+            return (f"'{name}' is {1 - math.exp(-expected):.0%} likely to be asked for by a user within the "
+                    f"{within_s:.1f} s wake this room is wanted for (its users' rate, swap.demand_tau_s="
+                    f"{self.user_demand.tau_s:g})", max(self.user_demand.tau_s * math.log(expected / LIKELY), 0.01))
         return None, 0.0
 
     def batch_only(self, engine: Engine) -> bool:

@@ -1,11 +1,13 @@
 """Request classes in the scheduler's policy (issue 33, part 2): a batch request never parks,
 stops or preempts an engine with interactive demand (in flight, queued, or seen within
-swap.interactive_hold_s), a target only batch waits for ranks after interactive ones, and an
+swap.interactive_hold_s, or more likely than not to be asked for by a user before the batch wake would
+end), a target only batch waits for ranks after interactive ones, and an
 awake engine's waiters are granted interactive first. Fake engines, a fake clock, `decide`."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -36,6 +38,37 @@ async def test_batch_does_not_park_an_engine_an_interactive_request_used_within_
     assert "chat" in s.held_by["nightly"] and "interactive_hold_s=60" in s.held_by["nightly"]
     clock.now += 50
     assert actions(s.decide(clock.now)) == [("park", "chat")], "idle for the whole hold: batch may take its room"
+
+
+async def test_batch_does_not_wake_into_room_a_user_is_likely_to_want_before_the_wake_ends(clock):
+    """A model asked for by users every few seconds, idle past interactive_hold_s: a batch model's 30 s wake would
+    make its next user wait out that wake and its own, only to preempt the batch work at once (the cycle seen on
+    the trace bench). The batch wake waits until the users' rate says they have gone quiet."""
+    chat, nightly = awake("chat", clock), FakeEngine("nightly", level=2)
+    s = scheduler(chat, nightly, clock=clock, hold_s=60)
+    s.costs.observe_wake("nightly", 2, 30.0)
+    for ago in range(70, 370, 5):  # a user every 5 s for five minutes, the last 70 s ago
+        s.user_demand.arrived("chat", clock.now - ago)
+    s.interactive_seen["chat"] = clock.now - 70
+    wait_for(s, nightly, clock.now - 100, BATCH)
+    plan = s.decide(clock.now)
+    expected = s.user_demand.rate("chat", clock.now) * 30.0
+    assert expected > 0.7 and plan == Plan(wait_s=pytest.approx(300 * math.log(expected / math.log(2)))), \
+        "look again when chat's users are no longer likely within the wake"
+    assert "'chat' is" in s.held_by["nightly"] and "likely to be asked for by a user within the 30.0 s wake" \
+        in s.held_by["nightly"]
+    clock.now += plan.wait_s + 0.01
+    assert actions(s.decide(clock.now)) == [("park", "chat")], "its users have gone quiet: batch may take the room"
+
+
+async def test_batch_traffic_alone_is_no_user_to_keep_room_for(clock):
+    evals, nightly = awake("evals", clock), FakeEngine("nightly")
+    s = scheduler(evals, nightly, clock=clock, hold_s=0)
+    s.costs.observe_wake("nightly", 2, 30.0)
+    for ago in range(1, 100):
+        s.demand.arrived("evals", clock.now - ago)  # batch requests: demand, not users'
+    wait_for(s, nightly, clock.now, BATCH)
+    assert actions(s.decide(clock.now)) == [("park", "evals")]
 
 
 async def test_interactive_requests_in_flight_hold_the_room_however_long_batch_waited(clock):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import os
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -170,6 +171,7 @@ class Checker:
         self.ahead_since_asked: collections.Counter[str] = collections.Counter()  # promise 6
         self.slept_by_operator: set[str] = set()  # promise 7
         self.interactive_seen: dict[str, float] = {}  # promise 4: an interactive request arrived or ended
+        self.user_arrivals: collections.defaultdict[str, list[float]] = collections.defaultdict(list)  # promise 4
 
     only: Optional[int] = None  # judge this promise alone (a planted bug's test)
 
@@ -184,6 +186,7 @@ class Checker:
         self.slept_by_operator.discard(engine.name)
         if klass == INTERACTIVE:
             self.interactive_seen[engine.name] = self.world.loop.now
+            self.user_arrivals[engine.name].append(self.world.loop.now)
 
     def ended(self, client: Client) -> None:
         if client.klass == INTERACTIVE and client.outcome in ("granted", "cut"):
@@ -203,6 +206,7 @@ class Checker:
             if not users and not decision.why.startswith(("idle", "host RAM over")):
                 self.breaks(4, f"{action} {engine.name} ({decision.why}) while it has interactive demand ({demand}) "
                                "and no interactive request waits for anything")
+        self.check_batch_room(decision)
         if action in ("wake", "boot") and engine.name in self.slept_by_operator and not self.s.waiting[engine.name]:
             self.breaks(7, f"{action} {engine.name}, which an operator put to sleep, with no request for it ({decision.why})")
 
@@ -226,6 +230,24 @@ class Checker:
             if any(c.klass == INTERACTIVE and c.engine.name == target for c in self.world.waiting()):
                 self.breaks(8, f"{action} {engine.name} drains batch-only work while a user waits for {target} "
                                f"({decision.why})")
+
+    def check_batch_room(self, decision: Any) -> None:
+        """Promise 4's forecast: room made for a model only batch requests wait for is never taken from an engine
+        its users are more likely than not to ask for before that model's wake would end (the wake as the scheduler
+        predicts it; the users' rate counted here from their arrivals, each weighing exp(-age / demand_tau_s))."""
+        engine, why = decision.engine, decision.why
+        if decision.action not in TAKES_ROOM or not why.startswith("room for "):
+            return
+        target = self.world.engines.get(why[len("room for "):].split(";")[0].split(" ")[0])
+        queue = [c for c in self.world.waiting() if c.engine is target]
+        if target is None or not queue or any(c.klass == INTERACTIVE for c in queue):
+            return
+        now, tau = self.world.loop.now, self.s.swap.demand_tau_s
+        rate = sum(math.exp(-(now - t) / tau) for t in self.user_arrivals[engine.name]) / tau
+        within = self.s._target_wake_s(target)
+        if 1 - math.exp(-rate * within) > 0.5 + EPS:
+            self.breaks(4, f"{decision.action} {engine.name} for batch work's {target.name}, though a user is "
+                           f"{1 - math.exp(-rate * within):.0%} likely to ask for it within {target.name}'s {within:.1f} s wake")
 
     def after_decide(self, plan: Any) -> None:
         for d in plan.decisions:
@@ -560,7 +582,7 @@ PLANTS = {
     2: ("ledger", lambda original: lambda self: _fits_everything(original(self))),
     3: ("_choose_level", lambda original: lambda self, engine, *a, **k: (1, []) if engine.spec.sleep_level == "auto"
         else original(self, engine, *a, **k)),
-    4: ("interactive_demand", lambda original: lambda self, engine, now: (None, 0.0)),
+    4: ("interactive_demand", lambda original: lambda self, engine, now, within_s=0.0: (None, 0.0)),
     8: ("preemptible", lambda original: lambda self, engine: engine.in_flight > 0),  # counts an interactive stream as batch
     5: ("_targets", loses_a_removed_engine),
     6: ("ahead_decisions", lambda original: wakes_ahead_whatever_fits),
@@ -698,3 +720,45 @@ def test_a_user_preempts_batch_streams_which_wait_and_finish_later() -> None:
     state.promises_hold()
     assert batch.outcome == "granted", "resumed on m0 once m1 was idle, and ran to its end"
     state.teardown()
+
+
+def users_then_batch() -> SchedulerRun:
+    """A user every 2 s for a minute on m0, 20 s of quiet (past interactive_hold_s), then a batch request for m1,
+    whose wake takes 20 s: m0's users are still likely within it."""
+    roster = two_models(min_active_s=0.0, max_hold_s=30.0, interactive_hold_s=10.0, demand_tau_s=300.0, wake_ahead=False)
+    for model, _, _ in roster["models"]:
+        model["args"] = ["--gpu-memory-utilization", "0.6"]
+    entry, _, host = roster["models"][1]
+    roster["models"][1] = (entry, Timing(wake_s=(0.5, 20.0, 30.0)), host)
+    state = SchedulerRun()
+    state.boot(roster=roster)
+    state.time_passes(seconds=200.0)
+    state.request(which=1, klass=INTERACTIVE, n=1, hold_s=1.0, by_virtual=False)  # m1's wake, measured
+    state.time_passes(seconds=60.0)
+    for _ in range(30):
+        state.request(which=0, klass=INTERACTIVE, n=1, hold_s=0.5, by_virtual=False)
+        state.time_passes(seconds=2.0)
+    state.time_passes(seconds=20.0)
+    state.request(which=1, klass=BATCH, n=1, hold_s=5.0, by_virtual=False)
+    state.time_passes(seconds=5.0)
+    return state
+
+
+def test_batch_work_waits_while_a_user_is_likely_before_its_wake_ends_then_runs() -> None:
+    state = users_then_batch()
+    state.promises_hold()
+    assert state.world.engines["m0"].state is State.AWAKE and "likely to be asked for by a user" in state.s.held_by["m1"]
+    state.time_passes(seconds=600.0)  # m0's users' rate decays below the line
+    state.promises_hold()
+    assert state.world.clients[-1].outcome == "granted"
+    state.teardown()
+
+
+def test_promise_4_catches_batch_work_that_forgets_its_own_wake(monkeypatch) -> None:
+    """The forecast part of promise 4, on the scenario above: batch work that holds back only for demand seen (in
+    flight, queued, within interactive_hold_s) takes the room of a model its users are about to ask for."""
+    original = Checked.interactive_demand
+    monkeypatch.setattr(Checked, "interactive_demand", lambda self, engine, now, within_s=0.0: original(self, engine, now))
+    with pytest.raises(Broken, match="likely to ask for it within") as caught:
+        users_then_batch().promises_hold()
+    assert caught.value.promise == 4
