@@ -243,7 +243,8 @@ class Swap(Section):
     interactive_hold_s: float = Field(
         60, ge=0, description="An engine asked for by an interactive request within this long still has interactive "
         "demand: batch requests never park, stop or preempt it for their own model (they wait, up to "
-        "queue.batch_max_wait_s). 0: only interactive requests in flight or queued hold it.")
+        "queue.batch_max_wait_s). 0: only interactive requests in flight or queued hold it. Past it, users likely "
+        "back before the batch model's wake would end (their rate, over demand_tau_s) still hold it.")
     demand_tau_s: float = Field(300, gt=0, description="How fast demand is forgotten: a request's weight in a model's "
                                 "request rate decays with this time constant (it halves in 0.69x this). A stop is weighed by the chance of "
                                 "a request within it: nothing boots a stopped engine ahead of demand.")
