@@ -348,6 +348,7 @@ class Client:
     outcome: Optional[str] = None  # None while waiting or served; granted | refused: REASON | left | cut
     served: bool = False  # holds its lease now
     resumed: int = 0  # times it was preempted and waited again for the rest (as the proxy does)
+    waits_since: Optional[float] = None  # when its current wait began (a preempted client waits again, with a new deadline)
     task: Optional[asyncio.Task[None]] = field(default=None, repr=False)
 
 
