@@ -155,7 +155,9 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
             if status != 200:
                 raise Failed(f"{arm}: calibration request answered {status}: {err}")
             floors.append(lat)
-        run.scheduler.demand = type(run.scheduler.demand)(run.scheduler.demand.tau_s)  # the calibration is not demand
+        for rates in ("demand", "user_demand"):  # the calibration is not demand (user_demand: where the tree has it)
+            if hasattr(run.scheduler, rates):
+                setattr(run.scheduler, rates, type(run.scheduler.demand)(run.scheduler.demand.tau_s))
         res.floor_s = h.percentile(floors, 0.5)
 
         sent: dict[int, tuple[float, float]] = {}  # request -> (sent, first token), time.monotonic()
