@@ -118,6 +118,16 @@ class HotswapWorkerExtension(HostMemoryMethods, StagingMethods):
         draft = draft_model(self)
         return None if draft is None else _model_digest(draft)
 
+    def hotswap_versions(self) -> dict[str, Any]:
+        """What this worker runs on, for `hotswap trial`'s report head: vLLM, torch, CUDA and the device (the
+        router's own environment may have neither vLLM nor torch: a separate venv or container runs them)."""
+        import torch
+        import vllm
+
+        gpu = torch.cuda.is_available()
+        return {"vllm": getattr(vllm, "__version__", None), "torch": torch.__version__, "cuda": torch.version.cuda,
+                "device": torch.cuda.get_device_name(torch.cuda.current_device()) if gpu else "cpu"}
+
     def hotswap_target_digest(self) -> str:
         """sha256 (hex) of the target's weights as the kernels use them (as `hotswap_draft_digest`).
 

@@ -178,8 +178,9 @@ class Trial:
         if unknown:
             raise TrialError(f"not in the roster: {', '.join(unknown)} (its models: {', '.join(engines)})")
         simulated = any("engines.sim" in " ".join(self.specs[n].launcher or self.specs[n].command or []) for n in names)
-        port = next((e.get("port") for e in engines.values() if e.get("port")), None)
-        self.report.versions = machine.versions(await self.client.engine_version(port))
+        ports = [engines[n].get("port") for n in names if engines[n].get("port")]
+        worker = next((w for w in [await self.client.engine_versions(p) for p in ports] if w), {})
+        self.report.versions = machine.versions(await self.client.engine_version(ports[0] if ports else None), worker)
         if simulated and self.report.versions.vllm is None:
             self.report.versions.vllm, self.report.versions.vllm_source = "none", "simulated engines (engines.sim)"
         self.report.hardware = machine.hardware(simulated, self.report.versions.gpus)
@@ -198,6 +199,9 @@ class Trial:
         for t in trials:
             self.report.models.append(t)
             await self._model(t)
+        measured = [w.gpu for t in trials for w in t.wakes if w.gpu and (w.gpu.awake_gb is not None or w.gpu.asleep_gb is not None)]
+        if not measured:
+            self.report.notes.append("GPU memory not reported: no NVML GPU, and the roster gives the router no GPU sizes (gpus:)")
         self._judge()
 
     def _plan(self, spec: ModelSpec) -> ModelTrial:
@@ -223,6 +227,7 @@ class Trial:
         try:
             self.say(f"{name}: cold boot and baseline: swap it in, then a {self.options.tokens}-token generation", step=True)
             await self.client.admin("swap", name)
+            await self._generate(name)  # a warm-up: the first generation after a boot pays one-time costs
             e = await self.client.engine(name)
             boot_s = await self.client.metric("hotswap_engine_boot_duration_seconds_sum", model=name)
             t.boot = Boot(seconds=None if boot_s is None else round(boot_s, 3),

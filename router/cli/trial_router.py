@@ -108,6 +108,19 @@ class RouterClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             return None
 
+    async def engine_versions(self, port: Optional[int]) -> dict[str, Any]:
+        """The worker extension's hotswap_versions (vLLM, torch, CUDA, device), straight to an engine's loopback port
+        (the router forwards no collective_rpc); {} when it does not answer (no extension, not on this host)."""
+        if not port:
+            return {}
+        try:
+            async with self.session.post(f"http://127.0.0.1:{port}/collective_rpc", json={"method": "hotswap_versions"},
+                                         timeout=aiohttp.ClientTimeout(total=10)) as r:
+                results = (await r.json(content_type=None)).get("results") if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            return {}
+        return results[0] if isinstance(results, list) and results and isinstance(results[0], dict) else {}
+
     async def wait_booted(self, timeout_s: float, alive: Callable[[], Optional[str]], say: Callable[[str], None]) -> dict[str, Any]:
         """Poll /admin/status until every engine has booted; `alive` names why the router is gone (None: running)."""
         deadline, last = time.monotonic() + timeout_s, ""
