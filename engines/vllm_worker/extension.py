@@ -125,8 +125,11 @@ class HotswapWorkerExtension(HostMemoryMethods, StagingMethods):
         import vllm
 
         gpu = torch.cuda.is_available()
-        return {"vllm": getattr(vllm, "__version__", None), "torch": torch.__version__, "cuda": torch.version.cuda,
-                "device": torch.cuda.get_device_name(torch.cuda.current_device()) if gpu else "cpu"}
+        # Plain strings: torch.__version__ is a TorchVersion, which vLLM's msgpack encoder refuses (and the engine
+        # core with it).
+        return {"vllm": str(getattr(vllm, "__version__", "")) or None, "torch": str(torch.__version__),
+                "cuda": None if torch.version.cuda is None else str(torch.version.cuda),
+                "device": str(torch.cuda.get_device_name(torch.cuda.current_device())) if gpu else "cpu"}
 
     def hotswap_target_digest(self) -> str:
         """sha256 (hex) of the target's weights as the kernels use them (as `hotswap_draft_digest`).

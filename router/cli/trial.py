@@ -17,6 +17,7 @@ import asyncio
 import datetime
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -90,6 +91,10 @@ class Progress:
 
 
 async def _run(options: Options) -> int:
+    # SIGTERM ends the trial as Ctrl-C does: its router (in a session of its own) is stopped, not orphaned.
+    main = asyncio.current_task()
+    assert main is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
     say = Progress()
     roster = options.roster
     started = datetime.datetime.now(datetime.timezone.utc)
@@ -123,6 +128,9 @@ async def _run(options: Options) -> int:
     except (TrialError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
         report.failures.append(f"the trial stopped: {exc or type(exc).__name__}")
         say(f"the trial stopped: {exc or type(exc).__name__}")
+    except asyncio.CancelledError:
+        report.failures.append("the trial was interrupted (SIGINT or SIGTERM)")
+        say("interrupted")
     finally:
         if own is not None:
             say("stopping the trial's router and its engines")
