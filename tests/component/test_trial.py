@@ -98,9 +98,10 @@ async def test_a_trial_drives_every_rung_then_the_drill_and_passes(tmp_path):
 
 async def test_a_refused_wake_and_a_failing_step_fail_the_trial(tmp_path):
     roster = roster_dict(
-        sim_model("lossy", spec=True, draft_restore="none", sleep_level=2, args=("--gpu-memory-utilization", "0.4")),
-        sim_model("broken", sleep_level=2, args=("--gpu-memory-utilization", "0.4", "--sim-fault", "reload_weights=http500")))
-    code, report, out, err = await trial(tmp_path, roster, "--cycles", "2")
+        sim_model("lossy", spec=True, draft_restore="none", sleep_level=2, args=("--gpu-memory-utilization", "0.3")),
+        sim_model("broken", sleep_level=2, args=("--gpu-memory-utilization", "0.3", "--sim-fault", "reload_weights=http500")),
+        sim_model("strict", spec=True, sleep_level=2, gate={"on_fail": "refuse"}, args=("--gpu-memory-utilization", "0.3")))
+    code, report, out, err = await trial(tmp_path, roster, "--cycles", "2", "--drill")
     assert code == 1
     lossy = wakes(report, "lossy")
     assert [w["outcome"] for w in lossy] == ["refused", "refused"]  # every Level-2 wake lost the draft
@@ -108,8 +109,14 @@ async def test_a_refused_wake_and_a_failing_step_fail_the_trial(tmp_path):
     broken = model(report, "broken")
     assert [w["outcome"] for w in broken["wakes"]] == ["failed"]  # its first wake failed: the rest of it was not run
     assert "reload_weights" in broken["wakes"][0]["error"] and "L2 cycle 1 failed" in broken["error"]
+    assert model(report, "lossy")["drill"] is None  # draft_restore: none has no draft reload to skip
+    strict = model(report, "strict")  # gate.on_fail: refuse leaves the drilled engine failed: the trial restarts it
+    assert [w["outcome"] for w in strict["wakes"]] == ["ok", "ok"] and strict["drill"]["outcome"] == "caught"
+    assert strict["drill"]["wake"]["remediation"] == "cold restart by the trial (gate.on_fail: refuse)"
+    assert [v["result"] for v in strict["drill"]["wake"]["verdicts"]] == ["refused", "passed"]
     failures = "\n".join(report["failures"])
     assert "lossy L2 cycle 1: the gate refused the wake" in failures and "broken L2 cycle 1" in failures
+    assert "strict" not in failures  # the drill's refusal is the drill working, not a failure
     assert "FAIL" in out
 
 
