@@ -209,6 +209,7 @@ class Trial:
             await self._model(t)
         measured = [w.gpu for t in trials for w in t.wakes if w.gpu and (w.gpu.awake_gb is not None or w.gpu.asleep_gb is not None)]
         if not measured:
+            self.report.notes = [n for n in self.report.notes if not n.startswith("GPU memory columns")]
             self.report.notes.append("GPU memory not reported: no NVML GPU, and the roster gives the router no GPU sizes (gpus:)")
         self._judge()
 

@@ -168,7 +168,8 @@ def rows(report: Report) -> list[tuple[str, ...]]:
         for w in m.wakes + ([m.drill.wake] if m.drill else []):
             rung = RUNG_NAMES[w.level] + (" drill" if w.drill else "")
             phases = tuple(_num(w.wake_phases.get(c), 3) if c in w.wake_phases else "-" for c in WAKE_COLUMNS)
-            gpu = f"{_num(w.gpu.freed_gb)}/{_num(w.gpu.taken_back_gb)} ({w.gpu.source})" if w.gpu else "-"
+            known = w.gpu is not None and (w.gpu.freed_gb is not None or w.gpu.taken_back_gb is not None)
+            gpu = f"{_num(w.gpu.freed_gb)}/{_num(w.gpu.taken_back_gb)} ({w.gpu.source})" if w.gpu and known else "-"
             v = w.verdict
             gate = " > ".join(w.gate_story) if w.gate_story else (v.result if v else w.outcome)
             gen = w.generation
