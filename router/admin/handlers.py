@@ -1,5 +1,5 @@
 """The operators' routes: /admin/status, /admin/timeline, /admin/activity, /admin/{swap,sleep,restart}, /admin/drill,
-/admin/reload, /admin/lora/{load,unload} and the /ui page. `router.auth` lets only the admin key (or, without
+/admin/hold, /admin/reload, /admin/lora/{load,unload} and the /ui page. `router.auth` lets only the admin key (or, without
 one, loopback) reach them."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from router.admin.reload import Reloads
 from router.admin.status import engine_status, router_status
 from router.errors import APIError, error_body, json_answer
 from router.fleet import PEERS_KEY
+from router.keys import HOLD_MAX_S, HeldElsewhere
 from router.live import ROUTED_MODEL, ROUTER_KEY
 
 log = logging.getLogger("hotswap")
@@ -154,6 +155,36 @@ async def admin_drill(request: web.Request) -> web.Response:
         return await _run_action(request, "drill", engine, router.placement.swap_in)
     finally:
         engine.drill_armed = False
+
+
+class HoldQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="the model to hold off client traffic")
+    seconds: Number = Field(ge=0, le=HOLD_MAX_S, allow_inf_nan=False,
+                            description=f"how long from now, at most {HOLD_MAX_S:g}; 0 releases the hold")
+    token: Optional[str] = Field(None, min_length=1, description="the hold's token, to renew or release it")
+
+
+async def admin_hold(request: web.Request) -> web.Response:
+    """POST /admin/hold?model=NAME&seconds=S[&token=T]: hold a model off client traffic for S seconds (503 model_held
+    to any request without the token in X-Hotswap-Hold), renew it (with its token), or release it (seconds=0):
+    what `hotswap trial --url` does to the models it drives (router.keys)."""
+    router = request.app[ROUTER_KEY]
+    query = parse_query(HoldQuery, request.query)
+    engine = router.lookup(query.model)
+    request[ROUTED_MODEL] = engine.name
+    if query.seconds == 0:
+        released = router.holds.release(engine.name, query.token)
+        log.info("admin: hold on %s %s", engine.name, "released" if released else "was not held by that token")
+        return json_answer({"model": engine.name, "held": False, "released": released})
+    try:
+        token = router.holds.take(engine.name, query.seconds, query.token)
+    except HeldElsewhere as exc:
+        raise APIError(409, str(exc), "model_held", param="model") from None
+    if query.token is None:
+        log.warning("admin: %s held off client traffic for %g s (a trial)", engine.name, query.seconds)
+    return json_answer({"model": engine.name, "held": True, "token": token, "seconds": query.seconds})
 
 
 async def _run_action(request: web.Request, action: str, engine: Engine, run: Callable[[Engine], Awaitable[str]]) -> web.Response:

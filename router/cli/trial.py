@@ -34,7 +34,7 @@ from router.cli import trial_machine as machine
 from router.cli.admin_api import KEY_ENV
 from router.cli.trial_report import (RUNG_NAMES, Boot, Drill, Generation, GpuMemory, ModelTrial, Report, Verdict, Wake,
                                      markdown, table)
-from router.cli.trial_router import AdminRefused, OwnRouter, RouterClient, TrialError
+from router.cli.trial_router import AdminRefused, Holding, OwnRouter, RouterClient, TrialError
 
 LEVELS = {"kv": ladder.KV_PARKED, "0": ladder.KV_PARKED, "1": 1, "2": 2}
 PROMPT = "The operator wakes the model and it answers:"
@@ -113,10 +113,11 @@ async def _run(options: Options) -> int:
     else:
         url = options.url
         report.router = {"mode": "url", "url": url, "isolation":
-                         "the operator's running router: the trial drives the models it names through the admin API for "
-                         "its length; client requests for them meanwhile wait for (or wake) the engine the trial moves, "
-                         "and are served only by an engine the gate promoted (the drill's refused wake never serves)"}
-        say(f"driving the running router at {url}: client requests for the trial's models wait on its swaps")
+                         "the operator's running router: the models the trial drives are held for its length "
+                         "(POST /admin/hold): client requests for them are answered 503 model_held with Retry-After, "
+                         "requests already waiting when the hold began are served by an engine the gate promoted; "
+                         "other models' traffic may still move them to make room"}
+        say(f"driving the running router at {url}")
     timeout = roster.queue.max_wait_s + roster.swap.boot_timeout_s + 60
     try:
         async with aiohttp.ClientSession() as session:
@@ -124,7 +125,13 @@ async def _run(options: Options) -> int:
                                   action_timeout_s=timeout)
             boot_wait = roster.swap.boot_timeout_s * max(1, len(roster.models)) + 60
             status = await client.wait_booted(boot_wait, own.gone if own else lambda: None, say)
-            await Trial(client, options, report, say).run(status)
+            if own is not None:
+                await Trial(client, options, report, say).run(status)
+            else:
+                names = options.models or [m.name for m in roster.models]
+                async with Holding(client, names, say):
+                    say(f"holding {', '.join(names)} off client traffic for the trial's length (POST /admin/hold)")
+                    await Trial(client, options, report, say).run(status)
     except (TrialError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
         report.failures.append(f"the trial stopped: {exc or type(exc).__name__}")
         say(f"the trial stopped: {exc or type(exc).__name__}")

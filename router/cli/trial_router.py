@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.keys import HOLD_HEADER
+
 STATUS_TIMEOUT_S = 30.0
 POLL_S = 0.2
 
@@ -48,6 +50,7 @@ class RouterClient:
         self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.client_headers = {"Authorization": f"Bearer {client_key}"} if client_key else {}
         self.action_timeout_s = action_timeout_s
+        self.hold_tokens: dict[str, str] = {}  # model -> the token of the trial's hold on it (--url: Holding)
 
     async def status(self) -> dict[str, Any]:
         async with self.session.get(self.url + "/admin/status", headers=self.admin_headers,
@@ -77,8 +80,9 @@ class RouterClient:
     async def generate(self, model: str, prompt: str, tokens: int, timeout_s: float) -> tuple[int, float]:
         """A completion of exactly `tokens` tokens (ignore_eos, temperature 0): (tokens decoded, wall seconds)."""
         body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+        headers = {**self.client_headers, **({HOLD_HEADER: self.hold_tokens[model]} if model in self.hold_tokens else {})}
         started = time.monotonic()
-        async with self.session.post(self.url + "/v1/completions", json=body, headers=self.client_headers,
+        async with self.session.post(self.url + "/v1/completions", json=body, headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             answer = await r.json(content_type=None)
             seconds = time.monotonic() - started
@@ -186,3 +190,42 @@ class OwnRouter:
                 await asyncio.to_thread(self.proc.wait, 10)
         self._log.close()
         return self.proc.returncode
+
+
+class Holding:
+    """With --url: the models the trial drives held off client traffic (POST /admin/hold, router.keys) for its
+    length: taken at the start, renewed while it runs (a hold lapses HOLD_S after its last renewal, so a trial that
+    dies lets go by itself), released at the end. The trial's own generations carry the hold's token."""
+
+    HOLD_S = 60.0
+
+    def __init__(self, client: RouterClient, names: list[str], say: Callable[[str], None]):
+        self.client, self.names, self.say = client, names, say
+        self._renewing: Optional[asyncio.Task[None]] = None
+
+    async def __aenter__(self) -> "Holding":
+        for name in self.names:
+            answer = await self.client.admin("hold", name, seconds=self.HOLD_S)
+            self.client.hold_tokens[name] = answer["token"]
+        self._renewing = asyncio.create_task(self._renew())
+        return self
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.HOLD_S / 3)
+            for name, token in list(self.client.hold_tokens.items()):
+                try:
+                    await self.client.admin("hold", name, seconds=self.HOLD_S, token=token)
+                except (TrialError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    self.say(f"could not renew the hold on {name}: {exc}")
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._renewing is not None:
+            self._renewing.cancel()
+            await asyncio.gather(self._renewing, return_exceptions=True)
+        for name, token in list(self.client.hold_tokens.items()):
+            try:
+                await self.client.admin("hold", name, seconds=0, token=token)
+            except (TrialError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                self.say(f"could not release the hold on {name} (it lapses within {self.HOLD_S:g} s): {exc}")
+        self.client.hold_tokens.clear()

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from tests.support import http, roster_dict, sim_model
+from tests.support import ask, client, eventually, http, roster_dict, sim_model
 
 HOST_BYTES = ["--sim-host-bytes-per-gb", "1e6", "--sim-weights-gb", "2"]  # Level 1 really holds host RAM, 2 MB of it
 TRIAL_TIMEOUT_S = 60
@@ -143,12 +143,24 @@ async def test_the_drill_switch_is_admin_only_and_applies_to_one_wake(start_rout
     assert status == 200 and body["engine"]["gate_story"] == ["passed"] and "reload_draft" in body["engine"]["last_phases"]
 
 
-async def test_a_trial_with_url_drives_a_running_router_and_says_so(start_router, tmp_path):
-    roster = roster_dict(sim_model("spec", spec=True, sleep_level=2))
+async def test_a_trial_with_url_holds_its_model_off_client_traffic_and_lets_go_at_the_end(start_router, tmp_path):
+    roster = roster_dict(sim_model("spec", spec=True, sleep_level=2, args=("--sim-step-delay", "reload_weights=0.3")),
+                         sim_model("other", default=True))
     router = await start_router(roster)
-    code, report, _, err = await trial(tmp_path, roster, "--url", router.url, "--cycles", "1")
+    running = asyncio.create_task(trial(tmp_path, roster, "--url", router.url, "--cycles", "2", "--models", "spec"))
+
+    async def held() -> bool:
+        return (await router.engine("spec"))["held_for_s"] is not None
+
+    await eventually(held, timeout=20, what="spec held by the trial")
+    status, headers, body = await http(router, "POST", "/v1/completions", json={"model": "spec", "prompt": "hi", "max_tokens": 4})
+    assert status == 503 and body["error"]["code"] == "model_held" and int(headers["Retry-After"]) > 0
+    assert await ask(client(router), "other")  # the models it does not drive serve as usual
+
+    code, report, _, err = await running
     assert code == 0, err
     assert report["router"]["mode"] == "url" and report["router"]["url"] == router.url
-    assert "client requests" in report["router"]["isolation"]
-    assert [(w["level"], w["outcome"]) for w in wakes(report, "spec")] == [(2, "ok")]
-    assert (await router.engine("spec"))["state"] == "awake"  # left serving, as it was found
+    assert "held for its length" in report["router"]["isolation"]
+    assert [(w["level"], w["outcome"]) for w in wakes(report, "spec")] == [(2, "ok"), (2, "ok")]
+    assert (await router.engine("spec"))["held_for_s"] is None  # released at the end
+    assert await ask(client(router), "spec")
