@@ -5,6 +5,7 @@ one, loopback) reach them."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 from typing import Annotated, Awaitable, Callable, Mapping, Optional, TypeVar, cast
@@ -118,12 +119,10 @@ async def admin_action(request: web.Request) -> web.Response:
     engine = router.lookup(model)
     request[ROUTED_MODEL] = engine.name
     scheduler = router.placement
+    run: Callable[[Engine], Awaitable[str]] = {"swap": scheduler.swap_in, "sleep": scheduler.sleep, "restart": scheduler.restart}[action]
     if level is not None:
         _check_rung(engine, level)
-        async def run(e: Engine) -> str:
-            return await scheduler.sleep(e, level)
-    else:
-        run = {"swap": scheduler.swap_in, "sleep": scheduler.sleep, "restart": scheduler.restart}[action]
+        run = functools.partial(scheduler.sleep, level=level)
     log.info("admin: %s %s%s", action, engine.name, "" if level is None else f" at level {level}")
     return await _run_action(request, action, engine, run)
 
