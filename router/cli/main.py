@@ -254,6 +254,11 @@ def cmd_trial(args: argparse.Namespace) -> int:
     if roster is None:
         return EXIT_BAD_ROSTER
     models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    unknown = [m for m in models or [] if m not in {spec.name for spec in roster.models}]
+    if unknown:
+        print(f"hotswap trial: --models: not in {args.config}: {', '.join(unknown)} (its models: "
+              f"{', '.join(spec.name for spec in roster.models)})", file=sys.stderr)
+        return EXIT_BAD_ROSTER
     return trial.run(trial.Options(
         roster=roster, config=args.config, models=models, cycles=args.cycles, levels=levels, drill=args.drill,
         report=args.report, json=args.json, url=args.url, admin_key=args.admin_key, api_key=args.api_key, tokens=args.tokens,
