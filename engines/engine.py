@@ -67,6 +67,7 @@ class Engine:
         self.probe: Optional[asyncio.Task[None]] = None  # engines.watch's health probe, one at a time
         self.host = HostMemory(spec)  # what it holds in host RAM for sleep (engines.memory.host)
         self.stager = Stager(spec.name, loads_extension(spec))  # its checkpoint into the page cache (engines.stage)
+        self.drill_armed = False  # an operator's drill: its next wake skips the draft reload (arm_drill)
 
     # -- what the router reads -----------------------------------------------------------
 
@@ -322,7 +323,8 @@ class Engine:
         self.progress.waking()
         self._enter(State.WAKING)
         level = 2 if self.sleep_level is None else self.sleep_level
-        await self._wake_steps(level)
+        drill, self.drill_armed = self.drill_armed, False  # one wake, whatever becomes of it
+        await self._wake_steps(level, drill)
         await self.host.after_wake(self.client, self.process, level)
         self._enter(State.VERIFYING)
         verdict = await self._judged_canary(level)
@@ -338,8 +340,11 @@ class Engine:
         else:
             raise self.fail(f"gate refused promotion: {verdict.reason}")
 
-    async def _wake_steps(self, level: int) -> None:
-        await self._run_steps(wake.steps(level, self.spec.draft_restore, self.stager.enabled))
+    async def _wake_steps(self, level: int, drill: bool = False) -> None:
+        if drill:
+            log.warning("engine %s: DRILL: this Level-%d wake skips the draft reload on purpose (POST /admin/drill); "
+                        "the gate is expected to refuse it (vLLM #52479)", self.name, level)
+        await self._run_steps(wake.steps(level, self.spec.draft_restore, self.stager.enabled, drill))
         if level == 2:
             self.stager.reloaded()
 
@@ -360,6 +365,20 @@ class Engine:
             self._no_step.set()
             self.progress.step = None
         self._step_done("stage", started, ok)
+
+    def arm_drill(self) -> None:
+        """POST /admin/drill (admin key only): the next wake leaves out the draft reload, once, so an operator
+        sees the draft lost as vLLM #52479 loses it and the gate refuse the wake. Only for an engine asleep at
+        Level 2 whose wake reloads its draft; ValueError (saying why) otherwise. `wake` disarms it as it reads it;
+        the admin route disarms it too once its swap is over, so it never outlives that one request."""
+        if self.state is not State.SLEEPING or self.sleep_level != 2:
+            where = f"asleep at level {self.sleep_level}" if self.state is State.SLEEPING else self.state.value
+            raise ValueError(f"engine {self.name} is {where}: a drill wakes an engine asleep at level 2 "
+                             f"(POST /admin/sleep?model={self.name}&level=2 first)")
+        if "reload_draft" not in self.wake_phases(2):
+            raise ValueError(f"engine {self.name}'s Level-2 wake has no draft reload to skip "
+                             f"(speculative: {'set' if self.has_draft else 'none'}, draft_restore: {self.spec.draft_restore})")
+        self.drill_armed = True
 
     async def demote(self) -> None:
         """Level 1 -> Level 2 without serving, to give host RAM back: vLLM can only drop the host copy

@@ -105,14 +105,18 @@ LEVEL1 = (
 PHASES = ("drain", "sleep", "release_kv_cache", STAGE.phase, *(s.phase for s in LEVEL2), "gate")
 
 
-def steps(level: int, draft_restore: str, stages: bool = True) -> tuple[Step, ...]:
+def steps(level: int, draft_restore: str, stages: bool = True, drill: bool = False) -> tuple[Step, ...]:
     """The wake steps for an engine asleep at `level` whose draft is restored per `draft_restore`;
-    `stages`: it loads the worker extension, so a Level-2 wake stages its checkpoint first."""
+    `stages`: it loads the worker extension, so a Level-2 wake stages its checkpoint first.
+    `drill`: an operator's drill (POST /admin/drill, `hotswap trial --drill`): this one wake leaves
+    out reload_draft on purpose, so the draft comes back as vLLM #52479 leaves it and the gate is seen
+    to refuse it."""
     if level == 0:
         return LEVEL0
     if level == 1:
         return LEVEL1
-    return (STAGE,) * stages + tuple(s for s in LEVEL2 if s.phase != "reload_draft" or draft_restore == "reload")
+    restores = draft_restore == "reload" and not drill
+    return (STAGE,) * stages + tuple(s for s in LEVEL2 if s.phase != "reload_draft" or restores)
 
 
 def phases(level: int, draft_restore: str, stages: bool = True) -> list[str]:

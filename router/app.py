@@ -66,6 +66,8 @@ def build_app(router: Router) -> web.Application:
     add.add_get("/admin/timeline", admin.admin_timeline)
     add.add_get("/admin/activity", admin.admin_activity)
     add.add_post(r"/admin/{action:swap|sleep|restart}", admin.admin_action)
+    add.add_post("/admin/drill", admin.admin_drill)
+    add.add_post("/admin/hold", admin.admin_hold)
     add.add_post("/admin/reload", admin.admin_reload)
     add.add_post(r"/admin/lora/{action:load|unload}", admin.admin_lora)
     add.add_get("/admin/logs/{model:.+}", admin.engine_log)

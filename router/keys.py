@@ -4,6 +4,9 @@
 A key may use a model when one of the model's names or aliases matches one of its globs; a
 LoRA adapter when its own name matches or its engine may be used. A model a key may not use
 is answered exactly as a model that does not exist, so a key learns nothing of the others.
+
+Holds (the end of this file): a model held for an operator's trial takes only requests that carry the hold's
+token, whatever their key may use.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from __future__ import annotations
 import fnmatch
 import functools
 import hmac
+import secrets
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from aiohttp import web
 
@@ -118,3 +123,62 @@ def class_priority(asked: Any, klass: str) -> Any:
 
 def json_type(value: Any) -> str:
     return {str: "a string", bool: "a boolean", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+# -- holds -------------------------------------------------------------------------------------------
+# Models held for an operator's trial (`hotswap trial --url`): while held, a client request for the model is
+# answered 503 `model_held` (with Retry-After) instead of waiting on, or waking, the engine the trial is moving.
+# Only requests carrying the hold's token (header `X-Hotswap-Hold`, known to the admin caller that took it) pass.
+#
+# A hold lasts `seconds` from its last renewal, so a trial that dies lets go on its own; its holder renews it
+# while it runs and releases it (seconds=0) at the end. Requests already waiting when a hold begins are served
+# as before, by an engine the gate promoted.
+
+HOLD_HEADER = "X-Hotswap-Hold"
+HOLD_MAX_S = 3600.0
+
+
+@dataclass
+class Hold:
+    token: str
+    until: float
+
+
+class HeldElsewhere(Exception):
+    """Another holder has the model: str() says for how long."""
+
+
+class Holds:
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._holds: dict[str, Hold] = {}
+
+    def active(self, name: str) -> Optional[Hold]:
+        hold = self._holds.get(name)
+        if hold is not None and hold.until <= self.clock():
+            del self._holds[name]
+            return None
+        return hold
+
+    def take(self, name: str, seconds: float, token: Optional[str] = None) -> str:
+        """Hold (or renew, with its token) `name` for `seconds`; the token. HeldElsewhere if someone else holds it."""
+        current = self.active(name)
+        if current is not None and current.token != token:
+            raise HeldElsewhere(f"'{name}' is held by another trial for {current.until - self.clock():.0f} s more")
+        token = current.token if current is not None else secrets.token_urlsafe(18)
+        self._holds[name] = Hold(token, self.clock() + min(seconds, HOLD_MAX_S))
+        return token
+
+    def release(self, name: str, token: Optional[str]) -> bool:
+        current = self.active(name)
+        if current is None or current.token != token:
+            return False
+        del self._holds[name]
+        return True
+
+    def remaining(self, name: str, token: Optional[str] = None) -> Optional[float]:
+        """Seconds `name` stays held against a request carrying `token` (None: it may pass)."""
+        current = self.active(name)
+        if current is None or (token is not None and secrets.compare_digest(current.token, token)):
+            return None
+        return current.until - self.clock()

@@ -21,7 +21,7 @@ from engines.vllm import EngineError
 from engines.engine import Engine, Observer, State
 from engines.gate import Verdict
 from router.errors import APIError
-from router.keys import EVERYTHING, Grant, KeyTable
+from router.keys import EVERYTHING, Grant, Holds, KeyTable
 from router.metrics import Metrics
 from router.scheduling import Events, History, Scheduler, SwapRecord, capacity, devices_view, level1_weights
 from router.tasks import spawn
@@ -85,6 +85,7 @@ class Router(Observer, Events):
         self.verdicts: dict[str, collections.deque[Verdict]] = {name: collections.deque(maxlen=10) for name in self.engines}
         self._tasks: list[asyncio.Task[None]] = []
         self.draining = False  # SIGTERM seen: /ready says 503 while in-flight work finishes
+        self.holds = Holds()  # models an operator's trial holds off client traffic (router.keys)
 
     def new_engine(self, spec: ModelSpec) -> Engine:
         return Engine(spec, self.roster.swap, self.control, self.log_dir, self)

@@ -118,6 +118,19 @@ class HotswapWorkerExtension(HostMemoryMethods, StagingMethods):
         draft = draft_model(self)
         return None if draft is None else _model_digest(draft)
 
+    def hotswap_versions(self) -> dict[str, Any]:
+        """What this worker runs on, for `hotswap trial`'s report head: vLLM, torch, CUDA and the device (the
+        router's own environment may have neither vLLM nor torch: a separate venv or container runs them)."""
+        import torch
+        import vllm
+
+        gpu = torch.cuda.is_available()
+        # Plain strings: torch.__version__ is a TorchVersion, which vLLM's msgpack encoder refuses (and the engine
+        # core with it).
+        return {"vllm": str(getattr(vllm, "__version__", "")) or None, "torch": str(torch.__version__),
+                "cuda": None if torch.version.cuda is None else str(torch.version.cuda),
+                "device": str(torch.cuda.get_device_name(torch.cuda.current_device())) if gpu else "cpu"}
+
     def hotswap_target_digest(self) -> str:
         """sha256 (hex) of the target's weights as the kernels use them (as `hotswap_draft_digest`).
 

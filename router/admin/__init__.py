@@ -9,10 +9,12 @@ Imports nothing of `router.cli` (tests/unit/test_layout.py).
 
 from router.admin.activity import ActivityLog
 from router.admin.activity_file import ActivityFileError
-from router.admin.handlers import (RELOADS_KEY, admin_action, admin_activity, admin_lora, admin_reload, admin_status,
+from router.admin.handlers import (RELOADS_KEY, admin_action, admin_activity, admin_drill, admin_hold, admin_lora,
+                                   admin_reload, admin_status,
                                    admin_timeline, status_page)
 from router.admin.logs import FOLLOWERS_KEY as LOG_FOLLOWERS_KEY, LogFollowers, engine_log
 from router.admin.reload import Reloads
 
 __all__ = ["ActivityFileError", "ActivityLog", "LOG_FOLLOWERS_KEY", "LogFollowers", "RELOADS_KEY", "Reloads", "admin_action", "admin_activity",
+           "admin_drill", "admin_hold",
            "admin_lora", "admin_reload", "admin_status", "admin_timeline", "engine_log", "status_page"]

@@ -1,24 +1,27 @@
-"""The operators' routes: /admin/status, /admin/timeline, /admin/activity, /admin/{swap,sleep,restart}, /admin/reload,
-/admin/lora/{load,unload} and the /ui page. `router.auth` lets only the admin key (or, without
+"""The operators' routes: /admin/status, /admin/timeline, /admin/activity, /admin/{swap,sleep,restart}, /admin/drill,
+/admin/hold, /admin/reload, /admin/lora/{load,unload} and the /ui page. `router.auth` lets only the admin key (or, without
 one, loopback) reach them."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
-from typing import Annotated, Mapping, Optional, TypeVar, cast
+from typing import Annotated, Awaitable, Callable, Mapping, Optional, TypeVar, cast
 
 from aiohttp import web
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from config import RosterError
+from engines.engine import Engine
 from router.admin import lora, timeline, ui, ui_activity
 from router.admin.activity import ActivityLog
 from router.admin.reload import Reloads
 from router.admin.status import engine_status, router_status
 from router.errors import APIError, error_body, json_answer
 from router.fleet import PEERS_KEY
+from router.keys import HOLD_MAX_S, HeldElsewhere
 from router.live import ROUTED_MODEL, ROUTER_KEY
 
 log = logging.getLogger("hotswap")
@@ -90,18 +93,101 @@ async def admin_activity(request: web.Request) -> web.Response:
     return json_answer({"enabled": activity.enabled, "records": [r.as_dict() for r in records]})
 
 
+class SleepQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="the model to put to sleep")
+    level: Optional[Annotated[int, _written(r"[0-2]", "0, 1 or 2")]] = Field(
+        None, description="the rung: 0 (KV park), 1 or 2, one its sleep_level allows; unset: the router chooses")
+
+
+class DrillQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="a model asleep at level 2 whose wake reloads its draft")
+
+
 async def admin_action(request: web.Request) -> web.Response:
-    """POST /admin/{swap,sleep,restart}?model=NAME: swap a model in, put it to sleep, or cold-restart it."""
+    """POST /admin/{swap,sleep,restart}?model=NAME: swap a model in, put it to sleep (`&level=N`: on that rung),
+    or cold-restart it."""
     router = request.app[ROUTER_KEY]
     action = request.match_info["action"]
     model = request.query.get("model")
     if not model:
         raise APIError(400, f"POST /admin/{action} needs ?model=NAME", "missing_model", param="model")
+    level = parse_query(SleepQuery, request.query).level if action == "sleep" else None
     engine = router.lookup(model)
     request[ROUTED_MODEL] = engine.name
     scheduler = router.placement
-    run = {"swap": scheduler.swap_in, "sleep": scheduler.sleep, "restart": scheduler.restart}[action]
-    log.info("admin: %s %s", action, engine.name)
+    run: Callable[[Engine], Awaitable[str]] = {"swap": scheduler.swap_in, "sleep": scheduler.sleep, "restart": scheduler.restart}[action]
+    if level is not None:
+        _check_rung(engine, level)
+        run = functools.partial(scheduler.sleep, level=level)
+    log.info("admin: %s %s%s", action, engine.name, "" if level is None else f" at level {level}")
+    return await _run_action(request, action, engine, run)
+
+
+def _check_rung(engine: Engine, level: int) -> None:
+    """409 unless `engine` may be parked at `level`: its sleep_level allows it and, for Level 2, it can reload."""
+    if level not in engine.sleep_levels:
+        raise APIError(409, f"{engine.name} cannot sleep at level {level}: its sleep_level ({engine.spec.sleep_level}) "
+                       f"allows {', '.join(map(str, engine.sleep_levels))}", "level_unavailable", param="level")
+    if level == 2 and not engine.spec.reloads_weights:
+        raise APIError(409, f"{engine.name} cannot sleep at level 2: its --load-format cannot reload its weights from disk",
+                       "level_unavailable", param="level")
+
+
+async def admin_drill(request: web.Request) -> web.Response:
+    """POST /admin/drill?model=NAME: wake a model asleep at Level 2 once without its draft reload, on purpose, so an
+    operator sees vLLM #52479 happen and the gate refuse the wake (then its on_fail remediation). Admin key only, as
+    every /admin/* route; it applies to this one wake: armed here, read (and disarmed) by the wake, disarmed here
+    again whatever happened, so no later wake can inherit it."""
+    router = request.app[ROUTER_KEY]
+    engine = router.lookup(parse_query(DrillQuery, request.query).model)
+    request[ROUTED_MODEL] = engine.name
+    try:
+        engine.arm_drill()
+    except ValueError as exc:
+        raise APIError(409, str(exc), "drill_unavailable") from None
+    log.warning("admin: drill on %s: its next wake skips the draft reload on purpose", engine.name)
+    try:
+        return await _run_action(request, "drill", engine, router.placement.swap_in)
+    finally:
+        engine.drill_armed = False
+
+
+class HoldQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="the model to hold off client traffic")
+    seconds: Number = Field(ge=0, le=HOLD_MAX_S, allow_inf_nan=False,
+                            description=f"how long from now, at most {HOLD_MAX_S:g}; 0 releases the hold")
+    token: Optional[str] = Field(None, min_length=1, description="the hold's token, to renew or release it")
+
+
+async def admin_hold(request: web.Request) -> web.Response:
+    """POST /admin/hold?model=NAME&seconds=S[&token=T]: hold a model off client traffic for S seconds (503 model_held
+    to any request without the token in X-Hotswap-Hold), renew it (with its token), or release it (seconds=0):
+    what `hotswap trial --url` does to the models it drives (router.keys)."""
+    router = request.app[ROUTER_KEY]
+    query = parse_query(HoldQuery, request.query)
+    engine = router.lookup(query.model)
+    request[ROUTED_MODEL] = engine.name
+    if query.seconds == 0:
+        released = router.holds.release(engine.name, query.token)
+        log.info("admin: hold on %s %s", engine.name, "released" if released else "was not held by that token")
+        return json_answer({"model": engine.name, "held": False, "released": released})
+    try:
+        token = router.holds.take(engine.name, query.seconds, query.token)
+    except HeldElsewhere as exc:
+        raise APIError(409, str(exc), "model_held", param="model") from None
+    if query.token is None:
+        log.warning("admin: %s held off client traffic for %g s (a trial)", engine.name, query.seconds)
+    return json_answer({"model": engine.name, "held": True, "token": token, "seconds": query.seconds})
+
+
+async def _run_action(request: web.Request, action: str, engine: Engine, run: Callable[[Engine], Awaitable[str]]) -> web.Response:
+    router = request.app[ROUTER_KEY]
     try:
         async with asyncio.timeout(router.roster.queue.max_wait_s + router.roster.swap.boot_timeout_s):
             result = await run(engine)

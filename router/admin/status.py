@@ -71,6 +71,7 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "staging": e.stager.as_dict(),  # engines.stage: staged (in the page cache as the router knows), running, last report
         "wake_estimate_s": round(scheduler.predicted_wait(e, scheduler.clock()), 2),
         "woken_ahead": scheduler.ahead[e.name].as_dict(scheduler.clock()) if e.name in scheduler.ahead else None,
+        "held_for_s": _held(router, e),  # held off client traffic for an operator's trial (router.keys); null: not held
         "in_flight": e.in_flight,
         "queued": scheduler.queued(e),
         "queued_by_class": scheduler.queued_by_class(e),  # {interactive: N, batch: M}: batch is served after interactive
@@ -123,3 +124,8 @@ def _drift(e: Engine) -> dict[str, Any]:
     v = e.gate.last_verdict
     return {"last": v.logprob_drift if v is not None and v.result != "baseline" else None, "spread": e.gate.logprob_spread,
             "max": e.spec.gate.max_logprob_drift}
+
+
+def _held(router: Router, e: Engine) -> Optional[float]:
+    held = router.holds.remaining(e.name)
+    return None if held is None else round(held, 1)

@@ -1,4 +1,4 @@
-"""`hotswap` command line: serve, check, schema, status, activity, reload."""
+"""`hotswap` command line: serve, check, schema, status, activity, reload, trial."""
 
 from __future__ import annotations
 
@@ -93,6 +93,30 @@ def build_parser() -> argparse.ArgumentParser:
         "and exits 0; if the file is invalid, prints every error as file:line:col: field: message, changes "
         "nothing and exits 2; exits 1 when the router cannot be reached or refuses.",
     )
+    trial = commands.add_parser(
+        "trial",
+        help="measure every sleep and wake of the roster's models on this machine, and report",
+        description="For each model: its cold boot and baseline, then --cycles rounds through every rung it may use "
+        "(KV park, Level 1 within the host budget, Level 2 where it can reload): each sleep's and wake phase's time, the "
+        "GPU memory freed and taken back, the host RAM held, the gate's verdict and a generation timed against the cold "
+        "baseline; --drill adds one Level-2 wake without the draft reload (vLLM #52479) for the gate to refuse. Runs on a "
+        "router of its own on loopback (stopped at the end) unless --url names a running one. Prints a table, writes "
+        "--report (Markdown) and --json; exits 1 when a wake was refused, acceptance collapsed (the drill's aside) or a "
+        "step failed (docs/operators.md, \"Trying it on your GPU\").",
+    )
+    trial.add_argument("--url", help="a running router that serves this roster (default: start one of the trial's own on "
+                       "a free loopback port, and stop it at the end)")
+    trial.add_argument("--admin-key", help="admin key (default: $HOTSWAP_ADMIN_KEY, else the roster's)")
+    trial.add_argument("--config", metavar="ROSTER.yaml", required=True, help="the roster (with --url: the one that router runs)")
+    trial.add_argument("--models", help="comma-separated model names (default: every model in the roster)")
+    trial.add_argument("--cycles", type=int, default=2, help="rounds through the rungs per model (default %(default)s)")
+    trial.add_argument("--levels", default="kv,1,2", help="the rungs to drive, of kv, 1, 2 (default %(default)s)")
+    trial.add_argument("--drill", action="store_true", help="one Level-2 wake without the draft reload, for the gate to refuse")
+    trial.add_argument("--tokens", type=int, default=64, help="tokens of each timed generation (default %(default)s)")
+    trial.add_argument("--api-key", help="client key for the generations (default: from the roster's auth)")
+    trial.add_argument("--report", type=Path, metavar="trial.md", help="write the Markdown report here")
+    trial.add_argument("--json", type=Path, metavar="trial.json", help="write the JSON report here")
+    trial.add_argument("--log-dir", type=Path, help="the trial router's log and its engines' logs (default: a temporary folder)")
     return parser
 
 
@@ -101,7 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "serve":
         return cmd_serve(args)  # logs to stderr: a broken pipe in there is a real error, not a reader gone
     handler = {"check": cmd_check, "schema": cmd_schema, "status": cmd_status, "activity": cmd_activity,
-               "reload": cmd_reload}[args.command]
+               "reload": cmd_reload, "trial": cmd_trial}[args.command]
     return _writing_stdout(handler, args)
 
 
@@ -213,3 +237,29 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
     return reload(args.url, args.admin_key)
 
+
+
+def cmd_trial(args: argparse.Namespace) -> int:
+    from router.cli import trial
+
+    try:
+        levels = trial.parse_levels(args.levels)
+    except ValueError as exc:
+        print(f"hotswap trial: --levels: {exc}", file=sys.stderr)
+        return EXIT_BAD_ROSTER
+    if args.cycles < 1 or args.tokens < 1:
+        print("hotswap trial: --cycles and --tokens must be at least 1", file=sys.stderr)
+        return EXIT_BAD_ROSTER
+    roster = _load(args.config)
+    if roster is None:
+        return EXIT_BAD_ROSTER
+    models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    unknown = [m for m in models or [] if m not in {spec.name for spec in roster.models}]
+    if unknown:
+        print(f"hotswap trial: --models: not in {args.config}: {', '.join(unknown)} (its models: "
+              f"{', '.join(spec.name for spec in roster.models)})", file=sys.stderr)
+        return EXIT_BAD_ROSTER
+    return trial.run(trial.Options(
+        roster=roster, config=args.config, models=models, cycles=args.cycles, levels=levels, drill=args.drill,
+        report=args.report, json=args.json, url=args.url, admin_key=args.admin_key, api_key=args.api_key, tokens=args.tokens,
+        log_dir=args.log_dir, command=trial.command_line(sys.argv[1:])))

@@ -28,7 +28,7 @@ from router.proxy import keepalive, routes
 from router.auth import grant_of
 from router.fleet import PEERS_KEY, PeerFailed
 from router.errors import CLIENT_CLOSED, APIError, sse_error
-from router.keys import class_priority, request_class
+from router.keys import HOLD_HEADER, class_priority, request_class
 from router.live import ROUTED_MODEL, ROUTER_KEY, Router
 from router.metrics import UNKNOWN_MODEL
 from router.proxy.body import Form, encoded, read_form, read_json
@@ -280,6 +280,10 @@ class Walk:
                 raise
             self.not_here = exc
             return False
+        held = self.router.holds.remaining(self.engine.name, self.request.headers.get(HOLD_HEADER))
+        if held is not None:
+            raise APIError(503, f"model '{self.engine.name}' is held for an operator's trial (hotswap trial) for up to "
+                           f"{held:.0f} s more; retry then", "model_held", retry_after=held)
         if self.form is None and self.asked is None and self.name in self.engine.other_names:
             # A follow-up of an adapter's conversation stays on the adapter (a key may be scoped to it alone).
             self.body["model"] = self.name

@@ -245,8 +245,9 @@ class Actions(Costs, RosterChanges, Staging):
         """Wake `engine` the way a request would (making room), without leasing it to anyone."""
         return await self._admin(engine, "swap", self._swap_in)
 
-    async def sleep(self, engine: Engine) -> str:
-        return await self._admin(engine, "sleep", self._sleep)
+    async def sleep(self, engine: Engine, level: Optional[int] = None) -> str:
+        """`level`: the rung an operator asked for (router.admin checked the engine may use it); None: chosen."""
+        return await self._admin(engine, "sleep", lambda e: self._sleep(e, level))
 
     async def restart(self, engine: Engine) -> str:
         return await self._admin(engine, "restart", self._restart)
@@ -272,17 +273,19 @@ class Actions(Costs, RosterChanges, Staging):
         self.release(engine)
         return self._outcome(engine)
 
-    async def _sleep(self, engine: Engine) -> str:
+    async def _sleep(self, engine: Engine, asked: Optional[int] = None) -> str:
         # By an operator: not woken ahead of demand nor booted in the background, only by a request, from the
         # moment asked (a reload may restart it while this waits for its turn).
+        if asked == 1:
+            self._level1_fits(engine)
         if engine.state in (State.AWAKE, State.SLEEPING):
             self.put_to_sleep.add(engine.name)
 
         async def action() -> str:
             if engine.state is not State.AWAKE:
                 return f"not awake ({engine.state.value})"
-            level = self._level_alone(engine)
-            reason = self.level_reason(engine, level)
+            level = self._level_alone(engine) if asked is None else asked
+            reason = self.level_reason(engine, level) if asked is None else f"level {asked} as asked"
             if level is None:
                 numbers = f"; {reason}" if reason else ""
                 await self._stop(engine, f"on request; no room for it at level 1 in host RAM, and "
@@ -292,6 +295,13 @@ class Actions(Costs, RosterChanges, Staging):
                 await self._park(engine, f"on request; level {level}: {reason}" if reason else "on request", level)
             return self._outcome(engine)
         return await self._exclusively(engine, "sleep", action)
+
+    def _level1_fits(self, engine: Engine) -> None:
+        """An asked-for Level 1 keeps to host.ram_budget_gb as a chosen one does: else a 409 with the numbers."""
+        need = self.level1_need_gb(engine)
+        if need is not None and self.level1_gb(exclude={engine.name}) + need > self.capacity.ram_budget_gb:
+            raise APIError(409, f"{engine.name} cannot sleep at level 1 now: {self.level1_why(engine)}", "level_unavailable",
+                           param="level")
 
     async def _restart(self, engine: Engine) -> str:
         if engine.state is not State.AWAKE:  # a cold boot needs room like any wake
