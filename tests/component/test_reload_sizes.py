@@ -37,11 +37,12 @@ async def test_after_a_reload_sets_weights_gb_and_the_engine_reboots_status_no_l
     assert b["host_memory"]["not_level1_because"] is None, "the reason was about the size it had before the reload"
     shown = subprocess.run([sys.executable, "-m", "router.cli", "status", "--url", router.url], capture_output=True,
                            text=True, timeout=30)
-    assert shown.returncode == 0 and "unknown" not in shown.stdout, shown.stdout
+    b_line = next(line for line in shown.stdout.splitlines() if line.strip().startswith("b host RAM:"))
+    assert "unknown" not in b_line and "estimated 1.35 GB" in b_line, shown.stdout  # (a's size is still unknown, and said)
 
-    assert await ask(client(router), "b") and await ask(client(router), "a")  # and its next park is at level 1
+    assert await ask(client(router), "b") and await ask(client(router), "a")  # its next park is sized: not level 2
     b = await router.engine("b")
-    assert b["sleep_level"] == 1 and b["host_memory"]["not_level1_because"] is None
+    assert b["sleep_level"] in (0, 1) and b["host_memory"]["not_level1_because"] is None
 
 
 async def _restarted(router) -> bool:
