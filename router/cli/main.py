@@ -15,6 +15,7 @@ import yaml
 from config import DEMO_ROSTER, Issue, Roster, RosterError, RosterFile, exposed_agent, load_roster
 from config.virtual import scope_warnings
 from engines.process import compose_argv
+from router.cli.where import DEFAULT_URL, URL_ENV, NoRouterURL, router_url
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -63,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # What every command that calls a running router's admin API takes.
     a_router = argparse.ArgumentParser(add_help=False)
-    a_router.add_argument("--url", default="http://127.0.0.1:8080", help="the router (default %(default)s)")
+    where = a_router.add_mutually_exclusive_group()
+    where.add_argument("--url", help=f"the router (default: ${URL_ENV}, else {DEFAULT_URL})")
+    where.add_argument("--config", metavar="ROSTER.yaml", help="the router serving this roster: the URL of its listen:")
     a_router.add_argument("--admin-key", help="admin key (default: $HOTSWAP_ADMIN_KEY)")
 
     commands.add_parser(
@@ -102,6 +105,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return cmd_serve(args)  # logs to stderr: a broken pipe in there is a real error, not a reader gone
     handler = {"check": cmd_check, "schema": cmd_schema, "status": cmd_status, "activity": cmd_activity,
                "reload": cmd_reload}[args.command]
+    if args.command in ("status", "activity", "reload"):  # a client of a running router: which one
+        try:
+            args.url = router_url(args.url, args.config)
+        except NoRouterURL as exc:
+            print(f"hotswap {args.command}: {exc}", file=sys.stderr)
+            return EXIT_BAD_ROSTER
     return _writing_stdout(handler, args)
 
 
