@@ -5,16 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
-import yaml
-
-from config import DEMO_ROSTER, Issue, Roster, RosterError, RosterFile, exposed_agent, load_roster
-from config.virtual import scope_warnings
-from engines.process import compose_argv
+from config import DEMO_ROSTER, Roster, RosterError, RosterFile, exposed_agent, load_roster
 from router.cli.where import DEFAULT_URL, URL_ENV, NoRouterURL, router_url
 
 EXIT_OK = 0
@@ -49,12 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "check",
-        help="validate a roster and print it resolved",
-        description="Validate a roster. Prints the resolved roster (defaults applied, secrets masked) "
-        "and exits 0, or prints every error as file:line:col: field: message and exits 2. "
-        "Warnings (an engine program not on PATH) go to stderr and leave the exit code 0.",
+        help="validate a roster and tell what serve will do with it",
+        description="Validate a roster, and tell what `serve` will do with it. Prints every error as "
+        "file:line:col: field: message and exits 2; else prints the placement per GPU (who can be awake together, "
+        "who takes turns) and the level each model would sleep at under the host-RAM budget, and exits 0. "
+        "Warnings go to stderr and leave the exit code 0: what serve would warn of (a checkpoint it cannot size), "
+        "and what will not run here (an engine program not on PATH). --resolved prints the resolved roster instead.",
     )
     check.add_argument("--config", metavar="ROSTER.yaml", required=True)
+    check.add_argument("--resolved", action="store_true",
+                       help="print the resolved roster as YAML (defaults applied, secrets masked) instead of the placement")
 
     commands.add_parser(
         "schema",
@@ -145,45 +144,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     roster = _load(args.config)
     if roster is None:
         return EXIT_BAD_ROSTER
-    yaml.safe_dump(roster.redacted(), sys.stdout, sort_keys=False)
-    sys.stdout.flush()  # the roster, then the warnings, also when both go to one file
-    warnings = check_warnings(roster)
-    for warning in warnings:
-        print(warning, file=sys.stderr)
-    if warnings:
-        noun = "warning" if len(warnings) == 1 else "warnings"
-        print(f"{args.config}: {len(warnings)} {noun}; the roster is valid", file=sys.stderr)
-    return EXIT_OK
+    from router.cli.check import cmd_check as check  # imported late: it reads the scheduler's code, serve's too
 
-
-def check_warnings(roster: Roster) -> list[Issue]:
-    """What is valid but will not work here, or not as written: a managed engine's program (launcher[0] or
-    command[0]) that is not on PATH; a key's glob that matches a virtual model but not all its members
-    (`config.virtual.scope_warnings`). One warning per place in the file, so a launcher set in
-    `defaults` is reported once."""
-    found: dict[tuple[str, int, int], Issue] = {}
-    for i, model in enumerate(roster.models):
-        if not model.managed:
-            continue
-        key = "command" if model.command is not None else "launcher"
-        program = compose_argv(model, 0)[0]  # placeholders filled; python/python3 are the router's own
-        if shutil.which(program) is not None:
-            continue
-        written = (model.command or model.launcher)[0]
-        field, _, _ = roster.locate(("models", i, key)) or (f"models[{i}].{key}", 1, 1)
-        _, line, col = roster.locate(("models", i, key, 0)) or ("", 1, 1)
-        if os.sep in program:
-            message = f"{written!r} is not an executable file"
-        else:
-            what = "vLLM" if program == "vllm" else "it"
-            message = f"{written!r} is not on PATH (install {what} in this environment, or set {key} to its full path)"
-        found.setdefault((field, line, col), Issue(roster.source, line, col, field, message))
-    issues = list(found.values())
-    names_of = {name: m.names for m in roster.models for name in m.names}
-    for path, message in scope_warnings(roster.auth.keys, roster.virtual_models, names_of):
-        field, line, col = roster.locate(path) or (".".join(map(str, path)), 1, 1)
-        issues.append(Issue(roster.source, line, col, field, message))
-    return sorted(issues)
+    return check(args, roster)
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
