@@ -104,7 +104,7 @@ def render(roster: Roster, seen: Preview) -> str:
     for name, sleep in seen.sleep.items():
         lines.append(f"  {name:<{width}}  {_level(sleep)}: {sleep.why}")
         if sleep.maybe_2:
-            lines.append(f"  {'':<{width}}  or level 2: {sleep.maybe_2}")
+            lines.append(f"  {'':<{width}}  or level 2 {sleep.maybe_2}")
     return "\n".join(lines)
 
 

@@ -47,7 +47,7 @@ def level1_weights(specs: Iterable[ModelSpec], warn: Optional[Callable[[ModelSpe
     for spec in specs:
         out[spec.name], why = weights_gb(spec)
         why = spec.masked([why])[0]  # a path the roster took from ${ENV} is shown as *** (config.secrets)
-        if spec.sleep_level != "auto":
+        if spec.sleep_level != "auto" or spec.pin:  # a pinned model is never parked: its size decides nothing
             continue
         if out[spec.name] is None:
             instead = "sleeps at level 2" if spec.reloads_weights else "is stopped when parked (its --load-format cannot reload)"
@@ -98,7 +98,10 @@ class Preview:
 def preview(roster: Roster, weights: dict[str, Optional[float]], capacity: Capacity) -> Preview:
     engines = [Engine(spec, roster.swap, None, Path(os.devnull)) for spec in roster.models]  # type: ignore[arg-type]
     scheduler = Scheduler(engines, roster.swap, roster.queue, capacity, weights=dict(weights))
-    sleep = {e.name: _sleep(scheduler, e) for e in engines}
+    alone = {e.name: _alone(scheduler, e) for e in engines}
+    level1 = [e for e in engines if alone[e.name].level == 1]
+    sleep = {e.name: _beside(scheduler, e, [o for o in level1 if o is not e]) if e in level1 else alone[e.name]
+             for e in engines}
     views: dict[int, DevicePreview] = {i: DevicePreview(i, gb) for i, gb in sorted((capacity.gpus or {}).items())}
     for engine in engines:
         for device in engine.spec.devices:
@@ -110,28 +113,34 @@ def preview(roster: Roster, weights: dict[str, Optional[float]], capacity: Capac
     return Preview([v for v in views.values() if v.models], sleep, capacity)
 
 
-def _sleep(scheduler: Scheduler, engine: Engine) -> Sleep:
+def _alone(scheduler: Scheduler, engine: Engine) -> Sleep:
+    """The level `engine` would be parked at with every other engine stopped (holding no host RAM)."""
     spec = engine.spec
     if spec.pin:
-        return Sleep("pin", "pinned: always awake, never parked")
+        return Sleep("pin", "pin: true, always awake")
     if spec.sleep_level in (0, 2):
         what = "KV-parked: its weights stay on the GPU" if spec.sleep_level == 0 else "weights dropped, reloaded from disk"
         return Sleep(spec.sleep_level, f"sleep_level: {spec.sleep_level} ({what})")
-    others = [e for e in scheduler.engines if e is not engine]
-    _put(others, State.COLD, None)
-    alone, _ = scheduler._choose_level(engine, 0.0)
-    if alone != 1:
-        return Sleep(alone, scheduler.level1_why(engine) + (f"; {scheduler.no_level2(engine)}" if alone is None else ""))
+    _put([e for e in scheduler.engines if e is not engine], State.COLD, None)
+    level, _ = scheduler._choose_level(engine, 0.0)
+    if level != 1:
+        return Sleep(level, scheduler.level1_why(engine) + (f"; {scheduler.no_level2(engine)}" if level is None else ""))
     need = scheduler.level1_need_gb(engine)
-    how = "sized later" if need is None else f"about {need:.2f} GB of host RAM ({_estimate(scheduler, engine)})"
-    candidates = [e for e in others if not e.spec.pin and e.spec.sleep_level in ("auto", 1)]
-    _put(candidates, State.SLEEPING, 1)
-    beside, _ = scheduler._choose_level(engine, 0.0)
-    _put(candidates, State.COLD, None)
-    maybe = "" if beside == 1 else (
-        f"with every other level-1 candidate asleep at level 1 too, {scheduler.level1_why(engine)}: "
-        "then the router keeps at level 1 the ones most likely to be asked for again")
-    return Sleep(1, how, maybe)
+    return Sleep(1, "sized once it has slept" if need is None else f"about {need:.2f} GB of host RAM ({_estimate(scheduler, engine)})")
+
+
+def _beside(scheduler: Scheduler, engine: Engine, others: list[Engine]) -> Sleep:
+    """Level 1 alone: whether it still is with every other engine that sleeps at level 1 alone asleep there too."""
+    alone = _alone(scheduler, engine)
+    _put(others, State.SLEEPING, 1)
+    level, _ = scheduler._choose_level(engine, 0.0)
+    why = scheduler.level1_why(engine)
+    _put(others, State.COLD, None)
+    if level == 1:
+        return alone
+    names = ", ".join(e.name for e in others)
+    return Sleep(1, alone.why, f"when {names} {'sleeps' if len(others) == 1 else 'sleep'} at level 1 too: {why}; the "
+                               "router keeps at level 1 those most likely to be asked for again")
 
 
 def _estimate(scheduler: Scheduler, engine: Engine) -> str:
