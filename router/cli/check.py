@@ -103,8 +103,8 @@ def render(roster: Roster, seen: Preview) -> str:
     width = max(len(name) for name in seen.sleep)
     for name, sleep in seen.sleep.items():
         lines.append(f"  {name:<{width}}  {_level(sleep)}: {sleep.why}")
-        if sleep.maybe_2:
-            lines.append(f"  {'':<{width}}  or level 2 {sleep.maybe_2}")
+        if sleep.crowded_why:
+            lines.append(f"  {'':<{width}}  or {_level(Sleep(sleep.crowded, ''))} {sleep.crowded_why}")
     return "\n".join(lines)
 
 

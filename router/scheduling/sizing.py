@@ -72,7 +72,9 @@ class Sleep:
 
     level: Optional[int | str]
     why: str
-    maybe_2: str = ""  # level 1 alone, but not beside every other level-1 sleeper: why it may go to level 2
+    # Level 1 alone, but not beside every other model that sleeps at level 1 alone: the level it goes to then, and why.
+    crowded: Optional[int] = None
+    crowded_why: str = ""
 
 
 @dataclass
@@ -139,8 +141,8 @@ def _beside(scheduler: Scheduler, engine: Engine, others: list[Engine]) -> Sleep
     if level == 1:
         return alone
     names = ", ".join(e.name for e in others)
-    return Sleep(1, alone.why, f"when {names} {'sleeps' if len(others) == 1 else 'sleep'} at level 1 too: {why}; the "
-                               "router keeps at level 1 those most likely to be asked for again")
+    return Sleep(1, alone.why, level, f"when {names} {'sleeps' if len(others) == 1 else 'sleep'} at level 1 too: {why}; "
+                                      "the router keeps at level 1 those most likely to be asked for again")
 
 
 def _estimate(scheduler: Scheduler, engine: Engine) -> str:
@@ -164,9 +166,6 @@ def _fill(view: DevicePreview, here: list[Engine], everyone: list[Engine], sleep
             return False
         return _use(view.index, everyone, {*pinned, *awake}, sleep, scheduler) <= 1.0 + EPS
 
-    _put(everyone, State.SLEEPING, None)
-    for e in everyone:
-        e.sleep_level = _asleep_at(sleep[e.name])
     view.most_awake = most_awake(here, scheduler.capacity)
     for engine in free:
         if not fits((engine,)):
