@@ -11,7 +11,6 @@ written in the file: `[--gpu-memory-utilization, 0.85]` needs no quotes, and `0.
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import os
 import re
@@ -23,6 +22,7 @@ from typing import Any, Iterable, Mapping, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from config.hints import NOTHING, unknown_key
 from config.merge import Path_, blame, format_field, merge_defaults
 from config.placement_check import check_placement
 from config.virtual import VirtualModel, check_virtual_models
@@ -198,7 +198,7 @@ class _Loader:
     def validate(self, data: dict[str, Any]) -> Optional[Roster]:
         for key in data:
             if key not in TOP_LEVEL_KEYS:
-                self.report((key,), _unknown_key(key, TOP_LEVEL_KEYS), at_key=True)
+                self.report((key,), unknown_key(key, TOP_LEVEL_KEYS), at_key=True)
         sections = {name: self.validate_model(cls, data.get(name) or {}, (name,)) for name, cls in SECTIONS.items()}
         gpus = self.validate_gpus(data.get("gpus"))
         defaults = self.check_defaults(data.get("defaults") or {})
@@ -259,7 +259,7 @@ class _Loader:
             if key in IDENTITY_KEYS:
                 self.report(("defaults", key), f"'{key}' identifies one engine; set it on each model, not in defaults", at_key=True)
             elif key not in ModelDefaults.model_fields:
-                self.report(("defaults", key), _unknown_key(key, ModelDefaults.model_fields), at_key=True)
+                self.report(("defaults", key), unknown_key(key, ModelDefaults.model_fields, value), at_key=True)
             else:
                 kept[key] = value
         return kept
@@ -364,13 +364,6 @@ def _line_col(text: str, position: int) -> tuple[int, int]:
     return before.count("\n") + 1, position - (before.rfind("\n") + 1) + 1
 
 
-def _unknown_key(key: Any, known: Iterable[str]) -> str:
-    known = list(known)
-    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
-    return f"unknown key '{key}'{hint}"
-
-
 def _section_class(cls: type[BaseModel], loc: Path_) -> type[BaseModel]:
     """The pydantic model that owns the last element of `loc` (for 'did you mean')."""
     for part in loc[:-1]:
@@ -386,7 +379,8 @@ def _section_class(cls: type[BaseModel], loc: Path_) -> type[BaseModel]:
 def _message(err: dict[str, Any], cls: type[BaseModel], loc: Path_) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
-        return _unknown_key(loc[-1], _section_class(cls, loc).model_fields)
+        owner = _section_class(cls, loc)
+        return unknown_key(loc[-1], owner.model_fields, err["input"] if owner is ModelSpec and len(loc) == 1 else NOTHING)
     if kind == "missing":
         return "is required"
     if kind == "literal_error":

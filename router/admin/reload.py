@@ -136,5 +136,8 @@ def apply(router: Router, new: Roster, changes: RosterDiff, weights: dict[str, O
             scheduler.pending_spec.pop(name, None)
     router.by_name = by_name
     router.virtuals = virtuals
+    for name, gb in weights.items():
+        if scheduler.weights.get(name) != gb:  # why its last park was not at level 1 was told with the old size
+            scheduler.host_why.pop(name, None)
     scheduler.weights.update(weights)
     scheduler.poke()

@@ -109,7 +109,9 @@ def show(url: str, admin_key: Optional[str], model: Optional[str], limit: int, f
         print(f"hotswap activity: {url} answered {exc.code}: {exc.read().decode(errors='replace')[:300]}", file=sys.stderr)
         return 1
     except (urllib.error.URLError, OSError) as exc:
-        print(f"hotswap activity: cannot reach a router at {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        from router.cli.where import unreachable  # only this path needs it
+
+        print(unreachable("activity", url, getattr(exc, "reason", exc)), file=sys.stderr)
         return 1
     except NotARouter as exc:
         print(f"hotswap activity: {exc}", file=sys.stderr)

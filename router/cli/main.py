@@ -5,16 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
-import yaml
-
-from config import DEMO_ROSTER, Issue, Roster, RosterError, RosterFile, exposed_agent, load_roster
-from config.virtual import scope_warnings
-from engines.process import compose_argv
+from config import DEMO_ROSTER, Roster, RosterError, RosterFile, exposed_agent, load_roster
+from router.cli.where import DEFAULT_URL, URL_ENV, NoRouterURL, router_url
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -48,12 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "check",
-        help="validate a roster and print it resolved",
-        description="Validate a roster. Prints the resolved roster (defaults applied, secrets masked) "
-        "and exits 0, or prints every error as file:line:col: field: message and exits 2. "
-        "Warnings (an engine program not on PATH) go to stderr and leave the exit code 0.",
+        help="validate a roster and tell what serve will do with it",
+        description="Validate a roster, and tell what `serve` will do with it. Prints every error as "
+        "file:line:col: field: message and exits 2; else prints the placement per GPU (who can be awake together, "
+        "who takes turns) and the level each model would sleep at under the host-RAM budget, and exits 0. "
+        "Warnings go to stderr and leave the exit code 0: what serve would warn of (a checkpoint it cannot size), "
+        "and what will not run here (an engine program not on PATH). --resolved prints the resolved roster instead.",
     )
     check.add_argument("--config", metavar="ROSTER.yaml", required=True)
+    check.add_argument("--resolved", action="store_true",
+                       help="print the resolved roster as YAML (defaults applied, secrets masked) instead of the placement")
 
     commands.add_parser(
         "schema",
@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # What every command that calls a running router's admin API takes.
     a_router = argparse.ArgumentParser(add_help=False)
-    a_router.add_argument("--url", default="http://127.0.0.1:8080", help="the router (default %(default)s)")
+    where = a_router.add_mutually_exclusive_group()
+    where.add_argument("--url", help=f"the router (default: ${URL_ENV}, else {DEFAULT_URL})")
+    where.add_argument("--config", metavar="ROSTER.yaml", help="the router serving this roster: the URL of its listen:")
     a_router.add_argument("--admin-key", help="admin key (default: $HOTSWAP_ADMIN_KEY)")
 
     commands.add_parser(
@@ -126,6 +128,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return cmd_serve(args)  # logs to stderr: a broken pipe in there is a real error, not a reader gone
     handler = {"check": cmd_check, "schema": cmd_schema, "status": cmd_status, "activity": cmd_activity,
                "reload": cmd_reload, "trial": cmd_trial}[args.command]
+    if args.command in ("status", "activity", "reload"):  # a client of a running router: which one
+        try:
+            args.url = router_url(args.url, args.config)
+        except NoRouterURL as exc:
+            print(f"hotswap {args.command}: {exc}", file=sys.stderr)
+            return EXIT_BAD_ROSTER
     return _writing_stdout(handler, args)
 
 
@@ -160,45 +168,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     roster = _load(args.config)
     if roster is None:
         return EXIT_BAD_ROSTER
-    yaml.safe_dump(roster.redacted(), sys.stdout, sort_keys=False)
-    sys.stdout.flush()  # the roster, then the warnings, also when both go to one file
-    warnings = check_warnings(roster)
-    for warning in warnings:
-        print(warning, file=sys.stderr)
-    if warnings:
-        noun = "warning" if len(warnings) == 1 else "warnings"
-        print(f"{args.config}: {len(warnings)} {noun}; the roster is valid", file=sys.stderr)
-    return EXIT_OK
+    from router.cli.check import cmd_check as check  # imported late: it reads the scheduler's code, serve's too
 
-
-def check_warnings(roster: Roster) -> list[Issue]:
-    """What is valid but will not work here, or not as written: a managed engine's program (launcher[0] or
-    command[0]) that is not on PATH; a key's glob that matches a virtual model but not all its members
-    (`config.virtual.scope_warnings`). One warning per place in the file, so a launcher set in
-    `defaults` is reported once."""
-    found: dict[tuple[str, int, int], Issue] = {}
-    for i, model in enumerate(roster.models):
-        if not model.managed:
-            continue
-        key = "command" if model.command is not None else "launcher"
-        program = compose_argv(model, 0)[0]  # placeholders filled; python/python3 are the router's own
-        if shutil.which(program) is not None:
-            continue
-        written = (model.command or model.launcher)[0]
-        field, _, _ = roster.locate(("models", i, key)) or (f"models[{i}].{key}", 1, 1)
-        _, line, col = roster.locate(("models", i, key, 0)) or ("", 1, 1)
-        if os.sep in program:
-            message = f"{written!r} is not an executable file"
-        else:
-            what = "vLLM" if program == "vllm" else "it"
-            message = f"{written!r} is not on PATH (install {what} in this environment, or set {key} to its full path)"
-        found.setdefault((field, line, col), Issue(roster.source, line, col, field, message))
-    issues = list(found.values())
-    names_of = {name: m.names for m in roster.models for name in m.names}
-    for path, message in scope_warnings(roster.auth.keys, roster.virtual_models, names_of):
-        field, line, col = roster.locate(path) or (".".join(map(str, path)), 1, 1)
-        issues.append(Issue(roster.source, line, col, field, message))
-    return sorted(issues)
+    return check(args, roster)
 
 
 def cmd_schema(args: argparse.Namespace) -> int:

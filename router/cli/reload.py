@@ -9,6 +9,7 @@ import urllib.request
 from typing import Optional
 
 from router.cli.admin_api import admin_request, refusal
+from router.cli.where import unreachable
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_ROSTER = 0, 1, 2
 TIMEOUT_S = 60  # validation reads the file and sizes new models' checkpoints; applying is instant
@@ -39,7 +40,7 @@ def reload(url: str, admin_key: Optional[str]) -> int:
         print(f"hotswap reload: {url} answered {exc.code}: {message or text[:300]}", file=sys.stderr)
         return EXIT_FAILED
     except (urllib.error.URLError, OSError) as exc:
-        print(f"hotswap reload: cannot reach a router at {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        print(unreachable("reload", url, getattr(exc, "reason", exc)), file=sys.stderr)
         return EXIT_FAILED
     for line in answer["summary"]:
         print(line)

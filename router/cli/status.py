@@ -8,6 +8,7 @@ import urllib.error
 from typing import Any, Optional
 
 from router.cli.admin_api import NotARouter, fetch_json, refusal
+from router.cli.where import unreachable
 
 STATUS_KEYS = ("ready", "booted", "placement", "engines", "last_swap")
 
@@ -133,7 +134,7 @@ def show(url: str, admin_key: Optional[str]) -> int:
               f"{exc.read().decode(errors='replace')[:300]}", file=sys.stderr)
         return 1
     except (urllib.error.URLError, OSError) as exc:
-        print(f"hotswap status: cannot reach a router at {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        print(unreachable("status", url, getattr(exc, "reason", exc)), file=sys.stderr)
         return 1
     except NotARouter as exc:
         print(f"hotswap status: {exc}", file=sys.stderr)

@@ -60,7 +60,8 @@ def test_check_piped_into_head_prints_the_first_line_and_no_traceback(tmp_path: 
     # Far more output than a pipe holds, so head -1 is gone while check still writes.
     roster = tmp_path / "big.yaml"
     roster.write_text(f"models:\n  - name: a\n    model: /m/a\n    gate: {{prompt: '{'word ' * 100_000}'}}\n")
-    run = subprocess.run(["bash", "-c", 'set -o pipefail; "$@" | head -1', "bash", *HOTSWAP, "check", "--config", str(roster)],
+    run = subprocess.run(["bash", "-c", 'set -o pipefail; "$@" | head -1', "bash", *HOTSWAP, "check", "--resolved", "--config",
+                          str(roster)],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.stdout == f"source: {roster}\n"
     assert run.stderr == ""
@@ -96,6 +97,7 @@ def test_check_warns_about_engine_programs_not_on_path_and_still_exits_0(tmp_pat
         "    launcher: [python, -m, engines.sim, serve]\n"              # the router's own python
         "  - name: f\n"
         "    url: http://127.0.0.1:9000\n"                              # not started by the router
+        "defaults: {weights_gb: 1}\n"                                   # sized: no warning of that here
     )
     run = subprocess.run([*HOTSWAP, "check", "--config", str(roster)], cwd=REPO, capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PATH": str(bin_dir)})
@@ -106,12 +108,12 @@ def test_check_warns_about_engine_programs_not_on_path_and_still_exits_0(tmp_pat
         f"{roster}:8:15: models[2].command: '/nonexistent/engine' is not an executable file",
         f"{roster}: 3 warnings; the roster is valid",
     ]
-    assert "models:" in run.stdout
+    assert run.stdout.startswith("GPU 0 "), "the placement, on stdout"
 
 
 def test_a_launcher_from_defaults_is_reported_once_where_it_is_written(tmp_path: Path):
     roster = tmp_path / "roster.yaml"
-    roster.write_text("defaults:\n  launcher: [no-such-vllm, serve]\nmodels:\n  - {name: a, model: /m/a}\n  - {name: b, model: /m/b}\n")
+    roster.write_text("defaults:\n  launcher: [no-such-vllm, serve]\n  weights_gb: 1\nmodels:\n  - {name: a, model: /m/a}\n  - {name: b, model: /m/b}\n")
     run = subprocess.run([*HOTSWAP, "check", "--config", str(roster)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0
     assert run.stderr.splitlines() == [
@@ -127,7 +129,7 @@ def test_check_warns_of_a_glob_that_matches_a_virtual_model_but_not_all_its_memb
         "  keys:\n"
         "    - {key: '${APP_KEY}', name: app, models: [embed, 'chat-*']}\n"      # 3: a glob over chat models
         "    - {key: '${WHOLE_KEY}', name: whole, models: [chat-any]}\n"          # the virtual model, written as it is
-        "defaults: {launcher: [python, -m, engines.sim, serve]}\n"
+        "defaults: {launcher: [python, -m, engines.sim, serve], weights_gb: 1}\n"
         "models:\n"
         "  - {name: chat-a, model: /m/a}\n"
         "  - {name: chat-b, model: /m/b, aliases: [b]}\n"

@@ -406,8 +406,36 @@ def hotswap(*args: str, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=60, env=env)
 
 
-def test_check_prints_the_resolved_roster_and_exits_0():
-    run = hotswap("check", "--config", str(EXAMPLES / "demo.yaml"))
+def test_a_vllm_flag_written_as_a_model_key_is_answered_with_the_args_line_to_write_instead():
+    found = errors("""
+        defaults:
+          max-model-len: 4096
+        models:
+          - name: chat
+            model: /m/chat
+            gpu_memory_utilization: 0.85
+            enforce_eager: true
+            compilation_config: {level: 3}
+            speculative_config: {num_speculative_tokens: 3}
+        """)
+    assert found == [
+        "roster.yaml:3:3: defaults.max-model-len: unknown key 'max-model-len': `--max-model-len` is a vLLM flag, and "
+        "vLLM's flags go in args: write `args: [--max-model-len, 4096]`",
+        "roster.yaml:7:5: models[0].gpu_memory_utilization: unknown key 'gpu_memory_utilization': `--gpu-memory-utilization` "
+        "is a vLLM flag, and vLLM's flags go in args: write `args: [--gpu-memory-utilization, 0.85]`",
+        "roster.yaml:8:5: models[0].enforce_eager: unknown key 'enforce_eager': `--enforce-eager` is a vLLM flag, and "
+        "vLLM's flags go in args: write `args: [--enforce-eager]`",
+        "roster.yaml:9:5: models[0].compilation_config: unknown key 'compilation_config': `--compilation-config` is a vLLM "
+        """flag, and vLLM's flags go in args: write `args: [--compilation-config, '{"level": 3}']`""",
+        # the router writes --speculative-config itself, from a key of its own
+        "roster.yaml:10:5: models[0].speculative_config: unknown key 'speculative_config'; did you mean 'speculative'?",
+    ]
+    assert errors("swap:\n  gpu_memory_utilization: 0.5\nmodels: [{name: a, model: /m/a}]\n")[0].startswith(
+        "roster.yaml:2:3: swap.gpu_memory_utilization: unknown key 'gpu_memory_utilization'; known keys: "), "not a model's key"
+
+
+def test_check_resolved_prints_the_resolved_roster_and_exits_0():
+    run = hotswap("check", "--resolved", "--config", str(EXAMPLES / "demo.yaml"))
     assert run.returncode == 0, run.stderr
     printed = yaml.safe_load(run.stdout)
     assert [m["name"] for m in printed["models"]] == ["chat-small", "chat-spec", "chat-fragile"]
