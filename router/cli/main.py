@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from config import DEMO_ROSTER, Roster, RosterError, RosterFile, exposed_agent, load_roster
+from router.cli.admin_api import KEY_ENV
 from router.cli.where import DEFAULT_URL, URL_ENV, NoRouterURL, router_url
 
 EXIT_OK = 0
@@ -212,7 +213,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
 
 def cmd_trial(args: argparse.Namespace) -> int:
-    from router.cli import trial
+    from router import trial
 
     try:
         levels = trial.parse_levels(args.levels)
@@ -233,5 +234,5 @@ def cmd_trial(args: argparse.Namespace) -> int:
         return EXIT_BAD_ROSTER
     return trial.run(trial.Options(
         roster=roster, config=args.config, models=models, cycles=args.cycles, levels=levels, drill=args.drill,
-        report=args.report, json=args.json, url=args.url, admin_key=args.admin_key, api_key=args.api_key, tokens=args.tokens,
+        report=args.report, json=args.json, url=args.url, admin_key=args.admin_key or os.environ.get(KEY_ENV), api_key=args.api_key, tokens=args.tokens,
         log_dir=args.log_dir, command=trial.command_line(sys.argv[1:])))

@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 PACKAGES = ("router", "engines", "config")
-WINGS = ("proxy", "scheduling", "admin", "cli", "fleet")
+WINGS = ("proxy", "scheduling", "admin", "cli", "fleet", "trial")
 # wing -> the wings it must not import
 FORBIDDEN = {
     "proxy": {"admin", "cli"},

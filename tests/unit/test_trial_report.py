@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from router.cli.trial import parse_levels
-from router.cli.trial_machine import ledger_held_gb
-from router.cli.trial_report import FORMAT_VERSION, HEADER, GpuMemory, ModelTrial, Report, Verdict, Wake, markdown, table
+from router.trial import parse_levels
+from router.trial.machine import ledger_held_gb
+from router.trial.report import FORMAT_VERSION, HEADER, GpuMemory, ModelTrial, Report, Verdict, Wake, markdown, table
 
 
 def test_levels_are_read_as_the_ladder_names_them():

@@ -10,7 +10,7 @@ import platform
 from typing import Any, Optional
 
 from engines.memory import process_gpu_memory_gb
-from router.cli.trial_report import Versions
+from router.trial.report import Versions
 
 
 def _installed(*names: str) -> Optional[str]:

@@ -5,7 +5,7 @@ within the host budget, Level 2 where its load format reloads), each through the
 (`POST /admin/sleep?level=N`, `POST /admin/swap`), with the phases the router timed, the memory freed and
 taken back, the gate's verdict and a short generation timed against the cold baseline; with --drill, one
 Level-2 wake without the draft reload (`POST /admin/drill`), refused by the gate and remediated. A progress
-line per step on stderr, a table on stdout, Markdown and JSON reports (router.cli.trial_report).
+line per step on stderr, a table on stdout, Markdown and JSON reports (router.trial.report).
 
 It runs on a router of its own (`hotswap serve` on the roster, loopback, a free port, stopped at the end), so
 nothing of it meets client traffic; or with --url on a running router, whose admin API it drives.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import os
 import shlex
 import signal
 import sys
@@ -30,11 +29,10 @@ import aiohttp
 from config import Roster
 from config.schema import ModelSpec
 from engines import ladder
-from router.cli import trial_machine as machine
-from router.cli.admin_api import KEY_ENV
-from router.cli.trial_report import (RUNG_NAMES, Boot, Drill, Generation, GpuMemory, ModelTrial, Report, Verdict, Wake,
+from router.trial import machine
+from router.trial.report import (RUNG_NAMES, Boot, Drill, Generation, GpuMemory, ModelTrial, Report, Verdict, Wake,
                                      markdown, table)
-from router.cli.trial_router import AdminRefused, Holding, OwnRouter, RouterClient, TrialError
+from router.trial.own_router import AdminRefused, Holding, OwnRouter, RouterClient, TrialError
 
 LEVELS = {"kv": ladder.KV_PARKED, "0": ladder.KV_PARKED, "1": 1, "2": 2}
 PROMPT = "The operator wakes the model and it answers:"
@@ -52,7 +50,7 @@ class Options:
     report: Optional[Path] = None
     json: Optional[Path] = None
     url: Optional[str] = None
-    admin_key: Optional[str] = None
+    admin_key: Optional[str] = None  # --admin-key, else HOTSWAP_ADMIN_KEY (the command line reads it), else the roster's
     api_key: Optional[str] = None
     tokens: int = 64
     log_dir: Optional[Path] = None
@@ -121,7 +119,7 @@ async def _run(options: Options) -> int:
     timeout = roster.queue.max_wait_s + roster.swap.boot_timeout_s + 60
     try:
         async with aiohttp.ClientSession() as session:
-            client = RouterClient(url, session, options.admin_key or os.environ.get(KEY_ENV) or admin_key_of(roster), options.api_key or client_key_of(roster),
+            client = RouterClient(url, session, options.admin_key or admin_key_of(roster), options.api_key or client_key_of(roster),
                                   action_timeout_s=timeout)
             boot_wait = roster.swap.boot_timeout_s * max(1, len(roster.models)) + 60
             status = await client.wait_booted(boot_wait, own.gone if own else lambda: None, say)
