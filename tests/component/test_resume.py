@@ -251,3 +251,18 @@ async def test_a_continuation_whose_engine_dies_before_it_began_is_paused_again_
     assert any(b"paused (engine_failed)" in c for c in comments), comments
     resumed = await metric(router, "hotswap_streams_resumed_total")
     assert 'reason="drain_deadline"} 1.0' in resumed and 'reason="engine_failed"} 1.0' in resumed
+
+
+async def test_a_paused_answer_whose_engine_dies_while_it_waits_is_resumed_by_the_restart_not_cut(start_router):
+    """Found by the chaos arm: a stream paused by its engine's death waited for the model while the scheduler parked
+    the dead engine; the park failed, and the scheduler's refusal of the engine's waiters cut the stream (`wait`).
+    Here the engine dies waking back for the paused stream; the stream waits for the restart instead."""
+    router = await start_router(roster_dict(sim_model("a", args=(*SLOW, "--sim-fault", "wake_weights=crash"),
+                                                      gate={"enabled": False}), swap={"drain_timeout_s": 0.3}))
+    pid = await sim_pid(router, "a")
+    _, _, comments = await cut_midway(router, False, lambda: sleep_a(router))
+    assert any(b"paused (drain_deadline)" in c for c in comments), comments
+    assert await sim_pid(router, "a") != pid, "the engine died waking and was restarted"
+    assert 'reason="drain_deadline"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
+    cut = (await metric(router, "hotswap_streams_cut_total")).splitlines()
+    assert cut and all(line.endswith(" 0.0") for line in cut), cut
