@@ -22,10 +22,10 @@ fresh simulated engines (always this tree's `engines.sim`, so every arm meets th
             model, all due at once, sent as `X-Hotswap-Class: batch` by a fixed number of workers without
             streaming, as an evaluation harness sends them); its interactive waits are set against hotswap's
   batch-before  `--ab-src` with the same batch client: the batch arm's A/B against the code before
-  chaos     the batch arm with engines killed at random (issue 55): at exponential gaps of mean `--chaos-every-s`
-            trace seconds (seeded by `--chaos-seed`, printed), the process of an engine serving requests is
-            SIGKILLed, as a crash or the OOM killer ends it; the router restarts it and must resume every answer
-            the kill cut. Reported: the kills, the answers resumed by reason and their pauses, and what was cut
+  chaos     the batch arm with engines killed at random (issue 55): during the trace, at exponential gaps of mean
+            `--chaos-every-s` trace seconds (seeded by `--chaos-seed`, printed), the process of an engine serving
+            requests is SIGKILLed, as a crash or the OOM killer ends it; the router restarts it and must resume
+            every answer the kill cut. Reported: the kills, the answers resumed by reason and their pauses, and what was cut
             (the router's counters, read from /metrics, and the client's side: a stream without [DONE] or with an
             error event, an answer other than 200)
 
