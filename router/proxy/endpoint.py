@@ -328,8 +328,10 @@ class Walk:
                               "numbers": router.activity.wants_answers, "resumable": self.unresumable is None}
         try:
             if then is not None:  # a failure of the rest, too, ends a stream whose head is out with its error event
+                # Sent again from its start (nothing of it went out): the prompt's ids are stripped as the first time.
+                again = then.splice is None and then.transcript is not None and self.body.get("return_token_ids") is not True
                 return await forward(self.request, router.upstreams, engine, route.path, then.body, anthropic=route.anthropic,
-                                     transcript=then.transcript, splice=then.splice, **kw)
+                                     transcript=then.transcript, splice=then.splice, strip=again, **kw)
             ids = self.stream and self.unresumable is None
             if ids:
                 kw.update(transcript=Transcript(route.endpoint == "chat"), strip=self.body.get("return_token_ids") is not True)

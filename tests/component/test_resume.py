@@ -229,6 +229,7 @@ async def test_a_request_whose_engine_dies_before_its_answer_began_is_answered_b
         events, _, done = await asyncio.wait_for(raw_stream(router, path, body), 60)
         one_answer(events, done, False)
         assert text_of(events, False) == text_of(uncut, False)
+        assert not [e for e in events for c in e["choices"] if "prompt_token_ids" in c], "ids the client did not ask for"
     else:
         status, _, answer = await asyncio.wait_for(http(router, "POST", path, json=body), 60)
         assert status == 200, answer
