@@ -69,18 +69,19 @@ CALIBRATION_REQUESTS = 20
 ERROR_EVENT = b'data: {"error"'  # router.errors.sse_error's event: JSON escapes a quote inside text, so only an error matches
 
 
-async def kill_at_random(run: Any, rng: random.Random, every_s: float, scale: float, span_s: float,
-                         kills: list[list[Any]]) -> None:
+async def kill_at_random(run: Any, seed: int, every_s: float, scale: float, span_s: float, kills: list[list[Any]]) -> None:
     """The chaos arm's killer, for the trace's `span_s` seconds: at exponential gaps of mean `every_s` trace seconds,
     SIGKILL the process of an engine serving requests (the child of its reaper, as a crash ends it: the reaper and
     the router see it die), the next one serving when none is. Not after the trace's last arrival: then only the
     engines finishing its last answers serve, and a restarted one, serving its paused answers again, would be the
-    target of every kill. Appends (trace second, model, requests in flight) to `kills`."""
+    target of every kill. Appends (trace second, model, requests in flight) to `kills`. The gaps and the draws of
+    the victims come from two generators of `seed`: a draw among more or fewer engines leaves the gaps as they were."""
     from engines.engine import State
 
+    gaps, draws = random.Random(seed), random.Random(f"victims {seed}")
     t0 = time.monotonic()
     while True:
-        gap = rng.expovariate(1 / every_s) * scale
+        gap = gaps.expovariate(1 / every_s) * scale
         if time.monotonic() + gap > t0 + span_s * scale:
             return
         await asyncio.sleep(gap)  # the chaos's own clock, not a readiness wait
@@ -92,7 +93,7 @@ async def kill_at_random(run: Any, rng: random.Random, every_s: float, scale: fl
             if time.monotonic() > t0 + span_s * scale:
                 return
             await asyncio.sleep(scale)  # one trace second, until an engine serves
-        victim = rng.choice(serving)
+        victim = draws.choice(serving)
         pids = h.children(victim.process.pid)
         for pid in pids:
             try:
@@ -253,7 +254,7 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
         chaos = None
         if arm in CHAOS_ARMS:
             res.chaos = {"seed": args.chaos_seed, "every_s": args.chaos_every_s, "time_scale": scale, "kills": []}
-            chaos = asyncio.create_task(kill_at_random(run, random.Random(args.chaos_seed), args.chaos_every_s, scale,
+            chaos = asyncio.create_task(kill_at_random(run, args.chaos_seed, args.chaos_every_s, scale,
                                                        trace[-1].t - trace[0].t, res.chaos["kills"]))
         try:
             lags, res.wall_s = await at_arrival_times([(r.t, lambda r=r: one(r)) for r in trace], scale, deadline, arm)
