@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import contention  # bench/contention.py: the waiting no policy avoids
 import harness as h  # bench/harness.py: report helpers
@@ -14,10 +15,14 @@ from wake_roster import MIN_ACTIVE_S, MODELS, PAGE_CACHE_GB_S, Req
 
 SECTION = "## The wait for a parked model on a production trace (issue 32)"
 BATCH_SECTION = "## A batch client beside the production trace (issue 33)"
+CHAOS_SECTION = "## Engines killed at random during the production trace (issue 55)"
+STREAM_CUT = "the stream was cut"  # how bench/wake_trace.py's client reports a stream it saw cut, in Result.errors
 
 
 def section(arms: list[str]) -> str:
-    """The docs section a run writes: the batch arm's against hotswap alone is issue 33's measurement."""
+    """The docs section a run writes: the batch arm's against hotswap alone is issue 33's measurement, the chaos arm's issue 55's."""
+    if "chaos" in arms:
+        return CHAOS_SECTION
     return BATCH_SECTION if set(arms) == {"hotswap", "batch"} else SECTION
 WITHIN_S = 2.0
 
@@ -38,9 +43,71 @@ class Result:
     batch_job_s: float = 0.0  # real seconds from the batch job's first request sent to its last answer
     batch_wakes: int = 0  # wakes for batch requests alone (wake_trace.batch_harm)
     batch_harmed: list[int] = field(default_factory=list)  # interactive requests those wakes made wait
+    # The chaos arm's: seed, every_s, kills [(trace s, model, in flight)], resumed and cut {reason: n}, the pauses'
+    # histogram (pause_buckets {le: cumulative}, pause_sum, wall seconds), batch [answered, asked].
+    chaos: dict = field(default_factory=dict)
 
 
 PARTS = ("held", "drain", "wake", "after")
+
+
+def bucket_quantile(buckets: dict[str, int], q: float) -> float:
+    """A quantile of a Prometheus histogram's cumulative buckets, interpolated within its bucket as PromQL's
+    histogram_quantile does (nan without observations; the highest finite bound past it)."""
+    bounds = sorted((float(le), n) for le, n in buckets.items())
+    total = bounds[-1][1] if bounds else 0
+    if not total:
+        return math.nan
+    rank, below, lower = q * total, 0, 0.0
+    for upper, n in bounds:
+        if n >= rank:
+            if math.isinf(upper):
+                return lower
+            return lower + (upper - lower) * ((rank - below) / (n - below) if n > below else 1.0)
+        below, lower = n, upper
+    return lower
+
+
+def chaos_counts(res: Result) -> dict[str, Any]:
+    """The chaos arm's numbers: kills, resumed and cut, pauses (real seconds), and what its client saw cut or refused."""
+    c, scale_s = res.chaos, res.chaos.get("time_scale", 1.0)
+    kills = c.get("kills", [])
+    pauses = sum(c.get("resumed", {}).values())
+    streams = [e for e in res.errors if STREAM_CUT in e]
+    return {"kills": len(kills), "by_model": {m: sum(1 for k in kills if k[1] == m) for m in sorted({k[1] for k in kills})},
+            "in_flight": sum(k[2] for k in kills), "resumed": c.get("resumed", {}), "cut": c.get("cut", {}),
+            "p50": bucket_quantile(c.get("pause_buckets", {}), 0.5) / scale_s,
+            "p99": bucket_quantile(c.get("pause_buckets", {}), 0.99) / scale_s,
+            "mean": c.get("pause_sum", 0.0) / pauses / scale_s if pauses else math.nan,
+            "streams_cut": len(streams), "refused": len(res.errors) - len(streams), "batch": c.get("batch", [0, 0])}
+
+
+def chaos_line(res: Result, n_trace: int) -> str:
+    """One line of the chaos arm's numbers, for the run's progress and the report."""
+    k = chaos_counts(res)
+    cut = sum(k["cut"].values())
+    return (f"{k['kills']} kills ({', '.join(f'{m} {n}' for m, n in k['by_model'].items()) or 'none'}; "
+            f"{k['in_flight']} requests in flight at them); answers resumed: "
+            f"{', '.join(f'{r} {n}' for r, n in sorted(k['resumed'].items())) or 'none'}; their pauses p50 {k['p50']:.1f} s, "
+            f"p99 {k['p99']:.1f} s, mean {k['mean']:.1f} s; cut for good by the router: "
+            f"{', '.join(f'{r} {n}' for r, n in sorted(k['cut'].items()) if n) or 'none'} ({cut}); "
+            f"the client saw {k['streams_cut']} streams cut (no [DONE], or an error event) and "
+            f"{k['refused']} requests answered other than 200; batch requests answered {k['batch'][0]} of {k['batch'][1]}")
+
+
+def chaos_verdict(rounds: list[dict[str, Result]], n_trace: int) -> str:
+    """The chaos arm against issue 55's target: no stream cut."""
+    lines = []
+    for k, r in enumerate(rounds):
+        res = r["chaos"]
+        c = chaos_counts(res)
+        clean = not sum(c["cut"].values()) and not c["streams_cut"] and not c["refused"] and c["batch"][0] == c["batch"][1]
+        lines.append(f"{'Round ' + str(k + 1) + ': ' if len(rounds) > 1 else ''}{chaos_line(res, n_trace)}: "
+                     f"**{'no stream cut, every request answered' if clean else 'NOT clean'}**.")
+    c0 = rounds[0]["chaos"].chaos
+    return (f"**Chaos** (the batch arm, and the process of an engine serving requests SIGKILLed at exponential gaps of mean "
+            f"{c0.get('every_s', 0):g} s of trace, `--chaos-seed {c0.get('seed')}`; pauses in real seconds, p50 and p99 "
+            "read from `hotswap_stream_pause_seconds`' buckets): " + " ".join(lines))
 
 
 def waits_stats(xs: list[float]) -> dict[str, float]:
@@ -165,8 +232,10 @@ def report(rounds: list[dict[str, Result]], header: dict, trace: list[Req], args
                                                   for c in cells) + " |")
     if "hotswap" in verdict_stats:
         lines += ["", f"**hotswap{' (pooled)' if len(rounds) > 1 else ''}: {verdict(verdict_stats)}.**"]
-    if "batch" in verdict_stats:
+    if "batch" in verdict_stats and "hotswap" in verdict_stats:
         lines += ["", batch_verdict(rounds, verdict_stats, len(trace), args, measured)]
+    if "chaos" in verdict_stats:
+        lines += ["", chaos_verdict(rounds, len(trace))]
     phases = sorted({p for res in results.values() for p in res.phase_s}, key=lambda p: -max(r.phase_s.get(p, 0) for r in results.values()))
     lines += ["", "Where the wakes' time went: real seconds per wake in each phase (the victims' drain and sleep included), "
               "over every successful wake or boot of the replay:", "",

@@ -3,6 +3,7 @@ memory-aware LRU router, side by side in one run.
 
     .venv/bin/python bench/wake_trace.py [--trace bench/traces/servegen-d1-7.jsonl] [--minutes M]
         [--time-scale S] [--arms hotswap,lru,before --ab-src TREE] [--reps N] [--write-docs]
+        [--arms chaos --chaos-every-s S --chaos-seed N]
 
 The trace is ServeGen-derived (bench/traces/README.md): bursty per-application arrivals, ten models,
 on the roster bench/wake_roster.py writes (two GPUs of 141 GB, every step at an H200 host's cost,
@@ -21,6 +22,12 @@ fresh simulated engines (always this tree's `engines.sim`, so every arm meets th
             model, all due at once, sent as `X-Hotswap-Class: batch` by a fixed number of workers without
             streaming, as an evaluation harness sends them); its interactive waits are set against hotswap's
   batch-before  `--ab-src` with the same batch client: the batch arm's A/B against the code before
+  chaos     the batch arm with engines killed at random (issue 55): during the trace, at exponential gaps of mean
+            `--chaos-every-s` trace seconds (seeded by `--chaos-seed`, printed), the process of an engine serving
+            requests is SIGKILLed, as a crash or the OOM killer ends it; the router restarts it and must resume
+            every answer the kill cut. Reported: the kills, the answers resumed by reason and their pauses, and what was cut
+            (the router's counters, read from /metrics, and the client's side: a stream without [DONE] or with an
+            error event, an answer other than 200)
 
 Client wait = the time to the first token (embeddings: to the answer). A request streams its
 trace's output tokens at its model's rate, read to the end (its engine is busy until then); its
@@ -38,6 +45,8 @@ import asyncio
 import json
 import logging
 import os
+import random
+import signal
 import subprocess
 import sys
 import time
@@ -48,14 +57,71 @@ from typing import Any
 import harness as h  # bench/harness.py: the run session, report helpers
 from wake_roster import MAX_WAIT_S, MODELS, TRACE, Req, batch_flood, batch_max_wait_s, load_trace, older_tree, policy_keys, roster
 from replay import Failed, at_arrival_times, lru_cost, running_router  # bench/replay.py: the in-process router
-from wake_report import WITHIN_S, Result, report, section, summary  # bench/wake_report.py: the section it writes
+from wake_report import STREAM_CUT, WITHIN_S, Result, chaos_line, report, section, summary  # bench/wake_report.py: the section it writes
 
 log = logging.getLogger("bench")
-ARMS = ("hotswap", "no-ahead", "lru", "before", "batch", "batch-before")
-BATCH_ARMS = ("batch", "batch-before")
+ARMS = ("hotswap", "no-ahead", "lru", "before", "batch", "batch-before", "chaos")
+BATCH_ARMS = ("batch", "batch-before", "chaos")
 BEFORE_ARMS = ("before", "batch-before")  # run from --ab-src
+CHAOS_ARMS = ("chaos",)
 BATCH_HEADER = {"X-Hotswap-Class": "batch"}
 CALIBRATION_REQUESTS = 20
+ERROR_EVENT = b'data: {"error"'  # router.errors.sse_error's event: JSON escapes a quote inside text, so only an error matches
+
+
+async def kill_at_random(run: Any, seed: int, every_s: float, scale: float, span_s: float, kills: list[list[Any]]) -> None:
+    """The chaos arm's killer, for the trace's `span_s` seconds: at exponential gaps of mean `every_s` trace seconds,
+    SIGKILL the process of an engine serving requests (the child of its reaper, as a crash ends it: the reaper and
+    the router see it die), the next one serving when none is. Not after the trace's last arrival: then only the
+    engines finishing its last answers serve, and a restarted one, serving its paused answers again, would be the
+    target of every kill. Appends (trace second, model, requests in flight) to `kills`. The gaps and the draws of
+    the victims come from two generators of `seed`: a draw among more or fewer engines leaves the gaps as they were."""
+    from engines.engine import State
+
+    gaps, draws = random.Random(seed), random.Random(f"victims {seed}")
+    t0 = time.monotonic()
+    while True:
+        gap = gaps.expovariate(1 / every_s) * scale
+        if time.monotonic() + gap > t0 + span_s * scale:
+            return
+        await asyncio.sleep(gap)  # the chaos's own clock, not a readiness wait
+        while True:
+            serving = sorted((e for e in run.router.engines.values() if e.state is State.AWAKE and e.in_flight
+                              and e.process is not None and e.process.returncode is None), key=lambda e: e.name)
+            if serving:
+                break
+            if time.monotonic() > t0 + span_s * scale:
+                return
+            await asyncio.sleep(scale)  # one trace second, until an engine serves
+        victim = draws.choice(serving)
+        pids = h.children(victim.process.pid)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if pids:
+            kills.append([(time.monotonic() - t0) / scale, victim.name, victim.in_flight])
+            log.info("bench: chaos: SIGKILLed %s (pid %s) with %d requests in flight", victim.name, pids, victim.in_flight)
+
+
+def streams_metrics(text: str) -> dict[str, Any]:
+    """From the router's /metrics: answers resumed and cut for good by reason, and the pauses' histogram (every model's)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, Any] = {"resumed": {}, "cut": {}, "pause_buckets": {}, "pause_sum": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "hotswap_streams_resumed_total":
+                out["resumed"][sample.labels["reason"]] = out["resumed"].get(sample.labels["reason"], 0) + int(sample.value)
+            elif sample.name == "hotswap_streams_cut_total":
+                out["cut"][sample.labels["reason"]] = out["cut"].get(sample.labels["reason"], 0) + int(sample.value)
+            elif sample.name == "hotswap_stream_pause_seconds_bucket":
+                le = sample.labels["le"]
+                out["pause_buckets"][le] = out["pause_buckets"].get(le, 0) + int(sample.value)
+            elif sample.name == "hotswap_stream_pause_seconds_sum":
+                out["pause_sum"] += sample.value
+    return out
 
 
 def batch_harm(trace: list[Req], sent: dict[int, tuple[float, float]], moves: list[tuple[str, list[str], float, float]],
@@ -139,13 +205,16 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
                         return resp.status, time.monotonic() - t0, "" if resp.status == 200 else data[:200].decode(errors="replace")
                     first = await resp.content.readuntil(b"\n\n")  # the first token's event
                     ttft = time.monotonic() - t0
-                    tail = first[-64:]
+                    tail, error = first[-64:], ERROR_EVENT in first
                     while chunk := await resp.content.read(1 << 16):
+                        error = error or ERROR_EVENT in tail[-len(ERROR_EVENT):] + chunk
                         tail = (tail + chunk)[-64:]
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 return 0, time.monotonic() - t0, repr(exc)
+            if error:
+                return 0, ttft, f"{STREAM_CUT}: an error event; it ended ...{tail.decode(errors='replace')!r}"
             if b"[DONE]" not in tail:
-                return 0, ttft, f"the stream ended without [DONE]: ...{tail.decode(errors='replace')!r}"
+                return 0, ttft, f"{STREAM_CUT}: it ended without [DONE]: ...{tail.decode(errors='replace')!r}"
             return 200, ttft, ""
 
         cal = Req(-1, 0.0, "llama-8b", "chat", 1)
@@ -184,8 +253,22 @@ async def run_arm(arm: str, trace: list[Req], args: argparse.Namespace, tmp: Pat
             sent[r.i] = (at, at + lat)
 
         print(f"  {arm}: booted; replaying {len(trace)} requests", flush=True)
-        lags, res.wall_s = await at_arrival_times([(r.t, lambda r=r: one(r)) for r in trace], scale, deadline, arm)
+        chaos = None
+        if arm in CHAOS_ARMS:
+            res.chaos = {"seed": args.chaos_seed, "every_s": args.chaos_every_s, "time_scale": scale, "kills": []}
+            chaos = asyncio.create_task(kill_at_random(run, args.chaos_seed, args.chaos_every_s, scale,
+                                                       trace[-1].t - trace[0].t, res.chaos["kills"]))
+        try:
+            lags, res.wall_s = await at_arrival_times([(r.t, lambda r=r: one(r)) for r in trace], scale, deadline, arm)
+        finally:
+            if chaos is not None:
+                chaos.cancel()
+                await asyncio.gather(chaos, return_exceptions=True)
         res.lag_s = [lag for r, lag in zip(trace, lags) if not r.batch]  # the trace's arrivals: a batch job's are all due at once
+        if chaos is not None:
+            async with client.get(run.base_url + "/metrics") as resp:
+                res.chaos.update(streams_metrics(await resp.text()))
+            res.chaos["batch"] = [sum(1 for r in trace if r.batch and r.i in res.waits), sum(1 for r in trace if r.batch)]
     job = [sent[r.i] for r in trace if r.batch and r.i in sent]
     if job:
         res.batch_job_s = (max(end for _, end in job) - min(at for at, _ in job)) / scale
@@ -252,6 +335,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-tokens", type=int, default=256, help="each batch request's output tokens (default %(default)s)")
     p.add_argument("--batch-concurrency", type=int, default=16,
                    help="the batch client's workers: requests it keeps open at once (default %(default)s)")
+    p.add_argument("--chaos-every-s", type=float, default=90.0,
+                   help="the chaos arm: mean trace seconds between kills, at exponential gaps (default %(default)s: longer than "
+                        "the slowest cold boot, 55 s, so a kill seldom finds its last victim still restarting)")
+    p.add_argument("--chaos-seed", type=int, default=None, help="the chaos arm's seed (default: a random one, printed)")
     p.add_argument("--arms", default="hotswap,lru", help=f"comma-separated, of {', '.join(ARMS)} (default %(default)s)")
     p.add_argument("--reps", type=int, default=1, help="run the arms this many rounds, each in a rotated order, and "
                    "pool their waits for the verdict (default 1)")
@@ -272,13 +359,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not 0 < a.time_scale <= 1:
         p.error("--time-scale must be in (0, 1]")
     a.no_docs = a.no_docs or not a.write_docs
+    if a.chaos_seed is None:
+        a.chaos_seed = random.SystemRandom().randrange(1 << 31)
+    if not a.chaos_every_s > 0:
+        p.error("--chaos-every-s must be more than 0")
     # What a child gets again: everything but the arms, the docs and the session's own flags.
     a.passthrough = ["--trace", str(a.trace), "--time-scale", f"{a.time_scale!r}", "--ram-budget-gb", f"{a.ram_budget_gb!r}",
                      "--disk-gb-per-s", f"{a.disk_gb_per_s!r}", "--page-cache-gb", f"{a.page_cache_gb!r}",
                      "--page-cache-budget-gb", f"{a.page_cache_budget_gb!r}", "--max-seconds", f"{a.max_seconds!r}",
                      "--max-hold-s", f"{a.max_hold_s!r}", "--drain-timeout-s", f"{a.drain_timeout_s!r}", "--batch-model", a.batch_model,
                      "--batch-requests", str(a.batch_requests), "--batch-at-minute", f"{a.batch_at_minute!r}",
-                     "--batch-tokens", str(a.batch_tokens), "--batch-concurrency", str(a.batch_concurrency), "--no-docs"]
+                     "--batch-tokens", str(a.batch_tokens), "--batch-concurrency", str(a.batch_concurrency),
+                     "--warmup-minutes", f"{a.warmup_minutes!r}", "--chaos-every-s", f"{a.chaos_every_s!r}",
+                     "--chaos-seed", str(a.chaos_seed), "--no-docs"]
     if a.reps < 1:
         p.error("--reps must be at least 1")
     if "batch" in a.arms and "hotswap" not in a.arms:
@@ -316,6 +409,9 @@ def main(argv: list[str]) -> int:
         span = trace[-1].t - trace[0].t
         print(f"bench: {len(trace)} requests over {span:.0f} s real = {span * args.time_scale:.0f} s wall per arm; "
               f"arms {', '.join(args.arms)}; logs in {run.tmp}", flush=True)
+        if set(CHAOS_ARMS) & set(args.arms):
+            print(f"bench: chaos: a SIGKILL every {args.chaos_every_s:g} s of trace on average, --chaos-seed {args.chaos_seed}",
+                  flush=True)
         rounds: list[dict[str, Result]] = []
         try:
             for k in range(args.reps):
@@ -331,6 +427,8 @@ def main(argv: list[str]) -> int:
                     s = summary(counted, span / 60, results[arm])
                     print(f"  {arm}: mean {s['mean']:.2f} s, p50 {s['p50']:.2f}, p90 {s['p90']:.2f}, p99 {s['p99']:.1f}, "
                           f"within {WITHIN_S:g} s {s['within']:.0%}, {len(results[arm].errors)} errors", flush=True)
+                    if results[arm].chaos:
+                        print(f"  {arm}: {chaos_line(results[arm], len(trace))}", flush=True)
                 rounds.append({arm: results[arm] for arm in args.arms})
         except Failed as exc:
             keep = "" if args.keep_logs else " (they are removed on exit: run with --keep-logs to read them)"

@@ -330,13 +330,15 @@ class Walk:
         assert engine is not None
         kw: dict[str, Any] = {"prepared": prepared, "stall_s": router.roster.queue.stall_timeout_s,
                               "numbers": router.activity.wants_answers, "resumable": self.unresumable is None}
-        if then is not None:
-            return await forward(self.request, router.upstreams, engine, route.path, then.body, anthropic=route.anthropic,
-                                 transcript=then.transcript, splice=then.splice, **kw)
-        ids = self.stream and self.unresumable is None
-        if ids:
-            kw.update(transcript=Transcript(route.endpoint == "chat"), strip=self.body.get("return_token_ids") is not True)
         try:
+            if then is not None:  # a failure of the rest, too, ends a stream whose head is out with its error event
+                # Sent again from its start (nothing of it went out): the prompt's ids are stripped as the first time.
+                again = then.splice is None and then.transcript is not None and self.body.get("return_token_ids") is not True
+                return await forward(self.request, router.upstreams, engine, route.path, then.body, anthropic=route.anthropic,
+                                     transcript=then.transcript, splice=then.splice, strip=again, **kw)
+            ids = self.stream and self.unresumable is None
+            if ids:
+                kw.update(transcript=Transcript(route.endpoint == "chat"), strip=self.body.get("return_token_ids") is not True)
             if self.form is not None:
                 model = self.form.value("model")
                 form_type, data = await self.form.encode(model if model in engine.served_names else engine.served_name)

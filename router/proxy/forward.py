@@ -111,7 +111,10 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
         (lambda: len(body) // 4) if resumable else None
     with engine.cuttable(hold.cut, size):
         try:
-            exchange = await _send(pool, engine, request_bytes(method, path, pool, client.headers, content_type, body))
+            # A resumable request whose engine fails before its answer began (a crash while a buffered answer is
+            # computed: its head comes last) is paused like one cut mid-answer; nothing of it reached the client.
+            failed = (lambda why: Paused(ENGINE_FAILED, why, prepared, transcript)) if resumable else None
+            exchange = await _send(pool, engine, request_bytes(method, path, pool, client.headers, content_type, body), failed)
             try:
                 if exchange.stream:
                     return await _stream(request, exchange, engine, sniffer, prepared, anthropic, hold, stall_s,
@@ -166,15 +169,20 @@ def _answered(request: web.Request, engine: Engine, end: bytes) -> None:
         watch.answered(engine, *numbers.spec)
 
 
-async def _send(pool: Pool, engine: Engine, data: bytes) -> Exchange:
+async def _send(pool: Pool, engine: Engine, data: bytes, failed: Optional[Callable[[str], Paused]] = None) -> Exchange:
+    """The request sent and its answer's head read. `failed(why)`: the Paused to raise when the engine cannot be
+    reached or fails before its head (a resumable request); otherwise a 502."""
     try:
         return await pool.request(data)
     except Unreachable as exc:
         watch.suspect(engine, f"connect: {exc}")
-        raise APIError(502, f"engine '{engine.name}' is unreachable: {for_clients(str(exc))}", "engine_unreachable") from None
+        why, code = f"engine '{engine.name}' is unreachable: {for_clients(str(exc))}", "engine_unreachable"
     except UpstreamError as exc:
         watch.suspect(engine, f"before answering: {exc}")
-        raise APIError(502, f"engine '{engine.name}' failed before answering: {for_clients(str(exc))}", "engine_error") from None
+        why, code = f"engine '{engine.name}' failed before answering: {for_clients(str(exc))}", "engine_error"
+    if failed is not None:
+        raise failed(why)
+    raise APIError(502, why, code)
 
 
 async def _stream(request: web.Request, exchange: Exchange, engine: Engine, sniffer: Optional[StreamSniffer],

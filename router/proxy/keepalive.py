@@ -21,6 +21,12 @@ from router.proxy.forward import SSE_HEADERS
 from router.proxy.resume import Paused
 from router.scheduling import Lease
 
+# A paused answer whose engine fails while the answer waits for it is refused with its waiters (code ENGINE_FAILED:
+# a park or a restart found the engine dead, or it is in its backoff); it waits for the engine's restart instead, at
+# most this many times. Its pauses count against resume.MAX_FAILURES only when its engine died under it.
+FAILED_WAITS = 3
+ENGINE_FAILED_CODE = "engine_failed"
+
 
 class AnsweredInStream(Exception):
     """The request failed after its stream's headers were sent; the error is in the stream."""
@@ -49,11 +55,13 @@ def doing(engine: Engine) -> str:
 
 async def acquire(request: web.Request, scheduler, engine: Engine, interval: float, anthropic: bool,
                   max_wait_s: Optional[float] = None, klass: str = INTERACTIVE,
-                  response: Optional[web.StreamResponse] = None) -> tuple[Optional[web.StreamResponse], Lease]:
+                  response: Optional[web.StreamResponse] = None, keep_open: bool = False
+                  ) -> tuple[Optional[web.StreamResponse], Lease]:
     """Take a lease like `scheduler.acquire`, sending comment lines every `interval` seconds
     while it waits. Returns the already-prepared stream response, or None when the lease came
     before the first comment was due (nothing sent: the request proceeds as usual), and the lease.
-    `response`: the stream already begun (a paused answer's), where the comments go."""
+    `response`: the stream already begun (a paused answer's), where the comments go. `keep_open`: a
+    refusal is raised as the APIError and the stream left open (its caller waits again)."""
     lease = scheduler.lease_at_once(engine, klass)  # in this turn of the loop: the waiting task would take it in the next
     if lease is not None:
         return response, lease
@@ -78,6 +86,8 @@ async def acquire(request: web.Request, scheduler, engine: Engine, interval: flo
     try:
         lease = task.result()
     except APIError as exc:
+        if keep_open:
+            raise
         await response.write(sse_error(exc.message, exc.code, status=exc.status, anthropic=anthropic))
         await response.write_eof()
         raise AnsweredInStream(response, exc.status) from None
@@ -95,10 +105,23 @@ def migrating_comment(paused: Paused) -> bytes:
 
 async def wait_again(request: web.Request, scheduler, engine: Engine, paused: Paused, interval: float, anthropic: bool,
                      klass: str, max_wait_s: Optional[float]):
-    """The lease again, for the rest of the answer. A stream waits with comment lines on its open response."""
+    """The lease again, for the rest of the answer. A stream waits with comment lines on its open response.
+    Refused because its engine failed while it waited (`FAILED_WAITS`), it waits for the restart: the scheduler
+    restarts a failed engine for its next waiter, after the backoff the refusal's retry_after gives."""
     response = paused.response
-    if response is None:
-        return None, await scheduler.acquire(engine, max_wait_s=max_wait_s, klass=klass)
-    await response.write(seam_comment(paused, engine))
-    return await acquire(request, scheduler, engine, interval, anthropic, max_wait_s=max_wait_s, klass=klass,
-                                   response=response)
+    for left in range(FAILED_WAITS, 0, -1):
+        try:
+            if response is None:
+                return None, await scheduler.acquire(engine, max_wait_s=max_wait_s, klass=klass)
+            await response.write(seam_comment(paused, engine))
+            return await acquire(request, scheduler, engine, interval, anthropic, max_wait_s=max_wait_s, klass=klass,
+                                 response=response, keep_open=left > 1)
+        except APIError as exc:
+            if exc.code != ENGINE_FAILED_CODE or left == 1:
+                if response is not None:  # the last refusal: the stream ends with it
+                    await response.write(sse_error(exc.message, exc.code, status=exc.status, anthropic=anthropic))
+                    await response.write_eof()
+                    raise AnsweredInStream(response, exc.status) from None
+                raise
+            await asyncio.sleep(min(exc.retry_after or 0.0, interval))  # the backoff, not a readiness wait
+    raise AssertionError("unreachable")

@@ -209,3 +209,61 @@ async def test_a_peer_that_fails_the_continuation_before_any_of_it_went_out_leav
     assert "could not be finished on a peer" in one.log() and "on peer node node-2" not in one.log()
     assert 'reason="drain_deadline"} 1.0' in await metric(one, "hotswap_streams_resumed_total")
     assert (await one.engine("a"))["state"] == "awake", "node-1 woke `a` again and finished it"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "buffered"])
+async def test_a_request_whose_engine_dies_before_its_answer_began_is_answered_by_the_restarted_engine(start_router, stream):
+    """Found by the trace bench's chaos arm (bench/wake_trace.py --arms chaos): an engine killed while it computed a
+    buffered answer (whose head comes only with the whole answer), or before a stream's head, answered 502."""
+    router = await start_router(roster_dict(sim_model("a", args=SLOW)))
+    path, body = story(False)
+    body["max_tokens"] = 40
+    if stream:
+        uncut, _, _ = await raw_stream(router, path, body)
+    else:
+        status, _, uncut = await http(router, "POST", path, json=body)
+        assert status == 200
+    pid = await sim_pid(router, "a")
+    await sim_fault(router, "a", "generate", "crash")  # the process exits as the generation begins: nobody is answered
+    if stream:
+        events, _, done = await asyncio.wait_for(raw_stream(router, path, body), 60)
+        one_answer(events, done, False)
+        assert text_of(events, False) == text_of(uncut, False)
+        assert not [e for e in events for c in e["choices"] if "prompt_token_ids" in c], "ids the client did not ask for"
+    else:
+        status, _, answer = await asyncio.wait_for(http(router, "POST", path, json=body), 60)
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == uncut["choices"][0]["text"]
+    assert await sim_pid(router, "a") != pid
+    assert 'reason="engine_failed"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
+
+
+async def test_a_continuation_whose_engine_dies_before_it_began_is_paused_again_not_left_open(start_router):
+    """Found by the chaos arm too: the rest of a paused stream asked of an engine that died before answering raised
+    past the open stream, which was never ended (the client waited for its timeout). Now it is one more pause."""
+    router = await start_router(roster_dict(sim_model("a", args=SLOW, gate={"enabled": False}), swap={"drain_timeout_s": 0.3}))
+
+    async def sleep_with_a_crash_armed() -> None:
+        await sim_fault(router, "a", "generate", "crash")  # the next generation, the continuation's, kills the engine
+        await sleep_a(router)
+
+    _, _, comments = await cut_midway(router, False, sleep_with_a_crash_armed)
+    assert any(b"paused (drain_deadline)" in c for c in comments), comments
+    assert any(b"paused (engine_failed)" in c for c in comments), comments
+    resumed = await metric(router, "hotswap_streams_resumed_total")
+    assert 'reason="drain_deadline"} 1.0' in resumed and 'reason="engine_failed"} 1.0' in resumed
+
+
+async def test_a_paused_answer_whose_engine_dies_while_it_waits_is_resumed_by_the_restart_not_cut(start_router):
+    """Found by the chaos arm: a stream paused by its engine's death waited for the model while the scheduler parked
+    the dead engine; the park failed, and the scheduler's refusal of the engine's waiters cut the stream (`wait`).
+    Here the engine dies waking back for the paused stream; the stream waits for the restart instead."""
+    router = await start_router(roster_dict(sim_model("a", args=(*SLOW, "--sim-fault", "wake_weights=crash"),
+                                                      gate={"enabled": False}), swap={"drain_timeout_s": 0.3}))
+    pid = await sim_pid(router, "a")
+    _, _, comments = await cut_midway(router, False, lambda: sleep_a(router))
+    assert any(b"paused (drain_deadline)" in c for c in comments), comments
+    assert await sim_pid(router, "a") != pid, "the engine died waking and was restarted"
+    assert 'reason="drain_deadline"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
+    cut = (await metric(router, "hotswap_streams_cut_total")).splitlines()
+    assert cut and all(line.endswith(" 0.0") for line in cut), cut
