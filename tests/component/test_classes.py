@@ -44,8 +44,10 @@ async def activity(router: RouterProcess, limit: int = 10_000) -> list[dict]:
 async def test_a_batch_flood_never_evicts_the_interactive_model_and_is_served_once_it_is_idle(start_router):
     router = await start_router(roster_dict(
         sim_model("chat", args=(SHARE, "0.6"), default=True), sim_model("nightly", args=(SHARE, "0.6")),
-        auth=AUTH, swap={"interactive_hold_s": HOLD_S}, queue={"max_waiting": FLOOD, "batch_max_wait_s": 120}),
-        env=KEYS, admin_key=KEYS["OPS_KEY"])
+        # Two users back to back are hundreds of requests in seconds: remembered over the default demand_tau_s
+        # (300 s), they would keep chat's room for minutes past the hold, as likely back within nightly's wake.
+        auth=AUTH, swap={"interactive_hold_s": HOLD_S, "demand_tau_s": HOLD_S},
+        queue={"max_waiting": FLOOD, "batch_max_wait_s": 120}), env=KEYS, admin_key=KEYS["OPS_KEY"])
     assert {e["name"]: e["state"] for e in (await router.status())["engines"]} == {"chat": "awake", "nightly": "sleeping"}
     connector = aiohttp.TCPConnector(limit=0)  # the whole flood at once, as a batch client would send it
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=180)) as session:
