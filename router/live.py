@@ -85,6 +85,7 @@ class Router(Observer, Events):
         self.verdicts: dict[str, collections.deque[Verdict]] = {name: collections.deque(maxlen=10) for name in self.engines}
         self._tasks: list[asyncio.Task[None]] = []
         self.draining = False  # SIGTERM seen: /ready says 503 while in-flight work finishes
+        self.simulated = False  # `serve --simulate`: every engine is the simulator, and a reload's roster becomes one too
 
     def new_engine(self, spec: ModelSpec) -> Engine:
         return Engine(spec, self.roster.swap, self.control, self.log_dir, self)

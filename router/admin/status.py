@@ -16,6 +16,7 @@ def router_status(router: Router, reloads: Reloads) -> dict[str, Any]:
     return {
         "ready": router.ready,
         "booted": scheduler.booted,
+        "simulated": router.simulated,  # `serve --simulate`: a dry run, no engine is real
         "scheduler_defect": defect_status(router),
         "placement": placement_status(router),
         "engines": [engine_status(router, e) for e in router.engines.values()],

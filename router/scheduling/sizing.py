@@ -1,5 +1,6 @@
-"""What the router knows of sizes: the GPUs' memory and the host-RAM budget (`Capacity`), and
-the host RAM each model's weights take when parked at Level 1."""
+"""What the router knows of sizes: the GPUs' memory and the host-RAM budget (`Capacity`), the
+host RAM each model's weights take when parked at Level 1, and the roster a dry run (`--simulate`)
+runs, sized the same way."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 from typing import Iterable, Optional
 
 from config.schema import ModelSpec, Roster
+from config.simulate import simulate
 from engines.memory import discover_gpus, host_memory_total_gb, weights_gb
 from router.scheduling.placement import Capacity
 
@@ -38,3 +40,9 @@ def level1_weights(specs: Iterable[ModelSpec]) -> dict[str, Optional[float]]:
         else:
             log.info("%s: weights %.1f GB (%s)", spec.name, out[spec.name], why)
     return out
+
+
+def simulated_roster(roster: Roster) -> tuple[Roster, list[str]]:
+    """`roster` with every engine run by the simulator (config.simulate), and what that assumed; the
+    checkpoint sizes are read here as `level1_weights` reads them, so a dry run sees the sizes serve sees."""
+    return simulate(roster, {spec.name: weights_gb(spec) for spec in roster.models})

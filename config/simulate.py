@@ -1,0 +1,74 @@
+"""`hotswap serve --simulate`: the operator's own roster, every engine run by the simulator.
+
+A transformation of the roster, not a second format: names, aliases, groups, devices, shares
+(`--gpu-memory-utilization`), sleep levels, draft restore, gates, pins, `swap`, `queue`, `host` and
+`gpus` stay as written, so placement, swaps, holds and the gate are decided as `serve` would decide
+them on the GPU. Only how each engine is started changes: the simulator's launcher (engines/sim,
+the one the demo roster runs) in place of `vllm serve`, a `command:` or a `url:`. The model path is
+kept, so the router sizes the checkpoint as it always does (`weights_gb`, else the files); the
+sizes are handed in (`sizes`) because reading them is the engines' business, not the roster's.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from config.argv import GPU_SHARE_FLAG, LOAD_FORMAT_FLAG
+from config.schema import ModelSpec, Roster
+
+# "python" is the router's own interpreter (engines.process), whatever PATH says.
+SIM_LAUNCHER = ["python", "-m", "engines.sim", "serve"]
+
+# The flags a `command:` engine's argv carries that the router reads (its share, its load format, ...),
+# carried over to the simulated engine that stands in for it; the rest of that argv is not vLLM's `serve`.
+_READ_FLAGS = (GPU_SHARE_FLAG, "--max-num-seqs", "--scheduling-policy", LOAD_FORMAT_FLAG, "--api-key")
+
+# Said once at start: what a dry run shows as on the GPU, and what it cannot.
+NOT_MODELLED = (
+    "simulated: every engine runs as the simulator (engines/sim). As on the GPU: placement by shares, devices, "
+    "groups and gpus, sleep levels under host.ram_budget_gb, swaps, holds (swap.min_active_s, max_hold_s), queues "
+    "and the gate. Not modelled: durations (boots, wakes and decoding take the simulator's time, not your GPU's, "
+    "disk's or model's), real GPU memory (fits are the router's arithmetic), the answers' text, and vLLM flags the "
+    "simulator does not know (ignored)")
+
+
+def simulate(roster: Roster, sizes: Mapping[str, tuple[Optional[float], str]]) -> tuple[Roster, list[str]]:
+    """The roster as `--simulate` runs it, and what was assumed (one line each, to log).
+
+    `sizes`: each model's checkpoint size in GB and where it comes from, or None and why it is
+    unknown (engines.memory.weights_gb)."""
+    notes = []
+    models = []
+    for spec in roster.models:
+        stand_in, note = _simulated(spec)
+        models.append(stand_in)
+        if note:
+            notes.append(note)
+        size, why = sizes.get(spec.name, (None, "not read"))
+        if size is None:  # (the router's sizing says why when it reads them again)
+            notes.append(f"{spec.name}: weight size unknown: assumed as serve would assume it: it sleeps at level 2, "
+                         "never 1 (set weights_gb to see level 1)")
+        else:
+            notes.append(f"{spec.name}: weights {size:.2f} GB ({why})")
+    if roster.gpus is None:
+        notes.append("gpus: not in the roster: sizes come from this machine's GPUs (NVML), else placement counts "
+                     "shares only; write gpus: [{index: 0, memory_gb: 80}] for the GPU you will rent")
+    if roster.host.ram_budget_gb is None:
+        notes.append("host.ram_budget_gb: not set: half of this machine's RAM, not the GPU host's; set it to see "
+                     "the levels there")
+    return roster.model_copy(update={"models": models}), notes
+
+
+def _simulated(spec: ModelSpec) -> tuple[ModelSpec, Optional[str]]:
+    # `port` is dropped (picked free): a real engine of this roster may be running on it.
+    common = {"launcher": list(SIM_LAUNCHER), "port": None}
+    if spec.command is not None:
+        args = [part for flag in _READ_FLAGS if (value := spec.flag(flag)) is not None for part in (flag, value)]
+        stand_in = spec.model_copy(update={**common, "command": None, "model": spec.name, "args": args})
+        return stand_in, (f"{spec.name}: its command is not run; a simulated engine stands in, with the flags the "
+                          f"router reads from it ({' '.join(args) or 'none'})")
+    if spec.url is not None:
+        stand_in = spec.model_copy(update={**common, "url": None, "tls_ca_file": None, "model": spec.name})
+        return stand_in, (f"{spec.name}: attached by url ({spec.shown_url}) on the GPU; here the router starts a "
+                          "simulated engine for it")
+    return spec.model_copy(update=common), None
