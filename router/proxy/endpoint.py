@@ -393,7 +393,7 @@ class Walk:
         self.router.activity.request_done(
             key_name=key, model=self.asked, engine=None if engine is None else engine.name, peer=self.peer, endpoint=self.endpoint,
             status=self.status, found_awake=None if lease is None else lease.found_awake,
-            swap_id=None if lease is None else lease.swap_id, queue_wait_s=self.queued_s,
+            swap_id=None if lease is None else lease.swap_id, queue_wait_s=self.queued_s, wait=lease,
             ttfb_s=first_byte_s if self.stream else None, duration_s=done - self.started, prompt_tokens=numbers.prompt_tokens,
             completion_tokens=numbers.completion_tokens, mean_acceptance_length=numbers.mean_acceptance_length,
             request_class=self.klass, resumed=",".join(self.pauses.resumed) if self.pauses and self.pauses.resumed else None,
