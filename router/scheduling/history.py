@@ -86,7 +86,7 @@ class WaitParts:
         swap = seconds.pop(SWAP, 0.0)
         held = {k: v for k, v in seconds.items() if v >= PART_MIN_S}
         text = ",".join(f"{k}={v:.3f}" for k, v in held.items()) or None
-        return swap, text, sum(held.values())
+        return swap, text, sum(held.values(), 0.0)
 
 
 class Events:
