@@ -186,7 +186,7 @@ class Walk:
         if paused.reason == ENGINE_FAILED and engine.probe is not None:  # a lease before the probe's verdict would be for a dead engine
             await asyncio.wait({engine.probe}, timeout=PROBE_WAIT_S)
         try:
-            response, self.lease = await keepalive.wait_again(
+            response, _ = await keepalive.wait_again(  # the record keeps its first lease, as its queue_wait_s
                 request, router.placement, engine, paused, router.roster.queue.stream_keepalive_s or RESUME_KEEPALIVE_S,
                 route.anthropic, self.klass or INTERACTIVE, max_wait(request))
         except (APIError, keepalive.AnsweredInStream) as exc:
