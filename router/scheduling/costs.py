@@ -351,7 +351,7 @@ class Costs(SchedulerState):
         if not self.waiting[target.name]:
             return  # a boot in the background: nobody waits
         reason, why = self._why_waiting(target, now, oldest, set(booting), started)
-        if self.wait_parts.note(target.name, reason, now) and why:
+        if self.wait_parts.note(target.name, reason, now, why) and why:
             log.info("%s: %d request(s) waiting are held (%s): %s", target.name, self.queued(target), reason, why)
 
     def _why_waiting(self, target: Engine, now: float, oldest: float, booting: set[int], started: bool) -> tuple[str, str]:

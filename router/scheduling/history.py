@@ -59,19 +59,28 @@ class WaitParts:
     def __init__(self) -> None:
         # model -> [(reason, since)], each until the next; from the moment its queue last became non-empty
         self.stretches: dict[str, list[tuple[str, float]]] = {}
+        self.why: dict[str, str] = {}  # model -> its current reason in words, as the last look saw it
 
     def arrived(self, name: str, now: float, first: bool) -> None:
         """A waiter joined `name`'s queue; `first`: an empty one, so what older waits left no longer applies."""
         if first:
             self.stretches[name] = [("queue", now)]
+            self.why[name] = ""
 
-    def note(self, name: str, reason: str, now: float) -> bool:
-        """Whether `reason` begins a stretch (it was not the reason at the last look)."""
+    def note(self, name: str, reason: str, now: float, why: str = "") -> bool:
+        """Whether `reason` begins a stretch (it was not the reason at the last look); `why`, in words, is kept
+        for /admin/status (`now`)."""
+        self.why[name] = why
         stretches = self.stretches.setdefault(name, [])
         if stretches and stretches[-1][0] == reason:
             return False
         stretches.append((reason, now))
         return True
+
+    def now(self, name: str) -> Optional[dict[str, str]]:
+        """The reason `name`'s waiters wait at the last look, and why in words (for /admin/status)."""
+        stretches = self.stretches.get(name)
+        return {"reason": stretches[-1][0], "why": self.why.get(name, "")} if stretches else None
 
     def parts(self, name: str, since: float, now: float) -> tuple[float, Optional[str], float]:
         """For a waiter of `name` granted at `now` after waiting since `since`: the seconds its swap took,

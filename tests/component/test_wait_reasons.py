@@ -7,7 +7,9 @@ import asyncio
 import subprocess
 import sys
 
-from tests.support import ask, client, roster_dict, sim_model
+import aiohttp
+
+from tests.support import ask, client, eventually, roster_dict, sim_model
 from tests.component.test_activity import newest
 
 
@@ -23,7 +25,16 @@ async def test_a_request_held_by_min_active_s_says_so_in_its_record_the_cli_the_
     router = await start_router(roster_dict(sim_model("a"), sim_model("b"), swap={"min_active_s": 2}))
     c = client(router)
     assert await ask(c, "a")
-    assert await ask(c, "b")
+    b = asyncio.create_task(ask(c, "b"))
+
+    async def held_in_status() -> dict | None:
+        waiting = (await router.engine("b"))["waiting_for"]
+        return waiting if waiting and waiting["reason"] == "min_active" else None
+
+    waiting = await eventually(held_in_status, what="b's waiter held by min_active in /admin/status")
+    assert "'a' has been awake" in waiting["why"] and "swap.min_active_s=2" in waiting["why"]
+    assert await b
+    assert (await router.engine("b"))["waiting_for"] is None  # nobody waits now
     record = (await newest(router, 2))[0]
     assert record["model"] == "b" and record["found_awake"] is False
     assert set(record["held"]) >= {"min_active"} and record["held"]["min_active"] > 1.0, record
@@ -33,7 +44,7 @@ async def test_a_request_held_by_min_active_s_says_so_in_its_record_the_cli_the_
     assert "min_active 1." in line or "min_active 2." in line, line
     log = router.log()
     assert log.count("b: 1 request(s) waiting are held (min_active): 'a' has been awake") == 1, log  # once, not per pass
-    async with __import__("aiohttp").ClientSession() as s, s.get(router.url + "/ui") as r:
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/ui") as r:
         page = await r.text()
     assert "held " in page and "min_active</span>" in page
 
