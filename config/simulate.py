@@ -18,6 +18,7 @@ from config.schema import ModelSpec, Roster
 
 # "python" is the router's own interpreter (engines.process), whatever PATH says.
 SIM_LAUNCHER = ["python", "-m", "engines.sim", "serve"]
+SIM_ACCEPTANCE = 2.6  # engines/sim's default --sim-acceptance (a healthy draft's mean acceptance length)
 
 # The flags a `command:` engine's argv carries that the router reads (its share, its load format, ...),
 # carried over to the simulated engine that stands in for it; the rest of that argv is not vLLM's `serve`.
@@ -62,13 +63,18 @@ def simulate(roster: Roster, sizes: Mapping[str, tuple[Optional[float], str]]) -
 def _simulated(spec: ModelSpec) -> tuple[ModelSpec, Optional[str]]:
     # `port` is dropped (picked free): a real engine of this roster may be running on it.
     common = {"launcher": list(SIM_LAUNCHER), "port": None}
+    tokens = (spec.speculative or {}).get("num_speculative_tokens")
+    # The simulator refuses an acceptance beyond 1 + num_speculative_tokens: with one or two drafted tokens
+    # its default (2.6) would fail the boot, so such a draft accepts most of what it drafts.
+    knobs = ["--sim-acceptance", f"{1 + 0.8 * tokens:g}"] if isinstance(tokens, int) and 1 + tokens < SIM_ACCEPTANCE else []
     if spec.command is not None:
         args = [part for flag in _READ_FLAGS if (value := spec.flag(flag)) is not None for part in (flag, value)]
-        stand_in = spec.model_copy(update={**common, "command": None, "model": spec.name, "args": args})
+        stand_in = spec.model_copy(update={**common, "command": None, "model": spec.name, "args": [*args, *knobs]})
         return stand_in, (f"{spec.name}: its command is not run; a simulated engine stands in, with the flags the "
                           f"router reads from it ({' '.join(args) or 'none'})")
     if spec.url is not None:
-        stand_in = spec.model_copy(update={**common, "url": None, "tls_ca_file": None, "model": spec.name})
+        stand_in = spec.model_copy(update={**common, "url": None, "tls_ca_file": None, "model": spec.name,
+                                           "args": [*spec.args, *knobs]})
         return stand_in, (f"{spec.name}: attached by url ({spec.shown_url}) on the GPU; here the router starts a "
                           "simulated engine for it")
-    return spec.model_copy(update=common), None
+    return spec.model_copy(update={**common, "args": [*spec.args, *knobs]}), None

@@ -17,7 +17,8 @@ ROSTER = {
         {"name": "a", "model": "/m/a", "port": 9001, "devices": [0, 1], "group": "g", "sleep_level": 1,
          "args": ["--gpu-memory-utilization", 0.7, "--dtype", "bfloat16"]},
         {"name": "b", "command": ["wrap", "--port", "{port}", "--gpu-memory-utilization", "0.3", "--load-format", "dummy"]},
-        {"name": "c", "url": "http://gpu-box:8000", "args": ["--gpu-memory-utilization", 0.2]},
+        {"name": "c", "url": "http://gpu-box:8000", "args": ["--gpu-memory-utilization", 0.2],
+         "speculative": {"method": "eagle", "model": "/m/c-eagle", "num_speculative_tokens": 1}},
     ],
 }
 
@@ -31,6 +32,7 @@ def test_every_engine_becomes_the_simulator_and_the_rest_of_the_roster_stays_as_
     assert a.args == roster.models[0].args and a.gpu_share == 0.7
     assert b.model == "b" and b.args == ["--gpu-memory-utilization", "0.3", "--load-format", "dummy"] and not b.reloads_weights
     assert c.model == "c" and c.url is None and c.gpu_share == 0.2
+    assert c.args[-2:] == ["--sim-acceptance", "1.8"]  # the simulator refuses its default 2.6 past 1 + 1 drafted token
     assert sim.swap == roster.swap and sim.gpus == roster.gpus and sim.host == roster.host and sim.source == roster.source
     assert roster.models[0].port == 9001 and roster.models[1].command is not None  # the loaded roster is left alone
     assert "a: weights 12.00 GB (weights_gb: 12 in the roster)" in notes
