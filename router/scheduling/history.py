@@ -45,9 +45,11 @@ class SwapRecord:
 # What holds a waiter (router.scheduling.costs `_why_waiting`): min_active (the engine it needs gone is inside
 # swap.min_active_s), max_hold (it serves requests until the oldest waiter has waited swap.max_hold_s),
 # interactive (batch work yields to users' demand), other_wake (another engine's wake or park moves memory on
-# its GPUs), boot (another engine boots there), queue (nothing yet: its turn after an older waiter's target,
-# the loop's next look). SWAP is not a hold: its own wake, boot, and the parks for it.
+# its GPUs), boot (another engine boots there), parking (its own engine was on its way to sleep as it was asked
+# for), queue (nothing yet: its turn after an older waiter's target, the loop's next look). SWAP is not a hold:
+# its own wake, boot, and the parks for it.
 SWAP = "swap"
+LEAVING = ("park", "deepen", "stop", "demote")  # an engine's own actions after which it must come back
 PART_MIN_S = 0.005  # a part shorter than this is the loop's latency, not a reason
 
 
@@ -61,11 +63,14 @@ class WaitParts:
         self.stretches: dict[str, list[tuple[str, float]]] = {}
         self.why: dict[str, str] = {}  # model -> its current reason in words, as the last look saw it
 
-    def arrived(self, name: str, now: float, first: bool) -> None:
-        """A waiter joined `name`'s queue; `first`: an empty one, so what older waits left no longer applies."""
+    def arrived(self, name: str, now: float, first: bool, doing: str = "") -> None:
+        """A waiter joined `name`'s queue; `first`: an empty one, so what older waits left no longer applies.
+        `doing`: the engine's own action as it arrived, which the loop does not look at again until it ends: a
+        wake or boot (woken ahead, or for an operator) is its swap; a park, its engine leaving as it was asked for."""
         if first:
-            self.stretches[name] = [("queue", now)]
-            self.why[name] = ""
+            reason = SWAP if doing in ("boot", "wake", "restart") else "parking" if doing in LEAVING else "queue"
+            self.stretches[name] = [(reason, now)]
+            self.why[name] = "its engine was being put to sleep or stopped as it was asked for" if reason == "parking" else ""
 
     def note(self, name: str, reason: str, now: float, why: str = "") -> bool:
         """Whether `reason` begins a stretch (it was not the reason at the last look); `why`, in words, is kept

@@ -167,7 +167,7 @@ class SchedulerState:
             raise APIError(429, f"model '{engine.name}' has {mine} {klass} requests waiting (queue.max_waiting, per class); "
                            "retry later", "queue_full", retry_after=predicted)
         waiter = Waiter(engine, now, counted)
-        self.wait_parts.arrived(engine.name, now, first=not queue)
+        self.wait_parts.arrived(engine.name, now, first=not queue, doing=self.doing.get(engine.name, ("",))[0])
         queue.append(waiter)
         self.poke()
         limit, limit_name = ((self.limits.batch_max_wait_s, "queue.batch_max_wait_s") if klass == BATCH and not admin

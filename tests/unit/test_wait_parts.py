@@ -29,3 +29,14 @@ def test_a_new_wait_does_not_inherit_the_reasons_of_the_last_one():
     parts.note("b", "swap", 100.002)
     swap, held, held_s = parts.parts("b", 100.0, 100.5)
     assert round(swap, 3) == 0.498 and held is None and held_s == 0.0  # the 2 ms before its first look: loop latency
+
+
+def test_a_wait_that_begins_while_its_own_engine_wakes_or_parks_says_so_from_its_first_moment():
+    parts = WaitParts()
+    parts.arrived("b", 0.0, first=True, doing="wake")  # woken ahead: the loop does not look at it until the wake ends
+    assert parts.parts("b", 0.0, 0.4) == (0.4, None, 0.0)
+    parts.arrived("b", 10.0, first=True, doing="park")
+    parts.note("b", "swap", 10.3)
+    swap, held, _ = parts.parts("b", 10.0, 10.5)
+    assert held == "parking=0.300" and round(swap, 3) == 0.2
+    assert parts.now("b") == {"reason": "swap", "why": ""}
