@@ -53,8 +53,7 @@ class Lease:
 
     found_awake: bool
     swap_id: Optional[int] = None
-    # A wait's parts (history.WaitParts): its swap's seconds, what held it (`reason=seconds,...`) and their sum.
-    swap_s: Optional[float] = None
+    swap_s: Optional[float] = None  # a wait's parts (history.WaitParts): its swap, what held it (`reason=s,...`), their sum
     held: Optional[str] = None
     held_s: Optional[float] = None
 
@@ -181,10 +180,11 @@ class SchedulerState:
             raise
         if not waiter.future.done():
             self._forget(waiter)
-            held = self.held_by.get(engine.name) if klass == BATCH else None
+            held, last = self.held_by.get(engine.name) if klass == BATCH else None, self.wait_parts.now(engine.name)
             raise APIError(503, f"model '{engine.name}' did not become ready within {limit_name}={limit:g} s "
                            f"(engine state: {engine.state.value})" + (f"; a batch request takes no room from interactive "
-                           f"users, and {held}" if held else ""), "model_not_ready",
+                           f"users, and {held}" if held else f"; held ({last['reason']}): {last['why']}" if last and last["why"]
+                           else ""), "model_not_ready",
                            retry_after=self.predicted_wait(engine, self.clock()))
         # raises the APIError a failed engine left for its waiters
         return Lease(False, waiter.future.result(), *self.wait_parts.parts(engine.name, waiter.since, self.clock()))

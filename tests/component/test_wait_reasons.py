@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import aiohttp
+import openai
 
 from tests.support import ask, client, eventually, roster_dict, sim_model
 from tests.component.test_activity import newest
@@ -70,3 +71,17 @@ async def test_a_request_held_behind_a_stream_until_max_hold_s_says_max_hold_and
     assert a["status"] == 200 and a["resumed"] == "drain_deadline" and a["paused_s"] > 0, a  # paused, resumed: said so
     assert a["found_awake"] is True and a["held"] is None, a  # its lease and wait are its first; the pause is paused_s
     assert "resumed ×1 (drain_deadline)" in next(line for line in activity_cli(router).splitlines() if " a " in line)
+
+
+async def test_a_wait_that_runs_out_while_held_says_what_held_it_in_its_503(start_router):
+    router = await start_router(roster_dict(sim_model("a"), sim_model("b"), swap={"min_active_s": 30}, queue={"max_wait_s": 1}))
+    c = client(router)
+    assert await ask(c, "a")
+    try:
+        await ask(c, "b")
+    except openai.InternalServerError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("b was served inside a's min_active_s")
+    assert "did not become ready within queue.max_wait_s=1 s" in message
+    assert "held (min_active): 'a' has been awake" in message and "swap.min_active_s=30" in message, message
