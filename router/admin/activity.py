@@ -62,7 +62,7 @@ class Record(NamedTuple):
     cut: Optional[str] = None  # why its answer was cut for good rather than resumed (tools, wait, ...); None: it was not
     # A wait's parts (router.scheduling.history.WaitParts), for a lease that waited: the seconds its swap took (its
     # wake or boot and the parks for it), what held it as `reason=seconds` pairs in order (min_active, max_hold,
-    # interactive, other_wake, boot, queue; None: nothing did) and their sum. None: it found its model awake.
+    # interactive, other_wake, boot, parking, queue; None: nothing did) and their sum. None: it found its model awake.
     swap_s: Optional[float] = None
     held: Optional[str] = None
     held_s: Optional[float] = None

@@ -355,6 +355,9 @@ class Costs(SchedulerState):
             log.info("%s: %d request(s) waiting are held (%s): %s", target.name, self.queued(target), reason, why)
 
     def _why_waiting(self, target: Engine, now: float, oldest: float, booting: set[int], started: bool) -> tuple[str, str]:
+        """The reason (history.py's names) and its words, read from the state `decide` just read: its own swap
+        under way, a boot on its GPUs, batch yielding to users (`held_by`, set by `_make_room` this pass), the
+        awake engine in its way whose hold ends first (`_hold`), another engine's action, else the queue."""
         pending, _ = self.making_room.get(target.name, ([], 0.0))
         if started or any(name in self.busy for name in pending):
             return SWAP, ""

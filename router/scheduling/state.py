@@ -123,7 +123,7 @@ class SchedulerState:
         self.interactive_seen: dict[str, float] = {}  # engine -> when an interactive request last arrived or ended
         self.batch_leases: collections.Counter[str] = collections.Counter()  # engine -> batch in flight (preemptible)
         self.held_by: dict[str, str] = {}  # batch-only target -> whose interactive demand keeps its room (for its 503)
-        self.wait_parts = WaitParts()  # why waiters wait, recorded only (costs.py `why_waiting`); never read by a decision
+        self.wait_parts = WaitParts()  # why waiters wait, recorded only (costs.py `note_wait`); never read by a decision
         self.history: collections.deque[SwapRecord] = collections.deque(maxlen=20)
         self.swap_ids = itertools.count(1)
         self._poke = asyncio.Event()
