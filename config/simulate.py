@@ -3,7 +3,8 @@
 A transformation of the roster, not a second format: names, aliases, groups, devices, shares
 (`--gpu-memory-utilization`), sleep levels, draft restore, gates, pins, `swap`, `queue`, `host` and
 `gpus` stay as written, so placement, swaps, holds and the gate are decided as `serve` would decide
-them on the GPU. Only how each engine is started changes: the simulator's launcher (engines/sim,
+them on the GPU. What it leaves alone of the real deployment: the activity file and the fleet (peers,
+the agent port) are off. Only how each engine is started changes: the simulator's launcher (engines/sim,
 the one the demo roster runs) in place of `vllm serve`, a `command:` or a `url:`. The model path is
 kept, so the router sizes the checkpoint as it always does (`weights_gb`, else the files); the
 sizes are handed in (`sizes`) because reading them is the engines' business, not the roster's.
@@ -57,7 +58,16 @@ def simulate(roster: Roster, sizes: Mapping[str, tuple[Optional[float], str]]) -
     if roster.host.ram_budget_gb is None:
         notes.append("host.ram_budget_gb: not set: half of this machine's RAM, not the GPU host's; set it to see "
                      "the levels there")
-    return roster.model_copy(update={"models": models}), notes
+    update: dict[str, object] = {"models": models}
+    # What a dry run must not touch of the real deployment: its activity file, its fleet.
+    if roster.activity.path is not None:
+        update["activity"] = roster.activity.model_copy(update={"path": None})
+        notes.append(f"activity.path ({roster.activity.path}): not written; this run's records are kept in memory only")
+    if roster.node.peers or roster.node.agent_port:
+        update["node"] = roster.node.model_copy(update={"peers": [], "agent_port": None})
+        notes.append("node.peers and node.agent_port: off; a request for a model not in this roster is not passed on, "
+                     "and no load balancer is told this node exists")
+    return roster.model_copy(update=update), notes
 
 
 def _simulated(spec: ModelSpec) -> tuple[ModelSpec, Optional[str]]:

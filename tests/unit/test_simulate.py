@@ -45,3 +45,15 @@ def test_unset_gpus_and_host_budget_are_said_to_come_from_this_machine():
     _, notes = simulate(roster, {"a": (3.0, "weights_gb: 3 in the roster")})
     assert any(n.startswith("gpus: not in the roster") for n in notes)
     assert any(n.startswith("host.ram_budget_gb: not set: half of this machine's RAM") for n in notes)
+
+
+def test_a_dry_run_leaves_the_real_activity_file_and_fleet_alone():
+    written = {"activity": {"path": "/var/lib/hotswap/activity.db"},
+               "node": {"name": "gpu-1", "peers": ["http://gpu-2:8080"], "agent_port": 9100},
+               "models": [{"name": "a", "model": "/m/a", "weights_gb": 3}]}
+    roster = parse_roster(yaml.safe_dump(written), "r.yaml", os.environ)
+    sim, notes = simulate(roster, {"a": (3.0, "weights_gb: 3 in the roster")})
+    assert sim.activity.path is None and sim.activity.ring == roster.activity.ring
+    assert sim.node.peers == [] and sim.node.agent_port is None and sim.node.name == "gpu-1"
+    assert any(n.startswith("activity.path (/var/lib/hotswap/activity.db): not written") for n in notes)
+    assert any(n.startswith("node.peers and node.agent_port: off") for n in notes)
