@@ -20,10 +20,12 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
 from config.schema import Roster
+from config.simulate import NOT_MODELLED
 from router import admin, fleet
 from router.app import build_app, build_router
 from router.auth import KEY_NAME
 from router.live import ROUTED_MODEL, Router
+from router.scheduling import simulated_roster
 
 # Clients that open hundreds of connections at once (an agent fleet, a load balancer's warm-up)
 # overflow a short accept queue; past it Linux answers with SYN cookies, the client's request is
@@ -85,13 +87,26 @@ def quiet_gc() -> None:
     gc.set_threshold(*GC_THRESHOLD)
 
 
-def run(roster: Roster, host: Optional[str] = None, port: Optional[int] = None, log_dir: Optional[Path] = None) -> int:
+def run(roster: Roster, host: Optional[str] = None, port: Optional[int] = None, log_dir: Optional[Path] = None,
+        simulate: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     raise_open_file_limit()
-    return uvloop.run(serve(roster, host or roster.listen.host, port or roster.listen.port, log_dir or default_log_dir()))
+    if simulate:
+        roster = simulated(roster)
+    return uvloop.run(serve(roster, host or roster.listen.host, port or roster.listen.port, log_dir or default_log_dir(),
+                            simulate))
 
 
-async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
+def simulated(roster: Roster) -> Roster:
+    """`--simulate`: the roster run by the simulator; what it cannot model and what it assumed, said once."""
+    roster, notes = simulated_roster(roster)
+    log.warning("hotswap: %s", NOT_MODELLED)
+    for note in notes:
+        log.info("hotswap: simulated: %s", note)
+    return roster
+
+
+async def serve(roster: Roster, host: str, port: int, log_dir: Path, simulate: bool = False) -> int:
     """Serve until SIGTERM/SIGINT; then drain and stop. A second signal while draining stops at
     once: engines get SIGTERM, then SIGKILL after swap.kill_grace_s, and the exit code is 128+signal."""
     loop = asyncio.get_running_loop()
@@ -111,6 +126,7 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
     async with aiohttp.ClientSession() as control:
         try:
             router = build_router(roster, log_dir, control)
+            router.simulated = simulate
         except admin.ActivityFileError as exc:
             log.error("hotswap: %s", exc)
             return 1
@@ -141,7 +157,8 @@ async def serve(roster: Roster, host: str, port: int, log_dir: Path) -> int:
                 await runner.cleanup()
                 return 1
             log.info("hotswap: agent-check on %s:%d", host, agent.port)
-        log.info("hotswap: listening on http://%s:%d (roster %s)", host, port, roster.source)
+        log.info("hotswap: listening on http://%s:%d (roster %s%s)", host, port, roster.source,
+                 ", simulated: no engine is real" if simulate else "")
         router.start()
         quiet_gc()
         loop.add_signal_handler(signal.SIGHUP, app[admin.RELOADS_KEY].on_signal)

@@ -23,7 +23,7 @@ from engines.gate import Verdict
 from router.errors import APIError
 from router.keys import EVERYTHING, Grant, Holds, KeyTable
 from router.metrics import Metrics
-from router.scheduling import Events, History, Scheduler, SwapRecord, capacity, devices_view, level1_weights
+from router.scheduling import Events, History, Lease, Scheduler, SwapRecord, capacity, devices_view, level1_weights
 from router.tasks import spawn
 from router.virtuals import Virtuals
 
@@ -52,7 +52,7 @@ class RequestLog(Protocol):
                      ttfb_s: Optional[float], duration_s: float, prompt_tokens: Optional[int],
                      completion_tokens: Optional[int], mean_acceptance_length: Optional[float],
                      request_class: Optional[str] = None, resumed: Optional[str] = None, paused_s: Optional[float] = None,
-                     cut: Optional[str] = None) -> None: ...
+                     cut: Optional[str] = None, wait: Optional[Lease] = None) -> None: ...
 
     def close(self) -> None:
         """Flush and close (it may block: called off the event loop)."""
@@ -86,6 +86,7 @@ class Router(Observer, Events):
         self._tasks: list[asyncio.Task[None]] = []
         self.draining = False  # SIGTERM seen: /ready says 503 while in-flight work finishes
         self.holds = Holds()  # models an operator's trial holds off client traffic (router.keys)
+        self.simulated = False  # `serve --simulate`: every engine is the simulator, and a reload's roster becomes one too
 
     def new_engine(self, spec: ModelSpec) -> Engine:
         return Engine(spec, self.roster.swap, self.control, self.log_dir, self)

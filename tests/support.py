@@ -109,7 +109,7 @@ class RouterProcess:
     """A real `hotswap serve` process on a free loopback port."""
 
     def __init__(self, roster: dict[str, Any], tmp_path, env: Optional[dict[str, str]] = None, admin_key: Optional[str] = None,
-                 port: Optional[int] = None):
+                 port: Optional[int] = None, args: tuple[str, ...] = ()):
         import subprocess
         import sys
 
@@ -123,7 +123,7 @@ class RouterProcess:
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", "--config", str(self.roster_path), "--port", str(self.port),
-             "--log-dir", str(tmp_path / "engines")],
+             "--log-dir", str(tmp_path / "engines"), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )
 

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Optional
 
 from config.schema import Activity as Settings
 from router.admin.activity_file import ActivityFile
+from router.scheduling import Lease
 
 log = logging.getLogger("hotswap")
 
@@ -59,13 +60,20 @@ class Record(NamedTuple):
     resumed: Optional[str] = None
     paused_s: Optional[float] = None
     cut: Optional[str] = None  # why its answer was cut for good rather than resumed (tools, wait, ...); None: it was not
+    # A wait's parts (router.scheduling.history.WaitParts), for a lease that waited: the seconds its swap took (its
+    # wake or boot and the parks for it), what held it as `reason=seconds` pairs in order (min_active, max_hold,
+    # interactive, other_wake, boot, parking, queue; None: nothing did) and their sum. None: it found its model awake.
+    swap_s: Optional[float] = None
+    held: Optional[str] = None
+    held_s: Optional[float] = None
 
     def as_dict(self) -> dict[str, Any]:
         # Rounded here, when read, rather than per request when made.
         out = self._asdict()
-        for name in ("queue_wait_s", "ttfb_s", "duration_s", "paused_s"):
+        for name in ("queue_wait_s", "ttfb_s", "duration_s", "paused_s", "swap_s", "held_s"):
             out[name] = _round(out[name])
         out["class"] = out.pop("request_class")
+        out["held"] = held_parts(self.held)
         return out
 
 
@@ -96,7 +104,7 @@ class ActivityLog:
                      ttfb_s: Optional[float], duration_s: float, prompt_tokens: Optional[int],
                      completion_tokens: Optional[int], mean_acceptance_length: Optional[float],
                      request_class: Optional[str] = None, resumed: Optional[str] = None, paused_s: Optional[float] = None,
-                     cut: Optional[str] = None) -> None:
+                     cut: Optional[str] = None, wait: Optional[Lease] = None) -> None:
         if not self.enabled:
             return
         asked = model[:MAX_MODEL_CHARS] if isinstance(model, str) else None
@@ -106,7 +114,7 @@ class ActivityLog:
             asked = asked.encode("utf-8", "replace").decode("utf-8")
         record = Record(time.time(), key_name or None, asked, engine, endpoint, status, found_awake, queue_wait_s, swap_id,
                         ttfb_s, duration_s, prompt_tokens, completion_tokens, mean_acceptance_length, peer, request_class,
-                        resumed, paused_s, cut)
+                        resumed, paused_s, cut, *((wait.swap_s, wait.held, wait.held_s) if wait is not None else ()))
         self.ring.append(record)
         if self.file is not None:
             self.file.put(record)
@@ -132,6 +140,13 @@ class ActivityLog:
 def _from_row(row: tuple[Any, ...]) -> Record:
     record = Record(*row)
     return record if record.found_awake is None else record._replace(found_awake=bool(record.found_awake))  # SQLite: 0/1
+
+
+def held_parts(held: Optional[str]) -> Optional[dict[str, float]]:
+    """A record's `held` (`min_active=1.780,queue=0.020`) as {reason: seconds}, in order; None: nothing held it."""
+    if not held:
+        return None
+    return {reason: float(seconds) for reason, _, seconds in (part.partition("=") for part in held.split(","))}
 
 
 def _round(seconds: Optional[float]) -> Optional[float]:

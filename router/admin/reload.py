@@ -22,7 +22,7 @@ from config.schema import Roster
 from router.errors import APIError
 from router.keys import KeyTable
 from router.live import Router
-from router.scheduling import capacity, level1_weights
+from router.scheduling import capacity, level1_weights, simulated_roster
 from router.tasks import spawn
 from router.virtuals import Virtuals
 
@@ -50,6 +50,8 @@ class Reloads:
             source = router.roster.source
             try:
                 new = await asyncio.to_thread(load_roster, source)
+                if router.simulated:  # the dry run stays one: the file names real engines
+                    new = (await asyncio.to_thread(simulated_roster, new))[0]
             except RosterError as exc:
                 for issue in exc.issues:
                     log.error("%s", issue)

@@ -16,6 +16,7 @@ def router_status(router: Router, reloads: Reloads) -> dict[str, Any]:
     return {
         "ready": router.ready,
         "booted": scheduler.booted,
+        "simulated": router.simulated,  # `serve --simulate`: a dry run, no engine is real
         "scheduler_defect": defect_status(router),
         "placement": placement_status(router),
         "engines": [engine_status(router, e) for e in router.engines.values()],
@@ -77,6 +78,8 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "queued_by_class": scheduler.queued_by_class(e),  # {interactive: N, batch: M}: batch is served after interactive
         "interactive_demand": scheduler.interactive_demand(e, scheduler.clock())[0],  # why batch may not take its room
         "batch_held_by": scheduler.held_by.get(e.name),  # why its queued batch requests wait for room (null: they don't)
+        # What its queued requests wait for at the scheduler's last look: {reason: swap | min_active | max_hold | ..., why}
+        "waiting_for": scheduler.wait_parts.now(e.name) if scheduler.queued(e) else None,
         "port": e.port,
         "pid": e.process.pid if e.process else None,
         "boot_deadline_in_s": round(e.progress.boot_deadline - now, 1) if e.progress.boot_deadline else None,

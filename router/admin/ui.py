@@ -37,7 +37,8 @@ def render(status: dict[str, Any], timeline: Optional[dict[str, Any]] = None, re
     # The page refreshes itself by script (a <meta> refresh without it), so following a log can pause it.
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><noscript><meta http-equiv='refresh' content='{REFRESH_S}'></noscript>",
              f"<title>hotswap</title><style>{STYLE}</style></head><body>",
-             f"<h1>hotswap <span class='muted'>— {'ready' if status['ready'] else 'not ready'}, "
+             f"<h1>hotswap <span class='muted'>— {'simulated (--simulate), ' if status.get('simulated') else ''}"
+             f"{'ready' if status['ready'] else 'not ready'}, "
              f"{time.strftime('%H:%M:%S')}</span></h1>"]
     parts.append(_placement(status["placement"], status["booted"]))
     parts.append(_engines(status["engines"]))

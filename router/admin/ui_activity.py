@@ -8,7 +8,7 @@ from html import escape
 from typing import Optional
 from urllib.parse import quote
 
-from router.admin.activity import Record
+from router.admin.activity import Record, held_parts
 
 ROWS = 50  # records the page shows
 
@@ -31,7 +31,7 @@ def recent_requests(records: list[Record], models: list[str], selected: Optional
         rows.append(
             f"<tr class='activity'><td>{time.strftime('%H:%M:%S', time.localtime(r.at))}</td><td>{escape(r.key_name or '—')}</td>"
             f"<td>{escape(r.model or '—')}</td><td>{escape(r.engine or (f'peer {r.peer}' if r.peer else '—'))}</td><td>{escape(r.endpoint)}</td>"
-            f"<td class='{'ok' if r.status < 400 else 'bad'}'>{r.status}{_paused_or_cut(r)}</td><td>{lease}</td><td>{_s(r.queue_wait_s)}</td>"
+            f"<td class='{'ok' if r.status < 400 else 'bad'}'>{r.status}{_paused_or_cut(r)}</td><td>{lease}</td><td>{_s(r.queue_wait_s)}{_held(r)}</td>"
             f"<td>{_s(r.ttfb_s)}</td><td>{_s(r.duration_s)}</td><td>{_n(r.prompt_tokens)} / {_n(r.completion_tokens)}</td>"
             f"<td>{'—' if r.mean_acceptance_length is None else f'{r.mean_acceptance_length:.2f}'}</td></tr>")
     return "".join(rows) + "</table>"
@@ -49,6 +49,18 @@ def _paused_or_cut(r: Record) -> str:
     if r.cut:
         marks += f" <span class='cut bad' title='its answer was cut for good: {escape(r.cut)}'>cut: {escape(r.cut)}</span>"
     return marks
+
+
+def _held(r: Record) -> str:
+    """Beside the queue wait, what held it (router.scheduling.history.WaitParts): each reason with its
+    seconds, and the swap's own part in the title, so a long wait behind a short swap says why."""
+    parts = held_parts(r.held)
+    if not parts:
+        return ""
+    reasons = ", ".join(f"{reason} {seconds:.2f} s" for reason, seconds in parts.items())
+    swap = "" if r.swap_s is None else f"; its swap took {r.swap_s:.2f} s"
+    return (f" <span class='held warn' title='held by {escape(reasons)}{swap}'>held {r.held_s or 0:.2f} s: "
+            f"{escape(', '.join(parts))}</span>")
 
 
 def _s(seconds: Optional[float]) -> str:

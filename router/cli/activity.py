@@ -17,8 +17,8 @@ FOLLOW_POLL_S = 1.0  # how often --follow asks for new records
 CALL_S = 10.0  # each call's timeout
 FOLLOW_LIMIT = 10_000  # records one --follow poll may bring (the route's maximum)
 COLUMNS = ("TIME", "KEY", "MODEL", "ENGINE", "ENDPOINT", "STATUS", "LEASE", "WAIT s", "TTFB s", "TOTAL s", "TOKENS in/out",
-           "MAL", "RESUMED/CUT")  # the times in seconds, as the columns say
-WIDTHS = (8, 10, 16, 16, 16, 6, 10, 7, 7, 7, 13, 5, 11)
+           "MAL", "WAIT PARTS s", "RESUMED/CUT")  # the times in seconds, as the columns say
+WIDTHS = (8, 10, 16, 16, 16, 6, 10, 7, 7, 7, 13, 5, 12, 11)
 
 
 def cells(r: dict[str, Any]) -> tuple[str, ...]:
@@ -30,7 +30,15 @@ def cells(r: dict[str, Any]) -> tuple[str, ...]:
     return (time.strftime("%H:%M:%S", time.localtime(r["at"])), r["key_name"] or "-", r["model"] or "-", engine,
             r["endpoint"], str(r["status"]), lease, _seconds(r["queue_wait_s"]), _seconds(r["ttfb_s"]),
             _seconds(r["duration_s"]), tokens, "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}",
-            paused_or_cut(r))
+            wait_parts(r), paused_or_cut(r))
+
+
+def wait_parts(r: dict[str, Any]) -> str:
+    """A wait's parts: its swap's seconds and what held it, each reason with its seconds ("swap 0.06 +
+    min_active 1.78"), so a wait much longer than its swap says why. `.get`: a router of before has neither."""
+    parts = [f"swap {r['swap_s']:.2f}"] if r.get("swap_s") else []
+    parts += [f"{reason} {seconds:.2f}" for reason, seconds in (r.get("held") or {}).items()]
+    return " + ".join(parts) or "-"
 
 
 def paused_or_cut(r: dict[str, Any]) -> str:

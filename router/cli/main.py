@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     source = serve.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", metavar="ROSTER.yaml", help="the model roster")
     source.add_argument("--demo", action="store_true", help=f"the built-in demo roster ({DEMO_ROSTER.name}: simulated engines, no GPU)")
+    serve.add_argument("--simulate", action="store_true",
+                       help="a dry run without a GPU: every engine of the roster runs as the simulator (engines/sim), "
+                       "with the roster's own shares, devices, levels and sizes")
     serve.add_argument("--host", help="override listen.host")
     serve.add_argument("--port", type=int, help="override listen.port")
     serve.add_argument("--log-dir", type=Path, help="engine logs (default: $XDG_STATE_HOME/hotswap/logs)")
@@ -190,7 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_BAD_ROSTER
     from router.daemon import run  # imported late: `check` and `schema` need no event loop
 
-    return run(roster, host=args.host, port=args.port, log_dir=args.log_dir)
+    return run(roster, host=args.host, port=args.port, log_dir=args.log_dir, simulate=args.simulate)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -186,7 +186,7 @@ class Walk:
         if paused.reason == ENGINE_FAILED and engine.probe is not None:  # a lease before the probe's verdict would be for a dead engine
             await asyncio.wait({engine.probe}, timeout=PROBE_WAIT_S)
         try:
-            response, self.lease = await keepalive.wait_again(
+            response, _ = await keepalive.wait_again(  # the record keeps its first lease, as its queue_wait_s
                 request, router.placement, engine, paused, router.roster.queue.stream_keepalive_s or RESUME_KEEPALIVE_S,
                 route.anthropic, self.klass or INTERACTIVE, max_wait(request))
         except (APIError, keepalive.AnsweredInStream) as exc:
@@ -399,7 +399,7 @@ class Walk:
         self.router.activity.request_done(
             key_name=key, model=self.asked, engine=None if engine is None else engine.name, peer=self.peer, endpoint=self.endpoint,
             status=self.status, found_awake=None if lease is None else lease.found_awake,
-            swap_id=None if lease is None else lease.swap_id, queue_wait_s=self.queued_s,
+            swap_id=None if lease is None else lease.swap_id, queue_wait_s=self.queued_s, wait=lease,
             ttfb_s=first_byte_s if self.stream else None, duration_s=done - self.started, prompt_tokens=numbers.prompt_tokens,
             completion_tokens=numbers.completion_tokens, mean_acceptance_length=numbers.mean_acceptance_length,
             request_class=self.klass, resumed=",".join(self.pauses.resumed) if self.pauses and self.pauses.resumed else None,

@@ -9,8 +9,9 @@ from router.scheduling.estimates import Demand
 from router.scheduling.history import KEEP_S as HISTORY_KEEP_S, Events, History, SwapRecord
 from router.scheduling.placement import Capacity, devices_view, most_awake, never_fits
 from router.scheduling.scheduler import Scheduler
-from router.scheduling.sizing import Preview, Sleep, capacity, level1_weights, preview
+from router.scheduling.sizing import Preview, Sleep, capacity, level1_weights, preview, simulated_roster
 from router.scheduling.state import Decision, Lease, Plan, Waiter
 
 __all__ = ["Capacity", "Decision", "Demand", "Events", "HISTORY_KEEP_S", "History", "Lease", "Plan", "Preview", "Scheduler",
-           "Sleep", "SwapRecord", "Waiter", "capacity", "devices_view", "level1_weights", "most_awake", "never_fits", "preview"]
+           "Sleep", "SwapRecord", "Waiter", "capacity", "devices_view", "level1_weights", "most_awake", "never_fits", "preview",
+           "simulated_roster"]

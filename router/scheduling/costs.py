@@ -16,14 +16,18 @@ victim of its own ("kv_park"), and a KV-parked sleeper a move further down ("dee
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Collection, Optional
 
 from engines.engine import Engine, State
 from engines.ladder import KV_PARKED
 from engines.memory import PRIOR_FACTOR
+from router.scheduling.history import SWAP
 from router.scheduling.placement import Ledger, Victim
 from router.scheduling.state import SchedulerState
+
+log = logging.getLogger("hotswap")
 
 
 NO_LEVEL2 = "its --load-format cannot reload weights from disk, so it never sleeps at level 2 (docs/operators.md)"
@@ -320,3 +324,68 @@ class Costs(SchedulerState):
         # comes: its chance is of any request while its demand is remembered, not of one soon.
         within = self.swap.demand_tau_s if action == "stop" else None
         return self._reuse(engine, now, within) * max(extra, 0.0) + recency
+
+    # -- holds: when an awake engine may be moved, and why a waiter is not served yet ----------------
+
+    def _evictable_in(self, engine: Engine, oldest: float, now: float, preempt: bool = False) -> float:
+        """Seconds until an awake engine may be parked for a waiter that arrived at `oldest` (0: now).
+        min_active_s protects a wake someone asked for: an engine booted in the background and not
+        used since is parked at once (as the latest booted was while the roster booted). `preempt`: its
+        work is batch only and the waiter is a user's, so max_hold_s does not hold it (min_active_s still
+        does: it is what keeps a model from being swapped out as it arrives, whoever asked for it)."""
+        return self._hold(engine, oldest, now, preempt)[0]
+
+    def _hold(self, engine: Engine, oldest: float, now: float, preempt: bool = False) -> tuple[float, str]:
+        """`_evictable_in`'s seconds, and which rule holds the engine for them: min_active or max_hold."""
+        unclaimed = engine.last_used < engine.since and not engine.in_flight
+        wait, rule = (0.0 if unclaimed else self.swap.min_active_s - (now - engine.since)), "min_active"
+        if engine.in_flight and not preempt and oldest + self.swap.max_hold_s - now > wait:
+            wait, rule = oldest + self.swap.max_hold_s - now, "max_hold"
+        return max(wait, 0.0), rule
+
+    def note_wait(self, target: Engine, now: float, oldest: float, booting: Collection[int] = (),
+                  started: bool = False) -> None:
+        """Record why `target`'s waiters are not served at this look of the loop (`started`: its wake, boot
+        or the parks for it begin now), for their activity records (history.WaitParts), and log a hold once,
+        when it begins. Only recorded: no decision reads it."""
+        if not self.waiting[target.name]:
+            return  # a boot in the background: nobody waits
+        reason, why = self._why_waiting(target, now, oldest, set(booting), started)
+        if self.wait_parts.note(target.name, reason, now, why) and why:
+            log.info("%s: %d request(s) waiting are held (%s): %s", target.name, self.queued(target), reason, why)
+
+    def _why_waiting(self, target: Engine, now: float, oldest: float, booting: set[int], started: bool) -> tuple[str, str]:
+        """The reason (history.py's names) and its words, read from the state `decide` just read: its own swap
+        under way, a boot on its GPUs, batch yielding to users (`held_by`, set by `_make_room` this pass), the
+        awake engine in its way whose hold ends first (`_hold`), another engine's action, else the queue."""
+        pending, _ = self.making_room.get(target.name, ([], 0.0))
+        if started or any(name in self.busy for name in pending):
+            return SWAP, ""
+        devices = set(target.spec.devices)
+
+        def near(e: Engine) -> bool:  # shares a GPU with the target, or its group
+            return e is not target and (bool(devices & set(e.spec.devices))
+                                        or (target.spec.group is not None and e.spec.group == target.spec.group))
+
+        if devices & booting:
+            other = next((e.name for e in self.engines if near(e) and e.name in self.boots), "another engine")
+            return "boot", (f"'{other}' is booting on its GPU(s), which it has to itself until it has booted "
+                            "(vLLM sizes its KV cache from the memory free meanwhile)")
+        if target.name in self.held_by:
+            return "interactive", f"batch work yields to users: {self.held_by[target.name]}"
+        preempt_ok = not self.yields_to_users(target)
+        holds = [(*self._hold(e, oldest, now, preempt_ok and self.preemptible(e)), e) for e in self.engines
+                 if near(e) and not e.spec.pin and e.state is State.AWAKE and e.name not in self.busy]
+        holds = [h for h in holds if h[0] > 0]
+        if holds:
+            seconds, rule, e = min(holds, key=lambda h: h[0])
+            if rule == "min_active":
+                return rule, (f"'{e.name}' has been awake {now - e.since:.1f} s, under swap.min_active_s="
+                              f"{self.swap.min_active_s:g}: it may be parked for them in {seconds:.1f} s")
+            return rule, (f"'{e.name}' is serving {e.in_flight} request(s), parked for them once the oldest has waited "
+                          f"swap.max_hold_s={self.swap.max_hold_s:g}, in {seconds:.1f} s")
+        other = next((e for e in self.engines if near(e) and e.name in self.busy), None)
+        if other is not None:
+            action = self.doing.get(other.name, ("an action",))[0]
+            return "other_wake", f"'{other.name}' has a {action} under way on its GPU(s)"
+        return "queue", ""

@@ -42,6 +42,67 @@ class SwapRecord:
                 "gates": self.gates}
 
 
+# What holds a waiter (router.scheduling.costs `_why_waiting`): min_active (the engine it needs gone is inside
+# swap.min_active_s), max_hold (it serves requests until the oldest waiter has waited swap.max_hold_s),
+# interactive (batch work yields to users' demand), other_wake (another engine's wake or park moves memory on
+# its GPUs), boot (another engine boots there), parking (its own engine was on its way to sleep as it was asked
+# for), queue (nothing yet: its turn after an older waiter's target, the loop's next look). SWAP is not a hold:
+# its own wake, boot, and the parks for it.
+SWAP = "swap"
+LEAVING = ("park", "deepen", "stop", "demote")  # an engine's own actions after which it must come back
+PART_MIN_S = 0.005  # a part shorter than this is the loop's latency, not a reason
+
+
+class WaitParts:
+    """Why each model's waiters wait: per model, the stretches of one reason, pass by pass, from which a
+    granted waiter's parts are cut. A stretch begins when the reason changes, so a wait's log line is
+    said once, not at every look of the loop."""
+
+    def __init__(self) -> None:
+        # model -> [(reason, since)], each until the next; from the moment its queue last became non-empty
+        self.stretches: dict[str, list[tuple[str, float]]] = {}
+        self.why: dict[str, str] = {}  # model -> its current reason in words, as the last look saw it
+
+    def arrived(self, name: str, now: float, first: bool, doing: str = "") -> None:
+        """A waiter joined `name`'s queue; `first`: an empty one, so what older waits left no longer applies.
+        `doing`: the engine's own action as it arrived, which the loop does not look at again until it ends: a
+        wake or boot (woken ahead, or for an operator) is its swap; a park, its engine leaving as it was asked for."""
+        if first:
+            reason = SWAP if doing in ("boot", "wake", "restart") else "parking" if doing in LEAVING else "queue"
+            self.stretches[name] = [(reason, now)]
+            self.why[name] = "its engine was being put to sleep or stopped as it was asked for" if reason == "parking" else ""
+
+    def note(self, name: str, reason: str, now: float, why: str = "") -> bool:
+        """Whether `reason` begins a stretch (it was not the reason at the last look); `why`, in words, is kept
+        for /admin/status (`now`)."""
+        self.why[name] = why
+        stretches = self.stretches.setdefault(name, [])
+        if stretches and stretches[-1][0] == reason:
+            return False
+        stretches.append((reason, now))
+        return True
+
+    def now(self, name: str) -> Optional[dict[str, str]]:
+        """The reason `name`'s waiters wait at the last look, and why in words (for /admin/status)."""
+        stretches = self.stretches.get(name)
+        return {"reason": stretches[-1][0], "why": self.why.get(name, "")} if stretches else None
+
+    def parts(self, name: str, since: float, now: float) -> tuple[float, Optional[str], float]:
+        """For a waiter of `name` granted at `now` after waiting since `since`: the seconds its swap took,
+        what held it as `reason=seconds` pairs in order (None: nothing did), and their sum."""
+        stretches = self.stretches.get(name) or [("queue", since)]
+        seconds: dict[str, float] = {}
+        for i, (reason, start) in enumerate(stretches):
+            end = stretches[i + 1][1] if i + 1 < len(stretches) else now
+            overlap = min(end, now) - max(start, since)
+            if overlap > 0:
+                seconds[reason] = seconds.get(reason, 0.0) + overlap
+        swap = seconds.pop(SWAP, 0.0)
+        held = {k: v for k, v in seconds.items() if v >= PART_MIN_S}
+        text = ",".join(f"{k}={v:.3f}" for k, v in held.items()) or None
+        return swap, text, sum(held.values(), 0.0)
+
+
 class Events:
     """What the scheduler reports (the router's metrics implement this)."""
 

@@ -157,6 +157,7 @@ class Scheduler(WakeAhead):
             boots = target.state in (State.COLD, State.FAILED)
             first = target.name in self.startup  # its first boot since start: no swap, so not in the swap history
             if not clear(target, boots):
+                self.note_wait(target, now, oldest, booting)
                 continue
             if first and placement.never_fits(self.engines, target) is not None:
                 decisions.append(Decision("boot", target, "it can never fit"))  # the boot fails, saying why
@@ -164,6 +165,7 @@ class Scheduler(WakeAhead):
                 continue
             victims, wait_s = self._make_room(ledger, target, oldest, now, moving)
             if victims is None:
+                self.note_wait(target, now, oldest)
                 if wait_s is not None:
                     waits.append(wait_s)
                 continue
@@ -171,8 +173,10 @@ class Scheduler(WakeAhead):
             moves = [d for victim in victims for d in self._move(victim, f"room {'to boot' if first else 'for'} {target.name}",
                                                                    ledger, now, batch=self.yields_to_users(target))]
             if not all(clear(d.engine) for d in moves):
+                self.note_wait(target, now, oldest)
                 continue
             moving.add(target.name)
+            self.note_wait(target, now, oldest, started=True)
             if moves:
                 self.making_room[target.name] = ([v.engine.name for v in victims], self.clock())
                 decisions += moves
@@ -334,18 +338,6 @@ class Scheduler(WakeAhead):
             return forced + later, None
         wait = later_wait if later else min(waits, default=None)
         return None, min(held_waits + ([] if wait is None else [wait]), default=None)
-
-    def _evictable_in(self, engine: Engine, oldest: float, now: float, preempt: bool = False) -> float:
-        """Seconds until an awake engine may be parked for a waiter that arrived at `oldest` (0: now).
-        min_active_s protects a wake someone asked for: an engine booted in the background and not
-        used since is parked at once (as the latest booted was while the roster booted). `preempt`: its
-        work is batch only and the waiter is a user's, so max_hold_s does not hold it (min_active_s still
-        does: it is what keeps a model from being swapped out as it arrives, whoever asked for it)."""
-        unclaimed = engine.last_used < engine.since and not engine.in_flight
-        wait = 0.0 if unclaimed else self.swap.min_active_s - (now - engine.since)
-        if engine.in_flight and not preempt:
-            wait = max(wait, oldest + self.swap.max_hold_s - now)
-        return max(wait, 0.0)
 
     def _preempt(self, victim: Victim, why: str, ledger: Ledger, now: float) -> list[Decision]:
         """A batch-only engine's move for a user's waiter: its streams are cut at once (`preempted`), paused and

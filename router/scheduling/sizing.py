@@ -1,5 +1,6 @@
-"""What the router knows of sizes: the GPUs' memory and the host-RAM budget (`Capacity`), and
-the host RAM each model's weights take when parked at Level 1.
+"""What the router knows of sizes: the GPUs' memory and the host-RAM budget (`Capacity`), the
+host RAM each model's weights take when parked at Level 1, and the roster a dry run (`--simulate`)
+runs, sized the same way.
 
 And, for `hotswap check`, what placement will make of a roster before anything runs (`preview`), with no second
 model of placement: the engines are the router's own (`engines.engine.Engine`, never started), put in the states a
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from config.schema import ModelSpec, Roster
+from config.simulate import simulate
 from engines.engine import Engine, State
 from engines.memory import PRIOR_FACTOR, discover_gpus, host_memory_total_gb, weights_gb
 from router.scheduling.placement import EPS, Capacity, Ledger, most_awake
@@ -199,3 +201,9 @@ def _use(device: int, everyone: list[Engine], awake: set[Engine], sleep: dict[st
         engine.state = State.AWAKE if engine in awake else State.SLEEPING if level is not None else State.COLD
         engine.sleep_level = None if engine in awake else level
     return Ledger(everyone, scheduler.capacity, weights=scheduler.weights).use.get(device, 0.0)
+
+
+def simulated_roster(roster: Roster) -> tuple[Roster, list[str]]:
+    """`roster` with every engine run by the simulator (config.simulate), and what that assumed; the
+    checkpoint sizes are read here as `level1_weights` reads them, so a dry run sees the sizes serve sees."""
+    return simulate(roster, {spec.name: weights_gb(spec) for spec in roster.models})

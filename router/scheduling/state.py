@@ -22,7 +22,7 @@ from config.sections import BATCH, INTERACTIVE
 from engines.engine import Engine, State
 from router.errors import APIError, for_clients
 from router.scheduling.estimates import Demand, WakeCosts
-from router.scheduling.history import Events, SwapRecord
+from router.scheduling.history import Events, SwapRecord, WaitParts
 from router.scheduling.placement import Capacity, Ledger
 
 # More likely than not: a chance of one arrival or more above 1/2 is an expected count above ln 2.
@@ -53,6 +53,9 @@ class Lease:
 
     found_awake: bool
     swap_id: Optional[int] = None
+    swap_s: Optional[float] = None  # a wait's parts (history.WaitParts): its swap, what held it (`reason=s,...`), their sum
+    held: Optional[str] = None
+    held_s: Optional[float] = None
 
 
 AT_ONCE = Lease(found_awake=True)
@@ -120,6 +123,7 @@ class SchedulerState:
         self.interactive_seen: dict[str, float] = {}  # engine -> when an interactive request last arrived or ended
         self.batch_leases: collections.Counter[str] = collections.Counter()  # engine -> batch in flight (preemptible)
         self.held_by: dict[str, str] = {}  # batch-only target -> whose interactive demand keeps its room (for its 503)
+        self.wait_parts = WaitParts()  # why waiters wait, recorded only (costs.py `note_wait`); never read by a decision
         self.history: collections.deque[SwapRecord] = collections.deque(maxlen=20)
         self.swap_ids = itertools.count(1)
         self._poke = asyncio.Event()
@@ -162,6 +166,7 @@ class SchedulerState:
             raise APIError(429, f"model '{engine.name}' has {mine} {klass} requests waiting (queue.max_waiting, per class); "
                            "retry later", "queue_full", retry_after=predicted)
         waiter = Waiter(engine, now, counted)
+        self.wait_parts.arrived(engine.name, now, first=not queue, doing=self.doing.get(engine.name, ("",))[0])
         queue.append(waiter)
         self.poke()
         limit, limit_name = ((self.limits.batch_max_wait_s, "queue.batch_max_wait_s") if klass == BATCH and not admin
@@ -175,13 +180,14 @@ class SchedulerState:
             raise
         if not waiter.future.done():
             self._forget(waiter)
-            held = self.held_by.get(engine.name) if klass == BATCH else None
+            held, last = self.held_by.get(engine.name) if klass == BATCH else None, self.wait_parts.now(engine.name)
             raise APIError(503, f"model '{engine.name}' did not become ready within {limit_name}={limit:g} s "
                            f"(engine state: {engine.state.value})" + (f"; a batch request takes no room from interactive "
-                           f"users, and {held}" if held else ""), "model_not_ready",
+                           f"users, and {held}" if held else f"; held ({last['reason']}): {last['why']}" if last and last["why"]
+                           else ""), "model_not_ready",
                            retry_after=self.predicted_wait(engine, self.clock()))
         # raises the APIError a failed engine left for its waiters
-        return Lease(found_awake=False, swap_id=waiter.future.result())
+        return Lease(False, waiter.future.result(), *self.wait_parts.parts(engine.name, waiter.since, self.clock()))
 
     def lease_at_once(self, engine: Engine, klass: str = INTERACTIVE) -> Optional[Lease]:
         """A client request's lease when its engine is awake and free now (None: `acquire` it), taken

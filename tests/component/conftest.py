@@ -159,14 +159,14 @@ async def start_router(tmp_path, request):
     request.node.hotswap_routers = routers
 
     async def start(roster: dict, env=None, subdir: str = "r", admin_key=None, timeout_s: float = 30,
-                    booted: bool = True, port: int | None = None) -> RouterProcess:
+                    booted: bool = True, port: int | None = None, args: tuple[str, ...] = ()) -> RouterProcess:
         """`booted=False`: return once the router listens, while its engines may still boot."""
         path = tmp_path / f"{subdir}{len(routers)}"
         path.mkdir()
         # The simulated engines share one GPU-memory ledger: if the router's placement is wrong,
         # an engine fails to boot or wake exactly as vLLM would, and the test sees it.
         env = {"HOTSWAP_SIM_GPU_LEDGER": str(path / "gpu-ledger.json"), **(env or {})}
-        router = RouterProcess(roster, path, env, admin_key, port)
+        router = RouterProcess(roster, path, env, admin_key, port, args)
         routers.append(router)
         await (router.wait_ready(timeout_s) if booted else router.wait_listening(timeout_s))
         return router

@@ -22,7 +22,7 @@ TWO = roster_dict(sim_model("a", default=True),
                   sim_model("b", spec=True, draft_restore="none", args=("--sim-prompt-acceptance", "secret=1.8")))
 FIELDS = {"at", "key_name", "model", "engine", "endpoint", "status", "found_awake", "queue_wait_s", "swap_id", "ttfb_s",
           "duration_s", "prompt_tokens", "completion_tokens", "mean_acceptance_length", "peer", "class", "resumed", "paused_s",
-          "cut"}
+          "cut", "swap_s", "held", "held_s"}
 
 
 async def activity(router, query: str = "") -> list[dict]:
