@@ -1,10 +1,11 @@
 """`hotswap check`: what `serve` will do with a roster, told before it runs.
 
-Errors as `file:line:col: field: message` (exit 2). Then, on stdout, the placement per GPU (who can be awake
-together, who takes turns) and the level each model would sleep at under the host-RAM budget, from the
-scheduler's own code (`router.scheduling.sizing.preview`); with `--resolved`, the resolved roster as YAML instead.
-On stderr, every warning `serve` would give, from the same code that gives it there (a checkpoint it cannot size:
-`router.scheduling.sizing.level1_weights`), and what will not run here (an engine program not on PATH).
+Errors as `file:line:col: field: message` (exit 2). Else, on stdout, the resolved roster as YAML (defaults
+applied, secrets masked: the contract scripts read, DESIGN.md), ending in YAML comments that tell the operator
+the placement per GPU (who can be awake together, who takes turns) and the level each model would sleep at
+under the host-RAM budget, from the scheduler's own code (`router.scheduling.sizing.preview`). On stderr, every
+warning `serve` would give, from the same code that gives it there (a checkpoint it cannot size: `router.scheduling.sizing.level1_weights`),
+and what will not run here (an engine program not on PATH).
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ EXIT_OK = 0
 def cmd_check(args: argparse.Namespace, roster: Roster) -> int:
     warnings = check_warnings(roster)
     weights = level1_weights(roster.models, warn=lambda spec, message: warnings.append(_at_model(roster, spec.name, message)))
-    if args.resolved:
-        yaml.safe_dump(roster.redacted(), sys.stdout, sort_keys=False)
-    else:
-        print(render(roster, preview(roster, weights, capacity(roster))))
+    yaml.safe_dump(roster.redacted(), sys.stdout, sort_keys=False)
+    # As YAML comments: stdout stays the roster a script reads (DESIGN.md), and ends with what an operator asks.
+    print("\n".join(f"# {line}".rstrip() for line in render(roster, preview(roster, weights, capacity(roster))).splitlines()))
     sys.stdout.flush()  # the output, then the warnings, also when both go to one file
     warnings.sort()
     for warning in warnings:

@@ -50,14 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
         "check",
         help="validate a roster and tell what serve will do with it",
         description="Validate a roster, and tell what `serve` will do with it. Prints every error as "
-        "file:line:col: field: message and exits 2; else prints the placement per GPU (who can be awake together, "
-        "who takes turns) and the level each model would sleep at under the host-RAM budget, and exits 0. "
-        "Warnings go to stderr and leave the exit code 0: what serve would warn of (a checkpoint it cannot size), "
-        "and what will not run here (an engine program not on PATH). --resolved prints the resolved roster instead.",
+        "file:line:col: field: message and exits 2; else prints the resolved roster (defaults applied, secrets "
+        "masked) and exits 0; the roster ends in YAML comments giving the placement per GPU (who can be awake "
+        "together, who takes turns) and the level each model would sleep at under the host-RAM budget. Warnings go "
+        "to stderr and leave the exit code 0: what serve would warn of (a checkpoint it cannot size), and what will "
+        "not run here (an engine program not on PATH).",
     )
     check.add_argument("--config", metavar="ROSTER.yaml", required=True)
-    check.add_argument("--resolved", action="store_true",
-                       help="print the resolved roster as YAML (defaults applied, secrets masked) instead of the placement")
 
     commands.add_parser(
         "schema",

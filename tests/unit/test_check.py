@@ -53,10 +53,16 @@ def check(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, Pat
     return run, path
 
 
+def summary(run: subprocess.CompletedProcess) -> list[str]:
+    """The placement `check` tells, from the YAML comments its resolved roster ends in."""
+    return [line[2:] for line in run.stdout.splitlines() if line.startswith("# ")]
+
+
 def test_check_shows_who_is_awake_together_who_takes_turns_and_the_level_each_sleeps_at(tmp_path):
     run, path = check(tmp_path)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == [
+    assert [m["name"] for m in yaml.safe_load(run.stdout)["models"]] == ["chat", "code", "embed", "big", "notes"]
+    assert summary(run) == [
         "GPU 0 (80 GB, from gpus:): chat 0.5, code 0.5, embed 0.1 (--gpu-memory-utilization); at most 2 awake at once",
         "  awake together: chat + embed; code + embed",
         "  take turns: chat / code (with the others asleep, the two need 1.10 of it)",
@@ -91,8 +97,8 @@ def test_the_size_warning_is_the_one_serve_logs_at_start(tmp_path, caplog):
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [f"notes: {printed}"]
 
 
-def test_check_resolved_prints_the_roster_as_yaml_instead_with_the_same_warnings(tmp_path):
-    run, _ = check(tmp_path, "--resolved")
+def test_check_prints_the_resolved_roster_on_stdout_for_scripts(tmp_path):
+    run, _ = check(tmp_path)
     assert run.returncode == 0
     resolved = yaml.safe_load(run.stdout)
     assert [m["name"] for m in resolved["models"]] == ["chat", "code", "embed", "big", "notes"]
@@ -111,7 +117,7 @@ def test_without_gpu_sizes_the_summary_says_residuals_are_not_counted(tmp_path):
     run = subprocess.run([sys.executable, "-m", "router.cli", "check", "--config", str(path)], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
+    lines = summary(run)
     if "NVML" in lines[0]:
         pytest.skip("this machine has a GPU, whose size NVML tells")
     assert lines[:3] == [

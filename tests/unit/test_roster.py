@@ -435,7 +435,7 @@ def test_a_vllm_flag_written_as_a_model_key_is_answered_with_the_args_line_to_wr
 
 
 def test_check_resolved_prints_the_resolved_roster_and_exits_0():
-    run = hotswap("check", "--resolved", "--config", str(EXAMPLES / "demo.yaml"))
+    run = hotswap("check", "--config", str(EXAMPLES / "demo.yaml"))
     assert run.returncode == 0, run.stderr
     printed = yaml.safe_load(run.stdout)
     assert [m["name"] for m in printed["models"]] == ["chat-small", "chat-spec", "chat-fragile"]

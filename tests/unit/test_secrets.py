@@ -40,7 +40,7 @@ def write_roster(tmp_path: Path) -> Path:
 
 
 def test_check_prints_no_engine_secret_from_args_command_or_env(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "router.cli", "check", "--resolved", "--config", str(write_roster(tmp_path))],
+    run = subprocess.run([sys.executable, "-m", "router.cli", "check", "--config", str(write_roster(tmp_path))],
                          cwd=REPO, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **SECRETS})
     assert run.returncode == 0, run.stderr
     for secret in (*SECRETS.values(), "hf_literal_in_file", "literal-b-key", "literal-url-pw"):
