@@ -231,6 +231,12 @@ async def sim_fault(router: RouterProcess, name: str, step: str, kind: str, time
             assert r.status == 200
 
 
+async def metric_lines(router: RouterProcess, name: str) -> str:
+    """The router's /metrics lines of metric `name` (its samples, as text)."""
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as r:
+        return "\n".join(line for line in (await r.text()).splitlines() if line.startswith(name))
+
+
 def client(router: RouterProcess, key: str = "unused") -> openai.AsyncOpenAI:
     return _sdk(router.url + "/v1", key)
 

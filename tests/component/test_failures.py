@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from router.cli.status import render
-from tests.support import RouterProcess, ask, client, eventually, http, pid_alive, roster_dict, sim_fault, sim_model
+from tests.support import RouterProcess, ask, client, eventually, http, metric_lines, pid_alive, roster_dict, sim_fault, sim_model
 
 
 async def test_when_every_engine_fails_to_boot_the_log_says_so_plainly(tmp_path):
@@ -139,25 +139,35 @@ async def test_a_cut_stream_from_an_engine_whose_core_died_fails_it_and_its_rest
     assert await ask(c, "a")
 
 
-async def test_a_request_the_engine_reads_and_drops_unanswered_is_a_502_and_is_never_sent_twice(start_router):
-    """A generation never runs twice because of the router: the engine read the request (on a
-    pooled connection, where the router used to send it again on a new one) and closed the
-    connection without a byte of answer. From outside, that cannot be told from an engine that
-    began the generation and died."""
+async def test_a_request_the_engine_reads_and_drops_unanswered_is_resumed_and_one_it_cannot_resume_is_a_502_sent_once(start_router):
+    """The engine read the request (on a pooled connection) and closed the connection without a byte of answer.
+    From outside, that cannot be told from an engine that began the generation and died: an answer that can be
+    resumed exactly is (issue 55: resume, never cut), sent again and answered once; one that cannot (a penalty
+    counts its own tokens) is a 502 and never sent twice, as the engine may have begun it."""
     router = await start_router(roster_dict(sim_model("a", default=True)))
     c = client(router)
     assert await ask(c, "a")  # leaves a keep-alive connection to the engine in the router's pool
     port = (await router.engine("a"))["port"]
+
+    async def generations() -> list:
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/sim/log") as r:
+            return [call.get("fault") for call in await r.json() if call["step"] == "generate"]
+
     async with aiohttp.ClientSession() as s, s.delete(f"http://127.0.0.1:{port}/sim/log") as r:
         assert r.status == 200
     await sim_fault(router, "a", "generate", "cut")
-    status, _, body = await http(router, "POST", "/v1/completions", json={"model": "a", "prompt": "once", "max_tokens": 8})
-    assert status == 502
-    assert body == {"error": {
-        "message": "engine 'a' failed before answering: the engine closed the connection without answering; "
-                   "the request was not sent again, as the engine may have begun it",
-        "type": "server_error", "param": None, "code": "engine_error"}}
-    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/sim/log") as r:
-        generations = [call for call in await r.json() if call["step"] == "generate"]
-    assert [call.get("fault") for call in generations] == ["cut"], "the engine received the request exactly once"
+    status, _, body = await http(router, "POST", "/v1/completions",
+                                 json={"model": "a", "prompt": "once", "max_tokens": 8, "temperature": 0})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+    assert await generations() == ["cut", None], "dropped once, then answered: one answer to the client"
+    assert 'reason="engine_failed"} 1.0' in await metric_lines(router, "hotswap_streams_resumed_total")
+
+    async with aiohttp.ClientSession() as s, s.delete(f"http://127.0.0.1:{port}/sim/log") as r:
+        assert r.status == 200
+    await sim_fault(router, "a", "generate", "cut")
+    status, _, body = await http(router, "POST", "/v1/completions",
+                                 json={"model": "a", "prompt": "once", "max_tokens": 8, "frequency_penalty": 0.5})
+    assert status == 502 and body["error"]["code"] == "engine_error", body
+    assert "the request was not sent again, as the engine may have begun it" in body["error"]["message"]
+    assert await generations() == ["cut"], "the engine received the request exactly once"
     assert await ask(c, "a"), "one dropped request is no reason to stop serving"

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import aiohttp
 import pytest
 
-from tests.support import RouterProcess, SSEReader, eventually, free_port, http, pid_alive, roster_dict, sim_fault, sim_model
+from tests.support import RouterProcess, SSEReader, eventually, free_port, http, metric_lines, pid_alive, roster_dict, sim_fault, sim_model
 
 SLOW = ("--sim-token-rate", "40")
 
@@ -48,11 +48,6 @@ def one_answer(events: list[dict[str, Any]], done: int, chat: bool) -> None:
         assert sum(1 for e in events for c in e.get("choices", []) if c["delta"].get("role")) == 1
 
 
-async def metric(router: RouterProcess, name: str) -> str:
-    async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as r:
-        return "\n".join(line for line in (await r.text()).splitlines() if line.startswith(name))
-
-
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 async def test_a_stream_still_running_at_the_drain_deadline_is_paused_and_resumed_as_one_answer(start_router, chat):
     router = await start_router(roster_dict(sim_model("a", args=SLOW), swap={"drain_timeout_s": 0.5}))
@@ -71,7 +66,7 @@ async def test_a_stream_still_running_at_the_drain_deadline_is_paused_and_resume
     assert text_of(events, chat) == text_of(uncut, chat), "word for word the answer the uncut stream gave"
     usage = [e["usage"] for e in events if e.get("usage")]
     assert usage == [e["usage"] for e in uncut if e.get("usage")], "one usage chunk counting the whole answer"
-    assert 'reason="drain_deadline"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
+    assert 'reason="drain_deadline"} 1.0' in await metric_lines(router, "hotswap_streams_resumed_total")
 
 
 def story(chat: bool) -> tuple[str, dict[str, Any]]:
@@ -108,7 +103,7 @@ async def test_an_engine_killed_mid_stream_is_restarted_and_the_stream_completed
     _, _, comments = await cut_midway(router, True, lambda: asyncio.to_thread(os.kill, pid, signal.SIGKILL))
     assert any(b"paused (engine_failed)" in c for c in comments), comments
     assert await sim_pid(router, "a") != pid
-    assert 'reason="engine_failed"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
+    assert 'reason="engine_failed"} 1.0' in await metric_lines(router, "hotswap_streams_resumed_total")
 
 
 async def test_a_reaper_killed_mid_stream_takes_its_engine_down_with_it_and_the_restart_finishes_the_stream(start_router):
@@ -120,7 +115,7 @@ async def test_a_reaper_killed_mid_stream_takes_its_engine_down_with_it_and_the_
     await cut_midway(router, False, lambda: asyncio.to_thread(os.kill, reaper, signal.SIGKILL))
     assert not pid_alive(engine), "the engine the dead reaper led is gone"
     assert await sim_pid(router, "a") != engine
-    assert 'reason="engine_failed"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
+    assert 'reason="engine_failed"} 1.0' in await metric_lines(router, "hotswap_streams_resumed_total")
 
 
 async def test_an_operators_restart_mid_stream_pauses_it_and_the_restarted_engine_finishes_it(start_router):
@@ -133,7 +128,7 @@ async def test_an_operators_restart_mid_stream_pauses_it_and_the_restarted_engin
 
     await cut_midway(router, False, restart)
     assert (await router.engine("a"))["pid"] != pid
-    assert 'reason="restart"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
+    assert 'reason="restart"} 1.0' in await metric_lines(router, "hotswap_streams_resumed_total")
 
 
 async def test_a_buffered_request_cut_at_the_drain_deadline_is_answered_as_one_response(start_router):
@@ -166,7 +161,7 @@ async def test_a_stream_that_cannot_be_resumed_exactly_is_cut_as_before_and_coun
     assert status == 200
     events, _, done = await asyncio.wait_for(reading, 30)
     assert done == 0 and "so it was cut; retry it" in events[-1]["error"]["message"]
-    assert 'reason="structured_output"} 1.0' in await metric(router, "hotswap_streams_cut_total")
+    assert 'reason="structured_output"} 1.0' in await metric_lines(router, "hotswap_streams_cut_total")
 
 
 async def two_nodes(start_router) -> tuple[RouterProcess, RouterProcess]:
@@ -193,7 +188,7 @@ async def test_a_stream_paused_here_is_finished_on_a_peer_where_its_model_is_awa
     uncut, _, _ = await raw_stream(two, path, body)  # also: node-2's `a` is awake
     _, _, comments = await cut_midway(one, chat, lambda: sleep_a(one), uncut=uncut)
     assert any(b"resumes on a peer node" in c for c in comments), comments
-    assert 'reason="migrated"} 1.0' in await metric(one, "hotswap_streams_resumed_total")
+    assert 'reason="migrated"} 1.0' in await metric_lines(one, "hotswap_streams_resumed_total")
     assert "on peer node node-2" in one.log()
     assert (await one.engine("a"))["state"] != "awake", "node-1 did not wake `a` again for it"
 
@@ -207,7 +202,7 @@ async def test_a_peer_that_fails_the_continuation_before_any_of_it_went_out_leav
     _, _, comments = await cut_midway(one, False, lambda: sleep_a(one), uncut=uncut)
     assert any(b"resumes on a peer node" in c for c in comments), comments
     assert "could not be finished on a peer" in one.log() and "on peer node node-2" not in one.log()
-    assert 'reason="drain_deadline"} 1.0' in await metric(one, "hotswap_streams_resumed_total")
+    assert 'reason="drain_deadline"} 1.0' in await metric_lines(one, "hotswap_streams_resumed_total")
     assert (await one.engine("a"))["state"] == "awake", "node-1 woke `a` again and finished it"
 
 
@@ -235,7 +230,7 @@ async def test_a_request_whose_engine_dies_before_its_answer_began_is_answered_b
         assert status == 200, answer
         assert answer["choices"][0]["text"] == uncut["choices"][0]["text"]
     assert await sim_pid(router, "a") != pid
-    assert 'reason="engine_failed"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
+    assert 'reason="engine_failed"} 1.0' in await metric_lines(router, "hotswap_streams_resumed_total")
 
 
 async def test_a_continuation_whose_engine_dies_before_it_began_is_paused_again_not_left_open(start_router):
@@ -250,7 +245,7 @@ async def test_a_continuation_whose_engine_dies_before_it_began_is_paused_again_
     _, _, comments = await cut_midway(router, False, sleep_with_a_crash_armed)
     assert any(b"paused (drain_deadline)" in c for c in comments), comments
     assert any(b"paused (engine_failed)" in c for c in comments), comments
-    resumed = await metric(router, "hotswap_streams_resumed_total")
+    resumed = await metric_lines(router, "hotswap_streams_resumed_total")
     assert 'reason="drain_deadline"} 1.0' in resumed and 'reason="engine_failed"} 1.0' in resumed
 
 
@@ -264,6 +259,6 @@ async def test_a_paused_answer_whose_engine_dies_while_it_waits_is_resumed_by_th
     _, _, comments = await cut_midway(router, False, lambda: sleep_a(router))
     assert any(b"paused (drain_deadline)" in c for c in comments), comments
     assert await sim_pid(router, "a") != pid, "the engine died waking and was restarted"
-    assert 'reason="drain_deadline"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
-    cut = (await metric(router, "hotswap_streams_cut_total")).splitlines()
+    assert 'reason="drain_deadline"} 1.0' in await metric_lines(router, "hotswap_streams_resumed_total")
+    cut = (await metric_lines(router, "hotswap_streams_cut_total")).splitlines()
     assert cut and all(line.endswith(" 0.0") for line in cut), cut
