@@ -50,7 +50,7 @@ from typing import Optional
 import harness as h  # bench/harness.py: targets, phases, load generator, processes, /proc, report helpers
 from harness import MODEL, MODES, REPO, SIM_FLAGS
 
-SECTION = "## Peer proxies (issue 14)"
+SECTION = "## Peer proxies: the last generated run"
 VENVS = Path(os.environ.get("HOTSWAP_BENCH_VENVS", Path.home() / ".cache" / "hotswap" / "bench-venvs"))
 PIP_PEERS = {  # peer -> (venv dir, pip requirement, console script)
     "vllm-router": ("vllm-router", "vllm-router", "vllm-router"),
@@ -387,7 +387,7 @@ def report(phases: list[h.Phase], targets: list[h.Target], unavailable: dict[str
     if unavailable:
         head += ["Not measured:", ""] + [f"- **{n}**: " + msg.replace("\n", "\n  ") for n, msg in unavailable.items()] + [""]
     return "\n".join(head + rows + ["", "Proxy CPU per request (mean, and each rep):", ""] + summary + lat + rss
-                     + ["", "Targets (issue 14):", ""] + verdict) + "\n"
+                     + ["", "Targets:", ""] + verdict) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ Client wait = request latency - the engine's own generation time (tokens / decod
 floor (the median of the same for 20 requests to an already awake model before the trace: the
 proxy's loopback cost). Reported in real-time seconds (wall seconds / time scale). The first
 `--warmup` requests of the trace are replayed but not counted. Printed as markdown; with
-`--write-docs` written to docs/benchmarks.md under "Placement policies (issue 12)".
+`--write-docs` written to docs/benchmarks.md under "Placement policies: the last generated run".
 
 To A/B a scheduler change, copy `router/` (and `engines/`, `config/`) somewhere, patch the copy
 and run with `PYTHONPATH=/path/to/copy`: the in-process router and the engines import it first.
@@ -61,7 +61,7 @@ from typing import Any
 import harness as h  # bench/harness.py: the run session, processes, report helpers
 from replay import Failed, at_arrival_times, first_errors, lru_cost, running_router  # bench/replay.py: the in-process router
 
-SECTION = "## Placement policies (issue 12)"
+SECTION = "## Placement policies: the last generated run"
 POLICIES = ("group", "lru", "cost-aware")
 GPU_GB = 141.0
 

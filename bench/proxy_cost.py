@@ -16,7 +16,7 @@ rps, while this process reads the proxy's and the engine's CPU time (utime+stime
 /proc/PID/stat) around the measured window. The targets run interleaved, `--reps` times
 (direct, bare, hotswap, direct, bare, hotswap), so the spread between repetitions shows
 the noise. The result is printed as markdown and written to docs/benchmarks.md under
-"Proxy cost (issue 4)" (not with --no-docs).
+"Proxy cost: the last generated run" (not with --no-docs).
 
 This is a benchmark, not a test: it asserts nothing except that every request succeeded.
 """
@@ -35,7 +35,7 @@ import harness as h  # bench/harness.py: targets, phases, load generator, proces
 from harness import MODEL, MODES, SIM_FLAGS
 
 TARGET_CPU_RATIO = 1.2
-SECTION = "## Proxy cost (issue 4)"
+SECTION = "## Proxy cost: the last generated run"
 
 
 def start_targets(procs: h.Processes, args: argparse.Namespace, tmp: Path) -> list[h.Target]:

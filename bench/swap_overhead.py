@@ -24,7 +24,7 @@ Per swap it reports:
                 sent directly to the engine: queueing, the scheduler's wake-up, the lease
 
 Times are medians and p90 over the swaps. Results go to docs/benchmarks.md under
-"Swap path overhead (issue 8)". Loopback only; bounded by --swaps and --max-seconds; every
+"Swap path overhead: the last generated run". Loopback only; bounded by --swaps and --max-seconds; every
 process is stopped on exit, Ctrl-C or SIGTERM.
 """
 
@@ -39,7 +39,7 @@ from typing import Any, Optional
 import harness as h  # bench/harness.py: processes, the router starter, report helpers, the run session
 from engines import wake
 
-SECTION = "## Swap path overhead (issue 8)"
+SECTION = "## Swap path overhead: the last generated run"
 GROUP = "bench"
 MODELS = ("swap-a", "swap-b")
 # The roster's engines sleep at Level 2 and restore their draft by reload: the wake the router runs for them.

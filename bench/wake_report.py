@@ -13,8 +13,8 @@ import harness as h  # bench/harness.py: report helpers
 from replay import first_errors
 from wake_roster import MIN_ACTIVE_S, MODELS, PAGE_CACHE_GB_S, Req
 
-SECTION = "## The wait for a parked model on a production trace (issue 32)"
-BATCH_SECTION = "## A batch client beside the production trace (issue 33)"
+SECTION = "## The production trace: the last generated run"
+BATCH_SECTION = "## The batch arm: the last generated run"
 CHAOS_SECTION = "## Engines killed at random during the production trace (issue 55)"
 STREAM_CUT = "the stream was cut"  # how bench/wake_trace.py's client reports a stream it saw cut, in Result.errors
 

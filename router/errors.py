@@ -132,7 +132,7 @@ async def api_errors(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(413, f"The request body is larger than listen.max_body_mb ({exc.text}).", "body_too_large", anthropic=anthropic)
     except web.HTTPNotFound:
-        return error_response(404, f"No route {request.method} {request.path}. See README's HTTP surface table for the routes "
+        return error_response(404, f"No route {request.method} {request.path}. See the HTTP surface table in docs/operators.md for the routes "
                                    "hotswap serves.", "not_found", anthropic=anthropic)
     except web.HTTPMethodNotAllowed as exc:
         return error_response(405, f"{request.method} is not allowed on {request.path} (allowed: {', '.join(sorted(exc.allowed_methods))}).",

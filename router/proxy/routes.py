@@ -2,7 +2,7 @@
 
 Each route's upstream path is the route's own constant, never the client's spelling, so no
 path trick reaches an engine's dev endpoints (`/sleep`, `/collective_rpc`, ...): what is
-not in this table is a 404 from the router. README's "HTTP surface" table lists the same
+not in this table is a 404 from the router. docs/operators.md's "HTTP surface" table lists the same
 routes and says why the other vLLM routes are not here.
 
 The rest of the surface is read without being proxied: the models a client may use (`/v1/models`,

@@ -37,7 +37,7 @@ def capacity(roster: Roster) -> Capacity:
                  "not the residual of sleeping engines")
     budget = roster.host.ram_budget_gb
     if budget is None:
-        budget = host_memory_total_gb() / 2
+        budget = round(host_memory_total_gb() / 2, 2)  # as status prints it, so the log, /ui and status agree
     return Capacity(gpus, budget, nvml=seen is not None, page_cache_gb=roster.host.page_cache_budget_gb or 0.0)
 
 
