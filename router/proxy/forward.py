@@ -113,7 +113,10 @@ async def forward(request: web.Request, upstreams: Upstreams, engine: Engine, pa
         try:
             # A resumable request whose engine fails before its answer began (a crash while a buffered answer is
             # computed: its head comes last) is paused like one cut mid-answer; nothing of it reached the client.
-            failed = (lambda why: Paused(ENGINE_FAILED, why, prepared, transcript)) if resumable else None
+            # Not on an engine the router does not run (`url:`): nothing here brings it back, so the client hears
+            # at once (a front may send it elsewhere).
+            failed = (lambda why: Paused(ENGINE_FAILED, why, prepared, transcript)) if resumable and engine.spec.managed \
+                else None
             exchange = await _send(pool, engine, request_bytes(method, path, pool, client.headers, content_type, body), failed)
             try:
                 if exchange.stream:

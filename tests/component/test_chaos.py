@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from engines import wake
-from tests.support import ask, client, eventually, roster_dict, sim_model
+from tests.support import ask, client, eventually, metric_lines, roster_dict, sim_model
 
 DEADLINE_S = 20  # per request, client side; queue.max_wait_s in the roster is shorter
 WAKE_STEPS = wake.phases(2, "reload")
@@ -217,7 +217,9 @@ async def test_a_stream_cut_mid_way_by_an_engine_whose_core_died_under_load(star
     tally = Tally("200 stream cut mid-way (engine core dead)")
     await mixed_load(router, tally, models=("b", "b", "c"))
     tally.check(victims={"b"})
-    assert any(e.startswith("stream ") or e.startswith("502") for e in tally.errors), tally.errors
+    # The broken streams are resumed on the restarted engine (issue 55), not cut: no client sees an error.
+    assert not tally.errors, tally.errors
+    assert 'model="b",reason="engine_failed"}' in await metric_lines(router, "hotswap_streams_resumed_total")
     await recovers(router, "b")
     b = await router.engine("b")
     assert b["restarts_by_reason"].get("failed", 0) >= 1
