@@ -3,7 +3,7 @@
 Only an AWAKE engine may be leased to client traffic: a vLLM engine that is asleep accepts generation
 requests and hangs them. Every transition goes through `_enter`, which refuses any that `TRANSITIONS`
 does not list, and every step of a sleep or wake through `_step`, so both are visible in one place (and
-to the observer). The wake's steps are `engines.wake`'s. A failure, expected or not, leaves the engine
+to the observer). The wake's steps are `engines.waking.steps`'s. A failure, expected or not, leaves the engine
 FAILED with a message naming the step and the cause; the first failure's message is the one kept.
 """
 
@@ -19,13 +19,13 @@ from typing import Any, Awaitable, Callable, ContextManager, Optional
 import aiohttp
 
 from config.schema import ModelSpec, Swap
-from engines import handshake, ladder, wake
+from engines.waking import handshake, ladder, steps
 from engines.gate import GateRecord, Verdict
 from engines.leases import DRAIN_DEADLINE, RESTART, Leases
 from engines.memory import HostMemory
 from engines.process import EngineProcess, free_port, loads_extension, log_file
 from engines.progress import ROSTER, Progress
-from engines.stage import Stager
+from engines.waking.stage import Stager
 from engines.states import TRANSITIONS, EngineFailed, Observer, State
 from engines.vllm import EngineError, EngineRefused, VLLMClient, attached_client, outstanding
 
@@ -66,7 +66,7 @@ class Engine:
         self._watch: Optional[asyncio.Task[None]] = None
         self.probe: Optional[asyncio.Task[None]] = None  # engines.watch's health probe, one at a time
         self.host = HostMemory(spec)  # what it holds in host RAM for sleep (engines.memory.host)
-        self.stager = Stager(spec.name, loads_extension(spec))  # its checkpoint into the page cache (engines.stage)
+        self.stager = Stager(spec.name, loads_extension(spec))  # its checkpoint into the page cache (engines.waking.stage)
         self.drill_armed = False  # an operator's drill: its next wake skips the draft reload (arm_drill)
 
     # -- what the router reads -----------------------------------------------------------
@@ -98,11 +98,11 @@ class Engine:
         return [*dict.fromkeys(down + up), "gate"]
 
     def wake_phases(self, level: int) -> list[str]:
-        return wake.phases(level, self.spec.draft_restore, self.stager.enabled)
+        return steps.phases(level, self.spec.draft_restore, self.stager.enabled)
 
     @property
     def sleep_levels(self) -> tuple[int, ...]:
-        """The rungs this engine may be parked on (engines.ladder; `auto`: all, chosen per park)."""
+        """The rungs this engine may be parked on (engines.waking.ladder; `auto`: all, chosen per park)."""
         return ladder.rungs(self.spec.sleep_level)
 
     @property
@@ -290,7 +290,7 @@ class Engine:
         return idle
 
     async def sleep(self, level: Optional[int] = None, preempt: Optional[str] = None) -> None:
-        """Drain (or preempt: `drain`), then park vLLM on rung `level` (engines.ladder; stragglers past the drain
+        """Drain (or preempt: `drain`), then park vLLM on rung `level` (engines.waking.ladder; stragglers past the drain
         deadline are aborted)."""
         level = self.sleep_levels[-1] if level is None else level
         self.last_phases = {}
@@ -302,7 +302,7 @@ class Engine:
         await self.host.after_sleep(self.client, self.process, level)
 
     async def park_further(self, level: int) -> None:
-        """A KV-parked engine down to Level 1 or 2 without waking it (engines.ladder.further): its
+        """A KV-parked engine down to Level 1 or 2 without waking it (engines.waking.ladder.further): its
         weights leave the GPU. It stays SLEEPING throughout; the observer hears SLEEPING -> SLEEPING
         once it is on its new rung."""
         if self.state is not State.SLEEPING or self.sleep_level != ladder.KV_PARKED or level <= ladder.KV_PARKED:
@@ -316,7 +316,7 @@ class Engine:
     # -- wake ----------------------------------------------------------------------------
 
     async def wake(self) -> None:
-        """The staged wake (engines.wake), then the promotion gate. AWAKE on success; FAILED (raised) otherwise."""
+        """The staged wake (engines.waking.steps), then the promotion gate. AWAKE on success; FAILED (raised) otherwise."""
         if self.state is not State.SLEEPING:
             raise self._refuse_transition(self.state, State.WAKING)
         self.last_phases = {}
@@ -344,11 +344,11 @@ class Engine:
         if drill:
             log.warning("engine %s: DRILL: this Level-%d wake skips the draft reload on purpose (POST /admin/drill); "
                         "the gate is expected to refuse it (vLLM #52479)", self.name, level)
-        await self._run_steps(wake.steps(level, self.spec.draft_restore, self.stager.enabled, drill))
+        await self._run_steps(steps.steps(level, self.spec.draft_restore, self.stager.enabled, drill))
         if level == 2:
             self.stager.reloaded()
 
-    async def _run_steps(self, steps: tuple[wake.Step, ...]) -> None:
+    async def _run_steps(self, steps: tuple[steps.Step, ...]) -> None:
         for step in steps:
             if step.fatal:
                 await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
@@ -356,7 +356,7 @@ class Engine:
                 await self._stage()
 
     async def _stage(self) -> None:
-        """The stage step: timed and reported like a step, but whatever happens the wake goes on (engines.stage)."""
+        """The stage step: timed and reported like a step, but whatever happens the wake goes on (engines.waking.stage)."""
         started, self.progress.step = time.monotonic(), "stage"
         self._no_step.clear()  # a death meanwhile is reported by the next step, naming it
         try:

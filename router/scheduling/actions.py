@@ -13,7 +13,7 @@ import time
 from typing import Awaitable, Callable, Optional, Union
 
 from engines.engine import Engine, EngineFailed, State
-from engines.ladder import KV_PARKED
+from engines.waking import KV_PARKED
 from engines.memory import process_gpu_memory_gb
 from router.errors import APIError, for_clients
 from router.scheduling import placement

@@ -13,12 +13,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from engines import wake
+from engines import waking
 from engines.engine import Engine, EngineFailed, Observer, State
 from engines.process.engine_process import compose_argv
 from tests.support import HOST_MEMORY_RPCS, dev_steps, eventually, pid_alive, sim_model, sim_roster
 
-WAKE_L2 = wake.phases(2, "reload")
+WAKE_L2 = waking.phases(2, "reload")
 
 
 class Recorder(Observer):
