@@ -336,7 +336,7 @@ async def test_a_step_cut_off_by_its_own_deadline_names_the_call_it_was_waiting_
     await engine.client.health()  # answered: no longer outstanding
     await sim(engine, "POST", "/sim/faults", json={"step": "metrics", "kind": "hang"})
     with pytest.raises(EngineFailed) as failed:
-        await engine._step("gate", lambda _: engine.client.metrics(timeout=60), timeout=0.3)
+        await engine.climb.step("gate", lambda _: engine.client.metrics(timeout=60), timeout=0.3)
     assert str(failed.value) == "engine a: gate failed: GET /metrics: no answer within 0.3 s"
 
 

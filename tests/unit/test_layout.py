@@ -35,6 +35,7 @@ ENGINE_WINGS = ("gate", "memory", "vllm", "vllm_worker", "process", "sim", "waki
 # engines/ itself keeps one engine's lifecycle: the state machine, its states, leases, progress and watch
 ENGINE_TOP = ("engine", "states", "leases", "progress", "watch")
 MAX_ENGINE_TOP_MODULES = 8  # engines/*.py, __init__.py included: a module more goes into a wing
+MAX_ENGINE_LINES = 400  # engines/engine.py: the states and their transitions; what runs between them lives in wings
 # What vLLM's worker process has besides the standard library (the extension runs there).
 WORKER_MAY_IMPORT = {"torch", "vllm"}
 # What the simulator may know of engines/ outside sim/: what a real vLLM also knows (the files it loads).
@@ -338,6 +339,9 @@ def test_engines_holds_its_wings_and_the_lifecycle():
     top = sorted(p.stem for p in engines.glob("*.py") if p.name != "__init__.py")
     assert top == sorted(ENGINE_TOP), f"engines/*.py is one engine's lifecycle {sorted(ENGINE_TOP)}; found {top}: a new module goes into a wing"
     assert len(top) + 1 <= MAX_ENGINE_TOP_MODULES, f"engines/ keeps at most {MAX_ENGINE_TOP_MODULES} modules, __init__.py included"
+    lines = len((engines / "engine.py").read_text().splitlines())
+    assert lines <= MAX_ENGINE_LINES, (f"engines/engine.py has {lines} lines (at most {MAX_ENGINE_LINES}): it keeps the states and "
+                                       f"their transitions; what runs between them is a wing's (engines.waking.climb)")
     assert not (engines / "__init__.py").read_text().strip(), "engines/__init__.py stays empty: vLLM's worker runs it"
 
 
