@@ -20,8 +20,6 @@ from typing import Callable, ContextManager, Optional
 import aiohttp
 
 from config.schema import ModelSpec, Swap
-from engines.waking import Stager, handshake, ladder
-from engines.waking.climb import Climb
 from engines.gate import GateRecord, Verdict
 from engines.leases import DRAIN_DEADLINE, RESTART, Leases
 from engines.memory import HostMemory
@@ -29,6 +27,8 @@ from engines.process import EngineProcess, free_port, loads_extension, log_file
 from engines.progress import ROSTER, Progress
 from engines.states import TRANSITIONS, EngineFailed, Observer, State
 from engines.vllm import VLLMClient, attached_client
+from engines.waking import Stager, handshake, ladder
+from engines.waking.climb import Climb
 
 __all__ = ["Engine", "EngineFailed", "Observer", "State", "TRANSITIONS"]
 

@@ -21,8 +21,8 @@ import math
 from typing import Collection, Optional
 
 from engines.engine import Engine, State
-from engines.waking import KV_PARKED
 from engines.memory import PRIOR_FACTOR
+from engines.waking import KV_PARKED
 from router.scheduling.history import SWAP
 from router.scheduling.placement import Ledger, Victim
 from router.scheduling.state import SchedulerState
