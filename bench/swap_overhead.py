@@ -37,13 +37,13 @@ import time
 from typing import Any, Optional
 
 import harness as h  # bench/harness.py: processes, the router starter, report helpers, the run session
-from engines import wake
+from engines import waking
 
 SECTION = "## Swap path overhead: the last generated run"
 GROUP = "bench"
 MODELS = ("swap-a", "swap-b")
 # The roster's engines sleep at Level 2 and restore their draft by reload: the wake the router runs for them.
-WAKE_STEPS = tuple(wake.phases(2, "reload"))
+WAKE_STEPS = tuple(waking.phases(2, "reload"))
 DEFAULT_DELAYS = {"sleep": 0.05, "wake_weights": 0.2, "reload_draft": 0.1, "reload_weights": 0.15,
                   "wake_kv_cache": 0.05, "reset_prefix_cache": 0.02}
 TOKEN_RATE = 2000.0
@@ -198,7 +198,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str, s
         verdict = f" | **{'met' if med < target else 'missed'}** (< {target:g} ms)" if target is not None else " | "
         return f"| {label} | {med:.2f} | {p90:.2f} | {min(xs):.2f} | {max(xs):.2f}{verdict} | {note} |"
 
-    steps = [s for s in wake.PHASES if s != "gate" and any(s in r["phases"] for r in rows)]  # the gate has rows of its own
+    steps = [s for s in waking.PHASES if s != "gate" and any(s in r["phases"] for r in rows)]  # the gate has rows of its own
     table = [
         "| per swap, ms | median | p90 | min | max | target | what |",
         "|---|---:|---:|---:|---:|---|---|",

@@ -2,9 +2,10 @@
 
 Only an AWAKE engine may be leased to client traffic: a vLLM engine that is asleep accepts generation
 requests and hangs them. Every transition goes through `_enter`, which refuses any that `TRANSITIONS`
-does not list, and every step of a sleep or wake through `_step`, so both are visible in one place (and
-to the observer). The wake's steps are `engines.wake`'s. A failure, expected or not, leaves the engine
-FAILED with a message naming the step and the cause; the first failure's message is the one kept.
+does not list, so all are visible in one place (and to the observer). What runs between two of them,
+step by step, is the engine's climb (engines.waking.climb: the ladder down, the staged wake back up,
+the gate step, each timed and bounded). A failure, expected or not, leaves the engine FAILED with a
+message naming the step and the cause; the first failure's message is the one kept.
 """
 
 from __future__ import annotations
@@ -14,20 +15,20 @@ import collections
 import logging
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional
 
 import aiohttp
 
 from config.schema import ModelSpec, Swap
-from engines import handshake, ladder, wake
 from engines.gate import GateRecord, Verdict
 from engines.leases import DRAIN_DEADLINE, RESTART, Leases
 from engines.memory import HostMemory
 from engines.process import EngineProcess, free_port, loads_extension, log_file
 from engines.progress import ROSTER, Progress
-from engines.stage import Stager
 from engines.states import TRANSITIONS, EngineFailed, Observer, State
-from engines.vllm import EngineError, EngineRefused, VLLMClient, attached_client, outstanding
+from engines.vllm import VLLMClient, attached_client
+from engines.waking import Stager, handshake, ladder
+from engines.waking.climb import Climb
 
 __all__ = ["Engine", "EngineFailed", "Observer", "State", "TRANSITIONS"]
 
@@ -60,14 +61,12 @@ class Engine:
         self.retiring = False  # left the roster in a reload: no new requests; stopped once its own are done
         self.leases = Leases(self.name, lambda: self.swap.demand_tau_s)
         self.last_used = time.monotonic()
-        self._no_step = asyncio.Event()  # cleared while a sleep or wake step talks to the engine
-        self._no_step.set()
         self._stopping = False
         self._watch: Optional[asyncio.Task[None]] = None
         self.probe: Optional[asyncio.Task[None]] = None  # engines.watch's health probe, one at a time
         self.host = HostMemory(spec)  # what it holds in host RAM for sleep (engines.memory.host)
-        self.stager = Stager(spec.name, loads_extension(spec))  # its checkpoint into the page cache (engines.stage)
-        self.drill_armed = False  # an operator's drill: its next wake skips the draft reload (arm_drill)
+        self.stager = Stager(spec.name, loads_extension(spec))  # its checkpoint into the page cache (engines.waking.stage)
+        self.climb = Climb(self)  # its steps between transitions, run one by one; the drill (engines.waking.climb)
 
     # -- what the router reads -----------------------------------------------------------
 
@@ -93,16 +92,14 @@ class Engine:
     @property
     def phases(self) -> list[str]:
         """The steps this engine's sleep and wake go through (for metrics that must exist up front)."""
-        down = [s.phase for level in self.sleep_levels for s in ladder.down(level, "wait")]
-        up = [p for level in self.sleep_levels for p in self.wake_phases(level)]
-        return [*dict.fromkeys(down + up), "gate"]
+        return self.climb.phases()
 
     def wake_phases(self, level: int) -> list[str]:
-        return wake.phases(level, self.spec.draft_restore, self.stager.enabled)
+        return self.climb.wake_phases(level)
 
     @property
     def sleep_levels(self) -> tuple[int, ...]:
-        """The rungs this engine may be parked on (engines.ladder; `auto`: all, chosen per park)."""
+        """The rungs this engine may be parked on (engines.waking.ladder; `auto`: all, chosen per park)."""
         return ladder.rungs(self.spec.sleep_level)
 
     @property
@@ -160,7 +157,7 @@ class Engine:
 
     def fail(self, what: str) -> "EngineFailed":
         """Enter FAILED with a message naming the engine, the step and the cause; log it once.
-        Public: the scheduler's guard against its own defects and engines.watch use it too.
+        Public: the scheduler's guard against its own defects, engines.watch and the climb's steps use it too.
 
         An engine that is already FAILED keeps its first message: later errors are echoes of it."""
         if self.state is State.FAILED:
@@ -169,42 +166,6 @@ class Engine:
         log.error("%s", message)
         self._enter(State.FAILED, message)
         return EngineFailed(message)
-
-    async def _step(self, phase: str, action: Callable[[float], Awaitable[Any]], timeout: Optional[float] = None) -> Any:
-        """Run one named step under its own timeout; record its duration; FAILED on any error."""
-        if self.state is State.FAILED:  # the process died between two steps
-            raise EngineFailed(self.failure or f"engine {self.name}: failed before {phase}")
-        timeout = timeout if timeout is not None else getattr(self.swap.timeouts, phase)
-        started = time.monotonic()
-        self._no_step.clear()
-        self.progress.step = phase
-        try:
-            with outstanding() as calls:
-                async with asyncio.timeout(timeout):
-                    result = await action(timeout)
-        except (EngineError, TimeoutError, OSError) as exc:
-            self._step_done(phase, started, False)
-            cause = str(exc)
-            if isinstance(exc, TimeoutError):  # the step's deadline, not a call's: name the call it cut off
-                cause = f"no answer within {timeout:.3g} s"
-                if calls:
-                    cause = f"{calls[0]}: {cause}"
-            if isinstance(exc, EngineRefused) and self.process is not None:
-                await self.process.reap_briefly()  # so the message can say how the process ended
-            raise self.fail(f"{phase} failed: {cause}") from None
-        except Exception as exc:  # a defect, ours or an answer nothing anticipated: contained to this engine
-            self._step_done(phase, started, False)
-            log.exception("engine %s: unexpected error in step %s", self.name, phase)
-            raise self.fail(f"{phase} failed: internal error: {exc!r} (traceback in the router log)") from None
-        finally:
-            self._no_step.set()
-            self.progress.step = None
-        self._step_done(phase, started, True)
-        return result
-
-    def _step_done(self, phase: str, started: float, ok: bool) -> None:
-        self.last_phases[phase] = seconds = time.monotonic() - started
-        self.observer.step_done(self, phase, seconds, ok)
 
     # -- boot --------------------------------------------------------------------------------
 
@@ -265,7 +226,7 @@ class Engine:
     async def _watch_process(self, process: EngineProcess) -> None:
         """Notice a death at once, in any state: a dead AWAKE engine must stop getting leases."""
         await process.wait()
-        await self._no_step.wait()  # a step in progress reports the death itself, naming the step
+        await self.climb.quiet.wait()  # a step in progress reports the death itself, naming the step
         if process is not self.process or self._stopping:
             return
         if self.state is State.FAILED:
@@ -286,29 +247,29 @@ class Engine:
             await self.leases.preempt(preempt)
         else:
             idle = await self.leases.drain(self.swap.drain_timeout_s, reason)
-        self._step_done("drain", started, True)
+        self.climb.done("drain", started, True)
         return idle
 
     async def sleep(self, level: Optional[int] = None, preempt: Optional[str] = None) -> None:
-        """Drain (or preempt: `drain`), then park vLLM on rung `level` (engines.ladder; stragglers past the drain
+        """Drain (or preempt: `drain`), then park vLLM on rung `level` (engines.waking.ladder; stragglers past the drain
         deadline are aborted)."""
         level = self.sleep_levels[-1] if level is None else level
         self.last_phases = {}
         mode = "wait" if await self.drain(preempt=preempt) else "abort"
         await self.host.before_sleep(self.client, self.process)
-        await self._run_steps(ladder.down(level, mode))
+        await self.climb.down(level, mode)
         self.sleep_level = level
         self._enter(State.SLEEPING)
         await self.host.after_sleep(self.client, self.process, level)
 
     async def park_further(self, level: int) -> None:
-        """A KV-parked engine down to Level 1 or 2 without waking it (engines.ladder.further): its
+        """A KV-parked engine down to Level 1 or 2 without waking it (engines.waking.ladder.further): its
         weights leave the GPU. It stays SLEEPING throughout; the observer hears SLEEPING -> SLEEPING
         once it is on its new rung."""
         if self.state is not State.SLEEPING or self.sleep_level != ladder.KV_PARKED or level <= ladder.KV_PARKED:
             raise self._refuse_transition(self.state, State.SLEEPING)
         self.last_phases = {}
-        await self._run_steps(ladder.further(level))
+        await self.climb.further(level)
         self.sleep_level = level
         self.observer.state_changed(self, State.SLEEPING, State.SLEEPING)
         await self.host.after_sleep(self.client, self.process, level)
@@ -316,15 +277,14 @@ class Engine:
     # -- wake ----------------------------------------------------------------------------
 
     async def wake(self) -> None:
-        """The staged wake (engines.wake), then the promotion gate. AWAKE on success; FAILED (raised) otherwise."""
+        """The staged wake (engines.waking.steps), then the promotion gate. AWAKE on success; FAILED (raised) otherwise."""
         if self.state is not State.SLEEPING:
             raise self._refuse_transition(self.state, State.WAKING)
         self.last_phases = {}
         self.progress.waking()
         self._enter(State.WAKING)
         level = 2 if self.sleep_level is None else self.sleep_level
-        drill, self.drill_armed = self.drill_armed, False  # one wake, whatever becomes of it
-        await self._wake_steps(level, drill)
+        await self.climb.up(level, drill=self.climb.take_drill())  # a drill is one wake's, whatever becomes of it
         await self.host.after_wake(self.client, self.process, level)
         self._enter(State.VERIFYING)
         verdict = await self._judged_canary(level)
@@ -340,45 +300,9 @@ class Engine:
         else:
             raise self.fail(f"gate refused promotion: {verdict.reason}")
 
-    async def _wake_steps(self, level: int, drill: bool = False) -> None:
-        if drill:
-            log.warning("engine %s: DRILL: this Level-%d wake skips the draft reload on purpose (POST /admin/drill); "
-                        "the gate is expected to refuse it (vLLM #52479)", self.name, level)
-        await self._run_steps(wake.steps(level, self.spec.draft_restore, self.stager.enabled, drill))
-        if level == 2:
-            self.stager.reloaded()
-
-    async def _run_steps(self, steps: tuple[wake.Step, ...]) -> None:
-        for step in steps:
-            if step.fatal:
-                await self._step(step.phase, lambda t, run=step.run: run(self.client, t))
-            else:
-                await self._stage()
-
-    async def _stage(self) -> None:
-        """The stage step: timed and reported like a step, but whatever happens the wake goes on (engines.stage)."""
-        started, self.progress.step = time.monotonic(), "stage"
-        self._no_step.clear()  # a death meanwhile is reported by the next step, naming it
-        try:
-            ok = await self.stager.step(self.client, self.swap.timeouts.stage)
-        finally:
-            self._no_step.set()
-            self.progress.step = None
-        self._step_done("stage", started, ok)
-
     def arm_drill(self) -> None:
-        """POST /admin/drill (admin key only): the next wake leaves out the draft reload, once, so an operator
-        sees the draft lost as vLLM #52479 loses it and the gate refuse the wake. Only for an engine asleep at
-        Level 2 whose wake reloads its draft; ValueError (saying why) otherwise. `wake` disarms it as it reads it;
-        the admin route disarms it too once its swap is over, so it never outlives that one request."""
-        if self.state is not State.SLEEPING or self.sleep_level != 2:
-            where = f"asleep at level {self.sleep_level}" if self.state is State.SLEEPING else self.state.value
-            raise ValueError(f"engine {self.name} is {where}: a drill wakes an engine asleep at level 2 "
-                             f"(POST /admin/sleep?model={self.name}&level=2 first)")
-        if "reload_draft" not in self.wake_phases(2):
-            raise ValueError(f"engine {self.name}'s Level-2 wake has no draft reload to skip "
-                             f"(speculative: {'set' if self.has_draft else 'none'}, draft_restore: {self.spec.draft_restore})")
-        self.drill_armed = True
+        """POST /admin/drill: the next wake leaves out the draft reload, once (engines.waking.climb; ValueError if it cannot)."""
+        self.climb.arm_drill()
 
     async def demote(self) -> None:
         """Level 1 -> Level 2 without serving, to give host RAM back: vLLM can only drop the host copy
@@ -387,10 +311,10 @@ class Engine:
             raise self._refuse_transition(self.state, State.WAKING)
         self.last_phases = {}
         self._enter(State.WAKING)
-        await self._wake_steps(1)
+        await self.climb.up(1)
         await self.host.after_wake(self.client, self.process, 1)  # the host copy is what a demotion is for
         self._enter(State.DRAINING)
-        await self._step("sleep", lambda t: self.client.sleep(2, "wait", timeout=t))
+        await self.climb.down(2, "wait")
         self.sleep_level = 2
         self._enter(State.SLEEPING)
         await self.host.after_sleep(self.client, self.process, 2)
@@ -401,7 +325,7 @@ class Engine:
         """The gate step (engines.gate.record): the first canary on a cold engine is its baseline, every later one
         is judged against it. `woke_from`: the level of the wake before it (None: a boot)."""
         each = self.swap.timeouts.gate
-        verdict = self.gate.judged(await self._step(
+        verdict = self.gate.judged(await self.climb.step(
             "gate", lambda _: self.gate.run(self.client, self.served_name, self.served_names, self.has_draft, each, woke_from),
             timeout=each * self.gate.canaries))
         if verdict.result == "allowed":

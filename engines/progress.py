@@ -18,7 +18,7 @@ class Progress:
     def __init__(self) -> None:
         self.boot_reason: Optional[str] = None  # of the current or last boot
         self.next_boot = FIRST  # the reason of a boot that is given none
-        self.step: Optional[str] = None  # "start", "load", or the `_step` phase running now
+        self.step: Optional[str] = None  # "start", "load", or the phase of the step running now (engines.waking.climb)
         self.boot_deadline: Optional[float] = None  # monotonic; while booting
         self.gates: list[str] = []  # verdict results (and RESTARTED) since the wake or boot began
 

@@ -21,8 +21,8 @@ import logging
 
 from engines.engine import Engine, State
 from engines.gate import read_counters
-from engines.handshake import HEALTH_CALL_S
 from engines.vllm import EngineError, VLLMClient
+from engines.waking.handshake import HEALTH_CALL_S
 
 log = logging.getLogger("hotswap")
 

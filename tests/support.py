@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import yaml
 
-import engines.wake
+import engines.waking
 from config import Roster, parse_roster
 
 SIM_LAUNCHER = ["python", "-m", "engines.sim", "serve"]
@@ -181,7 +181,7 @@ class RouterProcess:
 
 def roster_dict(*models: dict[str, Any], **sections: Any) -> dict[str, Any]:
     swap = {"min_active_s": 0, "max_hold_s": 5, "drain_timeout_s": 5, "boot_timeout_s": 30,
-            "timeouts": {k: 5 for k in engines.wake.PHASES if k != "drain"}}
+            "timeouts": {k: 5 for k in engines.waking.PHASES if k != "drain"}}
     swap.update(sections.pop("swap", {}))
     # A short canary keeps scenarios with slow simulated engines quick; 16 tokens still give the
     # simulator's acceptance accumulator enough drafts to land within 0.1 of its configured value.

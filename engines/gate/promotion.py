@@ -20,8 +20,8 @@ from typing import NamedTuple, Optional
 from config.schema import Gate
 from engines.gate.canary import Canary, run_canary
 from engines.gate.verdict import Verdict, baseline_verdict, judge, judge_adapter, skipped
-from engines.ladder import KV_PARKED
 from engines.vllm.client import VLLMClient
+from engines.waking.ladder import KV_PARKED
 
 # The wakes whose weights never left the machine's memory: the KV-only rung re-maps the KV cache alone,
 # Level 1 copies the weights back from host RAM. The Level-2 draft loss (vLLM #52479) cannot happen

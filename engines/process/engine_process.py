@@ -26,7 +26,7 @@ from engines.process.worker_path import WORKER_EXTENSION
 def loads_extension(spec: ModelSpec) -> bool:
     """Whether the router composes --worker-extension-cls for this engine: when it reloads its draft,
     and when it may sleep at Level 2 from a checkpoint vLLM can reload, because then its wake stages
-    that checkpoint into the page cache first (engines.stage). Never for a `command:` (its argv is the
+    that checkpoint into the page cache first (engines.waking.stage). Never for a `command:` (its argv is the
     operator's) or a `url:` engine (not started here)."""
     if not spec.managed or spec.command is not None:
         return False

@@ -147,7 +147,7 @@ def add_routes(app: web.Application, server: "SimServer", host: HostModel | None
             result = None
         elif method == "hotswap_stage_weights":
             kwargs = body.get("kwargs") or {}
-            looks = isinstance(kwargs, dict) and kwargs.get("read") is False  # a wake's look (engines/stage.py)
+            looks = isinstance(kwargs, dict) and kwargs.get("read") is False  # a wake's look (engines/waking/stage.py)
             result = await server.disk.stage(read=not looks) if server.disk is not None else UNMODELLED_STAGE
         elif method == "hotswap_reload_draft":
             result = e.reload_draft()

@@ -173,7 +173,7 @@ class VLLMClient:
         return await self.request("POST", "/wake_up", params=[("tags", t) for t in tags], timeout=timeout)
 
     async def release_kv_cache_memory(self, timeout: float = 60) -> Any:
-        """vLLM 0.32: frees the KV cache of an engine paused at `/sleep?level=0` (engines/ladder.py).
+        """vLLM 0.32: frees the KV cache of an engine paused at `/sleep?level=0` (engines/waking/ladder.py).
         Not pooled, as collective_rpc: a refusal raises through vLLM's ASGI app (api_router.py:37-41 does
         not catch it), uvicorn then closes the connection unannounced, and the next call on it was reset
         (seen on the CPU tier)."""

@@ -153,7 +153,7 @@ async def admin_drill(request: web.Request) -> web.Response:
     try:
         return await _run_action(request, "drill", engine, router.placement.swap_in)
     finally:
-        engine.drill_armed = False
+        engine.climb.drill_armed = False
 
 
 class HoldQuery(BaseModel):

@@ -69,7 +69,7 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "sleep_level_policy": e.spec.sleep_level,
         "weights_gb": scheduler.weights.get(e.name),
         "host_memory": host_memory_status(router, e),
-        "staging": e.stager.as_dict(),  # engines.stage: staged (in the page cache as the router knows), running, last report
+        "staging": e.stager.as_dict(),  # engines.waking.stage: staged (in the page cache as the router knows), running, last report
         "wake_estimate_s": round(scheduler.predicted_wait(e, scheduler.clock()), 2),
         "woken_ahead": scheduler.ahead[e.name].as_dict(scheduler.clock()) if e.name in scheduler.ahead else None,
         "held_for_s": _held(router, e),  # held off client traffic for an operator's trial (router.keys); null: not held

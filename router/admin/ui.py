@@ -216,5 +216,5 @@ def _mal(value: Any) -> str:
 
 
 def _level(level: object) -> str:
-    """A parked engine's rung: level 0 is KV-parked (engines/ladder.py), not "not asleep"."""
+    """A parked engine's rung: level 0 is KV-parked (engines/waking/ladder.py), not "not asleep"."""
     return "—" if level is None else "0 (KV)" if level == 0 else str(level)

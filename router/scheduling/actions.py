@@ -13,8 +13,8 @@ import time
 from typing import Awaitable, Callable, Optional, Union
 
 from engines.engine import Engine, EngineFailed, State
-from engines.ladder import KV_PARKED
 from engines.memory import process_gpu_memory_gb
+from engines.waking import KV_PARKED
 from router.errors import APIError, for_clients
 from router.scheduling import placement
 from router.scheduling.costs import Costs

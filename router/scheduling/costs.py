@@ -8,7 +8,7 @@ hold for sleep (measured after every sleep and wake, `engines.memory.host`; esti
 makes RAM for a more valuable engine by demoting a Level-1 sleeper. A Level-2 wake is priced staged
 when it will likely be (its checkpoint within host.page_cache_budget_gb: `staged_next`).
 
-The KV tier (level 0, engines/ladder.py) is not a level `_choose_level` picks: it frees less, so
+The KV tier (level 0, engines/waking/ladder.py) is not a level `_choose_level` picks: it frees less, so
 whether it is enough depends on the waiter. The scheduler offers it beside the full park as a
 victim of its own ("kv_park"), and a KV-parked sleeper a move further down ("deepen"); placement's
 `cheapest` takes whichever makes the room at the least expected cost.
@@ -21,8 +21,8 @@ import math
 from typing import Collection, Optional
 
 from engines.engine import Engine, State
-from engines.ladder import KV_PARKED
 from engines.memory import PRIOR_FACTOR
+from engines.waking import KV_PARKED
 from router.scheduling.history import SWAP
 from router.scheduling.placement import Ledger, Victim
 from router.scheduling.state import SchedulerState

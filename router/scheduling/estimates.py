@@ -8,7 +8,7 @@ come from the parts of a Level-2 wake they share (`observe_wake`); before any wa
 guessed at the gate its boot ran (a KV wake moves no weights, but runs the same canary). Demand is an exponentially decayed request rate, so both
 frequency and recency count: a burst a minute ago weighs more than the same burst an hour ago.
 
-A Level-2 wake whose checkpoint was staged (in the page cache before the wake began: engines.stage)
+A Level-2 wake whose checkpoint was staged (in the page cache before the wake began: engines.waking.stage)
 is kept apart from one that read the disk, and the reload's seconds per GB are kept host-wide, from
 the page cache and from the disk: a model never woken staged is priced from what its own unstaged
 wakes cost without their reload, plus its checkpoint at the page cache's measured rate.

@@ -6,7 +6,7 @@ Each device is measured in fractions of itself (1.0 = the whole GPU), because th
 vLLM sizes an engine: `--gpu-memory-utilization` is the share of each of its devices it takes
 when awake. A sleeping engine still holds its CUDA context and allocator pools (its
 residual, in GB, converted with the device's size; uncounted when the size is unknown). A
-KV-parked one (level 0: engines/ladder.py) holds its weights besides (`weights_gb`, divided over its
+KV-parked one (level 0: engines/waking/ladder.py) holds its weights besides (`weights_gb`, divided over its
 devices); the KV tier is offered only where both the weights and the device sizes are known, and a
 level-0 engine whose weights are unknown is counted at its whole share (what it frees is not known).
 """
@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Optional, Protocol
 
 from config.schema import ModelSpec
 from engines.engine import State
-from engines.ladder import KV_PARKED
+from engines.waking import KV_PARKED
 
 EPS = 1e-9  # shares are written as decimals: 0.3 + 0.6 + 0.1 must fit in 1.0
 EXHAUSTIVE_UP_TO = 12  # candidates searched exhaustively for the cheapest set; above, greedily

@@ -22,7 +22,7 @@ import logging
 from typing import Optional
 
 from engines.engine import Engine, State
-from engines.ladder import KV_PARKED
+from engines.waking import KV_PARKED
 from router.errors import APIError
 from router.scheduling import placement
 from router.scheduling.ahead import WakeAhead

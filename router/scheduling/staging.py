@@ -1,7 +1,7 @@
 """Staged weights: which Level-2 sleepers' checkpoints to read into the page cache, and when.
 
 The staging part of `Scheduler` (see `router.scheduling.state`). A stage is the engine's
-(`engines.stage`: the worker extension reads the files vLLM's loader reads); this decides whose:
+(`engines.waking.stage`: the worker extension reads the files vLLM's loader reads); this decides whose:
 
 - the target of a wake whose room is being made, at once, when its victims' drain and sleep are
   expected to last at least its staged reload (`_lead_pays`: else the reload, waiting for the stage,
@@ -33,7 +33,7 @@ log = logging.getLogger("hotswap")
 class Staging(SchedulerState):
     def wake_estimate_s(self, engine: Engine, level: Optional[int]) -> float:
         """Seconds to wake `engine` from `level` now. A Level-2 wake whose stage is still reading joins it
-        (engines.stage): the staged wake plus the stage's read still to come, its checkpoint at the disk's
+        (engines.waking.stage): the staged wake plus the stage's read still to come, its checkpoint at the disk's
         measured rate (the cold reload's: the same bytes from the same disk) less what it has read so far."""
         running = level == 2 and engine.stager.running
         predicted = self.costs.wake_s(engine.name, level, staged=level == 2 and (engine.stager.staged or running))

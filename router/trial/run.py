@@ -28,13 +28,13 @@ import aiohttp
 
 from config import Roster
 from config.schema import ModelSpec
-from engines import ladder
+from engines import waking
 from router.trial import machine
 from router.trial.report import (RUNG_NAMES, Boot, Drill, Generation, GpuMemory, ModelTrial, Report, Verdict, Wake,
                                      markdown, table)
 from router.trial.own_router import AdminRefused, Holding, OwnRouter, RouterClient, TrialError
 
-LEVELS = {"kv": ladder.KV_PARKED, "0": ladder.KV_PARKED, "1": 1, "2": 2}
+LEVELS = {"kv": waking.KV_PARKED, "0": waking.KV_PARKED, "1": 1, "2": 2}
 PROMPT = "The operator wakes the model and it answers:"
 COLLAPSED_BELOW = 0.5  # acceptance kept vs baseline under which a drill that passed the gate is a miss
 
@@ -219,7 +219,7 @@ class Trial:
         self._judge()
 
     def _plan(self, spec: ModelSpec) -> ModelTrial:
-        allowed = ladder.rungs(spec.sleep_level)
+        allowed = waking.rungs(spec.sleep_level)
         t = ModelTrial(name=spec.name, draft=spec.speculative is not None, draft_restore=spec.draft_restore,
                        sleep_level_policy=str(spec.sleep_level))
         for level in self.options.levels:

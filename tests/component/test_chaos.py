@@ -22,11 +22,11 @@ import aiohttp
 import openai
 import pytest
 
-from engines import wake
+from engines import waking
 from tests.support import ask, client, eventually, metric_lines, roster_dict, sim_model
 
 DEADLINE_S = 20  # per request, client side; queue.max_wait_s in the roster is shorter
-WAKE_STEPS = wake.phases(2, "reload")
+WAKE_STEPS = waking.phases(2, "reload")
 
 
 def chaos_roster(b_extra=(), **b_kw) -> dict:

@@ -13,12 +13,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from engines import wake
+from engines import waking
 from engines.engine import Engine, EngineFailed, Observer, State
 from engines.process.engine_process import compose_argv
 from tests.support import HOST_MEMORY_RPCS, dev_steps, eventually, pid_alive, sim_model, sim_roster
 
-WAKE_L2 = wake.phases(2, "reload")
+WAKE_L2 = waking.phases(2, "reload")
 
 
 class Recorder(Observer):
@@ -336,7 +336,7 @@ async def test_a_step_cut_off_by_its_own_deadline_names_the_call_it_was_waiting_
     await engine.client.health()  # answered: no longer outstanding
     await sim(engine, "POST", "/sim/faults", json={"step": "metrics", "kind": "hang"})
     with pytest.raises(EngineFailed) as failed:
-        await engine._step("gate", lambda _: engine.client.metrics(timeout=60), timeout=0.3)
+        await engine.climb.step("gate", lambda _: engine.client.metrics(timeout=60), timeout=0.3)
     assert str(failed.value) == "engine a: gate failed: GET /metrics: no answer within 0.3 s"
 
 

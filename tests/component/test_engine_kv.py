@@ -1,11 +1,11 @@
-"""One engine's KV park (level 0, engines/ladder.py) against a real simulated vLLM process: the steps
+"""One engine's KV park (level 0, engines/waking/ladder.py) against a real simulated vLLM process: the steps
 down and back up in vLLM's order, going further down without a wake, and a KV wake the gate refuses."""
 
 from __future__ import annotations
 
 import pytest
 
-from engines import ladder
+from engines.waking import ladder
 from engines.engine import EngineFailed, State
 from tests.component.test_engine import dev_calls, make_engine, sim  # noqa: F401 (make_engine: a fixture)
 from tests.support import sim_model

@@ -8,7 +8,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from engines import ladder
+from engines.waking import ladder
 from engines.engine import EngineFailed, State
 from tests.component.test_gate import counters_only
 from tests.support import ask, client, eventually, roster_dict, sim_model

@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-import engines.wake
+import engines.waking
 from tests.support import HOST_MEMORY_RPCS, RouterProcess, ask, client, direct, eventually, free_port, http, roster_dict, sim_model
 
 
@@ -34,7 +34,7 @@ async def test_alternating_requests_swap_in_order_and_all_succeed(start_router):
     assert [e["name"] for e in status["engines"] if e["state"] == "awake"] == ["a"]
     assert status["last_swap"]["from"] == ["b"] and status["last_swap"]["result"] == "ok"
     # b booted, slept, then was woken twice with the five steps, and slept once in between
-    wake = engines.wake.phases(2, "reload")
+    wake = engines.waking.phases(2, "reload")
     assert [s for s in await sim_log(router, "b") if s != "generate"] == ["sleep", *wake, "sleep", *wake, "sleep"]
 
 

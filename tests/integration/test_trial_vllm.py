@@ -3,7 +3,7 @@
 On CPU sleep is bookkeeping (nothing is freed, a Level-2 sleep loses no draft), so the drill's wake skips the
 draft reload and the gate rightly passes it: the report must say that it ran on CPU and that the drill could not
 reproduce vLLM #52479 here. The KV park is left out: CPU vLLM refuses its release ("Selective discard is not
-supported on CPU", engines/ladder.py). Everything else is real: the staged endpoints, the canary, acceptance."""
+supported on CPU", engines/waking/ladder.py). Everything else is real: the staged endpoints, the canary, acceptance."""
 
 from __future__ import annotations
 

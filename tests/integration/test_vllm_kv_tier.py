@@ -1,4 +1,4 @@
-"""The KV tier (level 0, engines/ladder.py) against one real `vllm serve` on CPU.
+"""The KV tier (level 0, engines/waking/ladder.py) against one real `vllm serve` on CPU.
 
 What the CPU tier can and cannot show. vLLM 0.32's level-0 pause is real here: `/sleep?level=0`
 answers as on a GPU and a generation sent meanwhile hangs until the wake. The release is not:
@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from config.schema import ModelSpec, Swap
-from engines import ladder, wake
+from engines.waking import ladder, steps
 from engines.engine import Engine, EngineFailed, State
 from engines.vllm import EngineHTTPError, VLLMClient
 from tests.integration.harness import REPORT, Background, VllmServer, poll
@@ -52,7 +52,7 @@ async def test_the_kv_tiers_endpoints_on_cpu_pause_refuse_the_release_and_wake(s
         assert refused.value.status == 500 and CPU_DISCARD in refused.value.body, refused.value.body
         answers["release_on_cpu"] = refused.value.body[:300]
 
-        for step in wake.LEVEL0:  # the KV wake as the router runs it
+        for step in steps.LEVEL0:  # the KV wake as the router runs it
             await step.run(client, 30)
         poll(pending.done, 60, "the request held while KV-parked to finish after the KV wake")
         assert pending.error is None, pending.error
@@ -77,7 +77,7 @@ async def test_the_routers_kv_park_of_a_cpu_engine_fails_at_the_release_naming_v
         REPORT.setdefault("kv_tier", {})["router_kv_park_on_cpu"] = str(failed.value)[:300]
         # The shared engine is left as found: awake.
         client = VLLMClient(spec_engine.url, session)
-        for step in wake.LEVEL0:
+        for step in steps.LEVEL0:
             await step.run(client, 30)
         assert await client.is_sleeping() is False
     assert json.dumps(REPORT["kv_tier"])

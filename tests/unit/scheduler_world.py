@@ -22,7 +22,7 @@ from engines.engine import EngineFailed, State
 from engines.leases import Leases
 from engines.memory import PRIOR_FACTOR
 from engines.memory.host import GB, HostMemory
-from engines.stage import Stager
+from engines.waking.stage import Stager
 
 MAX_LOOP_PASSES = 20_000  # ready callbacks run back to back, with no time passing, before a run counts as a spin
 

@@ -31,9 +31,11 @@ FORBIDDEN = {
 }
 MAX_WING_MODULES = 12
 MAX_TOP_MODULES = 10  # router/*.py: what every wing shares, and what wires them
-ENGINE_WINGS = ("gate", "memory", "vllm", "vllm_worker", "process", "sim")
-# engines/ itself keeps one engine's lifecycle: the state machine and what it runs
-ENGINE_TOP = ("engine", "states", "wake", "stage", "ladder", "handshake", "leases", "progress", "watch")
+ENGINE_WINGS = ("gate", "memory", "vllm", "vllm_worker", "process", "sim", "waking")
+# engines/ itself keeps one engine's lifecycle: the state machine, its states, leases, progress and watch
+ENGINE_TOP = ("engine", "states", "leases", "progress", "watch")
+MAX_ENGINE_TOP_MODULES = 8  # engines/*.py, __init__.py included: a module more goes into a wing
+MAX_ENGINE_LINES = 400  # engines/engine.py: the states and their transitions; what runs between them lives in wings
 # What vLLM's worker process has besides the standard library (the extension runs there).
 WORKER_MAY_IMPORT = {"torch", "vllm"}
 # What the simulator may know of engines/ outside sim/: what a real vLLM also knows (the files it loads).
@@ -278,9 +280,10 @@ def worker_violations(imports: list[Import]) -> list[str]:
 
 
 def engine_wing_violations(imports: list[Import]) -> list[str]:
-    """vllm/ speaks to vLLM and needs nothing else of engines/; memory/ and process/ are below the gate
-    and the state machine; the gate judges and never runs a process; the simulator shares nothing of
-    the router's idea of vLLM but the checkpoint files vLLM loads."""
+    """vllm/ speaks to vLLM and needs nothing else of engines/; memory/ and process/ are below the gate,
+    the wake and the state machine; the gate judges and never runs a process; waking/ runs steps the
+    Engine hands it (the Engine judges after, with the gate), so it never imports the gate, engine.py or
+    watch.py; the simulator shares nothing of the router's idea of vLLM but the checkpoint files vLLM loads."""
     bad = []
     for i in imports:
         source, target = engine_wing_of(i.source), i.target
@@ -289,8 +292,11 @@ def engine_wing_violations(imports: list[Import]) -> list[str]:
         wing = engine_wing_of(target)
         if source == "vllm" and wing != "vllm":
             bad.append(f"{i.where}: engines.vllm imports {target} (it imports nothing of engines/ outside vllm/)")
-        elif source in ("memory", "process") and (wing == "gate" or target == "engines.engine"):
-            bad.append(f"{i.where}: engines.{source} imports {target} (memory/ and process/ import neither gate/ nor engine.py)")
+        elif source in ("memory", "process") and (wing in ("gate", "waking") or target == "engines.engine"):
+            bad.append(f"{i.where}: engines.{source} imports {target} (memory/ and process/ import neither gate/, waking/ nor engine.py)")
+        elif source == "waking" and (wing == "gate" or target in ("engines.engine", "engines.watch")):
+            bad.append(f"{i.where}: engines.waking imports {target} (waking/ imports neither gate/ nor engine.py and watch.py: "
+                       f"the Engine runs its steps and judges after)")
         elif source == "gate" and wing == "process":
             bad.append(f"{i.where}: engines.gate imports {target} (the gate imports no process/)")
         elif source == "sim" and wing != "sim" and target not in SIM_MAY_IMPORT:
@@ -332,6 +338,10 @@ def test_engines_holds_its_wings_and_the_lifecycle():
     assert packages == sorted(ENGINE_WINGS), f"engines/'s packages are its wings {sorted(ENGINE_WINGS)}; found {packages}"
     top = sorted(p.stem for p in engines.glob("*.py") if p.name != "__init__.py")
     assert top == sorted(ENGINE_TOP), f"engines/*.py is one engine's lifecycle {sorted(ENGINE_TOP)}; found {top}: a new module goes into a wing"
+    assert len(top) + 1 <= MAX_ENGINE_TOP_MODULES, f"engines/ keeps at most {MAX_ENGINE_TOP_MODULES} modules, __init__.py included"
+    lines = len((engines / "engine.py").read_text().splitlines())
+    assert lines <= MAX_ENGINE_LINES, (f"engines/engine.py has {lines} lines (at most {MAX_ENGINE_LINES}): it keeps the states and "
+                                       f"their transitions; what runs between them is a wing's (engines.waking.climb)")
     assert not (engines / "__init__.py").read_text().strip(), "engines/__init__.py stays empty: vLLM's worker runs it"
 
 
@@ -429,11 +439,18 @@ def test_each_engines_rule_fails_on_an_import_planted_for_it():
     assert engine_wing_violations(planted("engines.vllm.client", "from engines.process import EngineProcess\n"))
     assert engine_wing_violations(planted("engines.memory.host", "from engines.gate import Verdict\n"))
     assert engine_wing_violations(planted("engines.process.engine_process", "from engines.engine import Engine\n"))
+    assert engine_wing_violations(planted("engines.process.engine_process", "from engines.waking import Stager\n"))
+    assert engine_wing_violations(planted("engines.waking.climb", "from engines.engine import Engine\n"))
+    assert engine_wing_violations(planted("engines.waking.steps", "from engines.gate import Verdict\n"))
+    assert not engine_wing_violations(planted("engines.waking.handshake", "from engines.process import EngineProcess\n"))
+    assert worker_violations(planted("engines.vllm_worker.staging", "from engines.waking import Stager\n", ours_only=False))
     assert engine_wing_violations(planted("engines.gate.record", "from engines.process import EngineProcess\n"))
     assert engine_wing_violations(planted("engines.sim.state", "from engines.gate import Verdict\n"))
     assert not engine_wing_violations(planted("engines.sim.state", "from engines.memory.weights import folder_weights_gb\n"))
     assert outside_imports_of_engine_wings(planted("router.live", "from engines.gate.verdict import Verdict\n"))
     assert outside_imports_of_engine_wings(planted("router.live", "from engines.gate import judge\n"))
+    assert outside_imports_of_engine_wings(planted("router.scheduling.costs", "from engines.waking.ladder import KV_PARKED\n"))
+    assert not outside_imports_of_engine_wings(planted("router.scheduling.costs", "from engines.waking import KV_PARKED\n"))
     assert outside_imports_of_engine_wings(planted("router.live", "from engines.vllm_worker import HotswapWorkerExtension\n"))
     assert not outside_imports_of_engine_wings(planted("router.live", "from engines.gate import Verdict\nfrom engines.engine import Engine\n"))
     cycle = edges(KNOWN) | {"engines.gate.record": {"engines.engine"}}

@@ -63,7 +63,7 @@ def test_the_specs_cover_each_draft_restore():
 
 
 def test_the_worker_extension_goes_to_engines_that_reload_a_draft_or_stage_a_level2_checkpoint():
-    # A Level-2 wake stages its checkpoint through the extension (engines.stage), so any engine
+    # A Level-2 wake stages its checkpoint through the extension (engines.waking.stage), so any engine
     # that may sleep at Level 2 from a reloadable checkpoint loads it, draft or not.
     for name in ("reload", "none", "no-draft"):
         assert "--worker-extension-cls" in router_flags(SPECS[name]), name

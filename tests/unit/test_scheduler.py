@@ -12,7 +12,7 @@ import pytest
 from config.schema import ModelSpec, Queue, Swap
 from engines.engine import EngineFailed, State
 from engines.memory.host import PRIOR_FACTOR, HostMemory
-from engines.stage import Stager
+from engines.waking.stage import Stager
 from router.scheduling.state import INTERACTIVE, MAX_BACKOFF_S
 from router.errors import APIError
 from router.scheduling import Capacity, Decision, Plan, Scheduler, Waiter

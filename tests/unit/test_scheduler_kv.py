@@ -1,4 +1,4 @@
-"""The KV tier (level 0, engines/ladder.py) in the scheduler's decisions, as scenarios: which rung a
+"""The KV tier (level 0, engines/waking/ladder.py) in the scheduler's decisions, as scenarios: which rung a
 victim goes to, what placement counts for a KV-parked engine, and when one is parked further down.
 The harness (fake engines, fake clock, `decide`) is tests/unit/test_scheduler.py's."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines import wake
+from engines import waking
 from engines.engine import State
 from router.scheduling.placement import Ledger
 from tests.unit.test_scheduler import FakeEngine, actions, awake, clock, scheduler, wait_for  # noqa: F401 (clock: a fixture)
@@ -64,7 +64,7 @@ async def test_a_small_models_kv_is_parked_for_a_burst_of_another_and_it_comes_b
     burst.state, burst.sleep_level = State.SLEEPING, 2
     finish(s, burst)
     assert actions(s.decide(clock.now)) == [("wake", "small")]
-    assert wake.phases(small.sleep_level, "none") == ["wake_kv_cache", "reset_prefix_cache"], "no weights step: a KV re-allocation"
+    assert waking.phases(small.sleep_level, "none") == ["wake_kv_cache", "reset_prefix_cache"], "no weights step: a KV re-allocation"
     assert s.predicted_wait(small, clock.now) == pytest.approx(0.3)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from engines.engine import State
-from engines.stage import Stager
+from engines.waking.stage import Stager
 from engines.vllm import EngineTimeout
 from router.scheduling.estimates import WakeCosts
 from tests.unit.test_scheduler import Clock, FakeEngine, awake, clock, scheduler  # noqa: F401 (clock: the fixture)

@@ -17,7 +17,7 @@ Level 2 (weights discarded at sleep), in this order:
   4. wake_kv_cache       POST /wake_up?tags=kv_cache
   5. reset_prefix_cache  POST /reset_prefix_cache, retried while it answers success=false
 Level 1 (weights kept in host RAM): POST /wake_up (timed as wake_kv_cache), reset_prefix_cache.
-Level 0, KV-parked (weights on the GPU, KV cache released; engines/ladder.py):
+Level 0, KV-parked (weights on the GPU, KV cache released; engines/waking/ladder.py):
   1. wake_kv_cache       POST /wake_up?tags=kv_cache, which must answer status "awake": vLLM 0.32
                          re-maps the KV cache's memory (device_allocator/cumem.py:331 `wake_up`,
                          contents undefined) and resumes its scheduler only once nothing sleeps any

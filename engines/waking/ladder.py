@@ -1,5 +1,5 @@
 """The sleep ladder: the rungs an engine may be parked on, and the steps down to each, written once
-(the engine runs them, as it runs `engines.wake`'s steps back up).
+(the engine runs them, as it runs `engines.waking.steps`'s steps back up).
 
   awake -> level 0, KV-parked -> level 1 -> level 2
 
@@ -15,7 +15,7 @@ Level 0 is vLLM 0.32's own name (read in vllm/v1/engine/core.py of the CPU tier'
     utility call, after which uvicorn drops the connection: engines.vllm sends it unpooled) unless a
     pause has completed with no request left, and while any executor memory already sleeps: so it
     runs once, right after the level-0 sleep.
-  - Its wake is `POST /wake_up?tags=kv_cache` (engines.wake.LEVEL0): a KV re-allocation, no weight
+  - Its wake is `POST /wake_up?tags=kv_cache` (engines.waking.steps.LEVEL0): a KV re-allocation, no weight
     copy. vLLM resumes scheduling only when no tag sleeps any more (core.py:1012-1018).
   - From level 0 an engine can go further down without waking: `POST /sleep?level=N` skips the
     allocations already discarded (cumem.py:257-262) and offloads (1) or drops (2) the weights.
@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any, Literal, Union
 
 from engines.vllm import VLLMClient
-from engines.wake import Step
+from engines.waking.steps import Step
 
 KV_PARKED = 0  # the level at which only the KV cache is released
 SleepPolicy = Union[Literal["auto"], int]

@@ -1,4 +1,4 @@
-"""Staging one engine's checkpoint into the page cache (the `stage` phase of a Level-2 wake, engines.wake).
+"""Staging one engine's checkpoint into the page cache (the `stage` phase of a Level-2 wake, engines.waking.steps).
 
 A stage is `collective_rpc hotswap_stage_weights`: the worker extension reads the files vLLM's loader
 reads (engines/vllm_worker/staging.py). It may start before the wake: while the victims that make
@@ -23,7 +23,7 @@ import time
 from typing import Any, Optional
 
 from engines.vllm import EngineError, VLLMClient
-from engines.wake import stage_weights
+from engines.waking.steps import stage_weights
 
 log = logging.getLogger("hotswap")
 
