@@ -9,8 +9,8 @@ import asyncio
 import time
 from typing import Any
 
-from tests.component.test_resume import SLOW, metric, one_answer, raw_stream, story, text_of
-from tests.support import RouterProcess, http, roster_dict, sim_model
+from tests.component.test_resume import SLOW, one_answer, raw_stream, story, text_of
+from tests.support import RouterProcess, http, metric_lines, roster_dict, sim_model
 
 SHARE = ("--gpu-memory-utilization", "0.6")  # two of them never fit on the one GPU together
 HOLD_S = 60.0  # max_hold_s and drain_timeout_s: what a user would wait behind the stream without preemption
@@ -46,8 +46,8 @@ async def test_a_batch_stream_yields_at_once_to_a_user_of_another_model_and_resu
     one_answer(events, done, chat=True)
     assert any(b"paused (preempted)" in c for c in comments), comments
     assert text_of(events, True) == text_of(uncut, True), "word for word the answer the uncut stream gave"
-    assert 'model="a",reason="preempted"} 1.0' in await metric(router, "hotswap_streams_resumed_total")
-    assert 'model="a",reason="preempt"} 1.0' in await metric(router, "hotswap_evictions_total")
+    assert 'model="a",reason="preempted"} 1.0' in await metric_lines(router, "hotswap_streams_resumed_total")
+    assert 'model="a",reason="preempt"} 1.0' in await metric_lines(router, "hotswap_evictions_total")
     status, _, timeline = await http(router, "GET", "/admin/timeline?minutes=5")
     assert status == 200 and [(m["engine"], m["kind"]) for m in timeline["marks"]] == [("a", "preempt")]
     records = await activity(router)
@@ -67,9 +67,9 @@ async def test_an_interactive_stream_is_never_preempted_by_another_interactive_r
     assert not any(b"paused" in c for c in comments), comments
     assert not asking.done(), "b's user was answered before a's stream ended: the stream was preempted"
     await asyncio.wait_for(asking, 30)  # and then b is served: a stands idle, so it parks
-    assert 'model="a",reason="preempt"} 0.0' in await metric(router, "hotswap_evictions_total")
-    assert 'model="a",reason="room"} 1.0' in await metric(router, "hotswap_evictions_total"), "parked once idle"
-    assert 'model="a",reason="preempted"} 0.0' in await metric(router, "hotswap_streams_resumed_total")
+    assert 'model="a",reason="preempt"} 0.0' in await metric_lines(router, "hotswap_evictions_total")
+    assert 'model="a",reason="room"} 1.0' in await metric_lines(router, "hotswap_evictions_total"), "parked once idle"
+    assert 'model="a",reason="preempted"} 0.0' in await metric_lines(router, "hotswap_streams_resumed_total")
 
 
 async def activity(router: RouterProcess) -> list[dict[str, Any]]:
