@@ -67,6 +67,22 @@ def log_file(log_dir: Path, name: str) -> Path:
     return log_dir / f"{name}.log"
 
 
+def session_pids(leader: int) -> set[int]:
+    """`leader` and every process of the session it leads: an engine's process and everything it spawned
+    (vLLM's EngineCore holds the GPU memory; an engine is started with start_new_session)."""
+    pids = {leader}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        if int(fields[3]) == leader:  # the session id, after state, ppid and pgrp
+            pids.add(int(entry.name))
+    return pids
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -130,21 +146,8 @@ class EngineProcess:
         return self.proc.pid if self.proc else None
 
     def group_pids(self) -> set[int]:
-        """The engine's process and everything it spawned (vLLM's EngineCore holds the GPU memory):
-        the processes of its session, which the engine leads (it is started with start_new_session)."""
-        if self.proc is None:
-            return set()
-        pids = {self.proc.pid}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue  # gone meanwhile, or not ours to read
-            if int(fields[3]) == self.proc.pid:  # the session id, after state, ppid and pgrp
-                pids.add(int(entry.name))
-        return pids
+        """The engine's process and everything it spawned (`session_pids`)."""
+        return set() if self.proc is None else session_pids(self.proc.pid)
 
     @property
     def returncode(self) -> Optional[int]:

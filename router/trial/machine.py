@@ -5,11 +5,11 @@ optional `nvidia-ml-py`; the router's placement ledger otherwise)."""
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import platform
 from typing import Any, Optional
 
 from engines.memory import process_gpu_memory_gb
+from engines.process import session_pids
 from router.trial.report import Versions
 
 
@@ -75,28 +75,12 @@ def hardware(simulated: bool, gpus: list[str]) -> str:
     return "gpu" if gpus else "cpu"
 
 
-def group_pids(leader: int) -> set[int]:
-    """Every process in the process group `leader` leads (an engine's: vLLM's GPU work runs in its children)."""
-    pids = {leader}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == leader:
-            pids.add(int(entry))
-    return pids
-
-
 def nvml_held_gb(engine: dict[str, Any]) -> Optional[float]:
     """GPU memory the engine's processes hold on its devices, in GB; None without NVML (or a pid)."""
     pid = engine.get("pid")
     if not pid:
         return None
-    pids = group_pids(pid)
+    pids = session_pids(pid)
     held = [process_gpu_memory_gb(pids, d) for d in engine.get("devices") or [0]]
     return None if any(h is None for h in held) else round(sum(h for h in held if h is not None), 3)
 
