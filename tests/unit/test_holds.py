@@ -3,14 +3,7 @@
 import pytest
 
 from router.keys import HeldElsewhere, Holds
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.test_scheduler import Clock
 
 
 def test_a_hold_lets_only_its_token_through_until_it_lapses_unless_renewed():
