@@ -115,10 +115,10 @@ async def wait_again(request: web.Request, scheduler, engine: Engine, paused: Pa
                 return None, await scheduler.acquire(engine, max_wait_s=max_wait_s, klass=klass)
             await response.write(seam_comment(paused, engine))
             return await acquire(request, scheduler, engine, interval, anthropic, max_wait_s=max_wait_s, klass=klass,
-                                 response=response, keep_open=left > 1)
+                                 response=response, keep_open=True)
         except APIError as exc:
             if exc.code != ENGINE_FAILED_CODE or left == 1:
-                if response is not None:  # the last refusal: the stream ends with it
+                if response is not None:  # the last refusal: the stream ends with it, here only
                     await response.write(sse_error(exc.message, exc.code, status=exc.status, anthropic=anthropic))
                     await response.write_eof()
                     raise AnsweredInStream(response, exc.status) from None
