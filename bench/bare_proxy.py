@@ -1,4 +1,4 @@
-"""The floor for a Python reverse proxy: what bench/proxy_cost.py and bench/peers.py compare hotswap against.
+"""The floor for a Python reverse proxy: what bench/peers.py compares hotswap against.
 
 `python bench/bare_proxy.py --upstream http://127.0.0.1:8001 --port 8002`
 
@@ -39,15 +39,11 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def main(upstream: str, host: str, port: int) -> None:
+    """Serve the proxy routes until SIGTERM/SIGINT."""
     app = web.Application()
     app["upstream"] = upstream.rstrip("/")
     app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     app.on_cleanup.append(lambda app: app["session"].close())
-    await serve(app, proxy, host, port)
-
-
-async def serve(app: web.Application, proxy, host: str, port: int) -> None:
-    """Serve the proxy routes until SIGTERM/SIGINT."""
     app.router.add_post("/v1/completions", proxy)
     app.router.add_post("/v1/chat/completions", proxy)
     app.router.add_get("/health", health)
@@ -61,14 +57,10 @@ async def serve(app: web.Application, proxy, host: str, port: int) -> None:
     await runner.cleanup()
 
 
-def cli(main, description: str) -> None:
-    p = argparse.ArgumentParser(description=description)
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--upstream", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     a = p.parse_args()
     uvloop.run(main(a.upstream, a.host, a.port))
-
-
-if __name__ == "__main__":
-    cli(main, __doc__.splitlines()[0])

@@ -1,7 +1,7 @@
 """What the benchmarks in bench/ share: targets, measured phases, the load generator, process
 handling, /proc readers, report helpers, the run session.
 
-The benchmarks are scripts run from the repo root (`.venv/bin/python bench/proxy_cost.py`, ...);
+The benchmarks are scripts run from the repo root (`.venv/bin/python bench/peers.py`, ...);
 Python puts a script's own folder first on sys.path, so they `import harness` as a sibling
 module. The load generator runs in its own process as
 
@@ -357,12 +357,10 @@ class Target:
     key: str = ""  # sent as the client's bearer token
     stream_check: str = "exact"  # the load generator's --stream-check
     note: str = ""
-    tree: bool = True  # measure the proxy's whole process tree; False: the process alone (its children are the engine)
 
     def pids(self) -> list[int]:
-        if not self.proxy_pid:
-            return []
-        return tree(self.proxy_pid) if self.tree else [self.proxy_pid]
+        """The proxy's whole process tree (nginx's workers, LiteLLM's forks); the upstream is never in it."""
+        return tree(self.proxy_pid) if self.proxy_pid else []
 
 
 def start_sim(procs: Processes, tmp: Path) -> tuple[int, int]:
@@ -375,18 +373,14 @@ def start_sim(procs: Processes, tmp: Path) -> tuple[int, int]:
     return port, sim.pid
 
 
-def start_script_proxy(procs: Processes, tmp: Path, name: str, script: str, upstream_port: int, upstream_pid: int, note: str) -> Target:
-    """A proxy from bench/ that takes --upstream and --port and answers GET /health (bare_proxy.py)."""
-    port = free_port()
-    log = tmp / f"{Path(script).stem}.log"
-    proc = procs.start(name, [sys.executable, str(REPO / "bench" / script), "--upstream", f"http://127.0.0.1:{upstream_port}",
-                              "--port", str(port)], log)
-    wait_until_ok(f"http://127.0.0.1:{port}/health", proc, log, deadline_s=90)
-    return Target(name, f"http://127.0.0.1:{port}", proc.pid, upstream_pid, note=note)
-
-
 def start_bare(procs: Processes, tmp: Path, upstream_port: int, upstream_pid: int) -> Target:
-    return start_script_proxy(procs, tmp, "bare", "bare_proxy.py", upstream_port, upstream_pid, "bench/bare_proxy.py")
+    """bench/bare_proxy.py in front of the upstream: the floor for an aiohttp+uvloop proxy."""
+    port = free_port()
+    log = tmp / "bare_proxy.log"
+    proc = procs.start("bare", [sys.executable, str(REPO / "bench" / "bare_proxy.py"), "--upstream", f"http://127.0.0.1:{upstream_port}",
+                                "--port", str(port)], log)
+    wait_until_ok(f"http://127.0.0.1:{port}/health", proc, log, deadline_s=90)
+    return Target("bare", f"http://127.0.0.1:{port}", proc.pid, upstream_pid, note="bench/bare_proxy.py")
 
 
 def start_router(procs: Processes, tmp: Path, name: str, port: int, roster: str, env: Optional[dict] = None,
@@ -621,5 +615,5 @@ def session(args: argparse.Namespace, prefix: str) -> Iterator[Session]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["loadgen"]:
-        sys.exit("usage: harness.py loadgen ... (started by run_phase; the benchmarks are bench/proxy_cost.py, peers.py, swap_overhead.py)")
+        sys.exit("usage: harness.py loadgen ... (started by run_phase for bench/peers.py)")
     sys.exit(loadgen_main(sys.argv[2:]))

@@ -12,7 +12,6 @@ is as cheap as it gets) that every target forwards to:
   vllm-router clients -> vllm-router (PyPI `vllm-router`, Rust; the sim as its single worker) -> sim
   litellm     clients -> LiteLLM proxy (PyPI `litellm[proxy]`; one `openai/` model with api_base = the sim) -> sim
   hotswap     clients -> `python -m router.cli serve` (client API keys on; the sim attached by `url:`) -> sim
-  floor       clients -> bench/floor_proxy.py (hotswap's engine side, no web framework; opt-in) -> sim
   hotswap-no-activity, hotswap-activity-file   hotswap with the activity log off (`activity.ring: 0`),
               and with it also written to an SQLite file (`activity.path`); opt-in, to price the log
               beside `hotswap` (its default: the in-memory ring) in one run
@@ -56,12 +55,10 @@ PIP_PEERS = {  # peer -> (venv dir, pip requirement, console script)
     "vllm-router": ("vllm-router", "vllm-router", "vllm-router"),
     "litellm": ("litellm", "litellm[proxy]", "litellm"),
 }
-ALL_TARGETS = ["direct", "nginx", "bare", "vllm-router", "litellm", "hotswap", "floor", "hotswap-ab", "hotswap-no-activity",
+ALL_TARGETS = ["direct", "nginx", "bare", "vllm-router", "litellm", "hotswap", "hotswap-ab", "hotswap-no-activity",
                "hotswap-activity-file"]
-# Opt-in: `floor` (bench/floor_proxy.py: hotswap's engine side without a web framework, how close
-# a Python proxy gets to nginx at all), `hotswap-ab` (hotswap from --ab-src, to A/B a router patch),
-# and the activity log's two prices (issue 25).
-DEFAULT_TARGETS = ALL_TARGETS[:-4]
+# Opt-in: `hotswap-ab` (hotswap from --ab-src, to A/B a router patch) and the activity log's two prices (issue 25).
+DEFAULT_TARGETS = ALL_TARGETS[:-3]
 ACTIVITY_TARGETS = {"hotswap-no-activity": "activity: {{ring: 0}}\n",  # the roster's section, {tmp}: the run's temp dir
                     "hotswap-activity-file": "activity: {{path: {tmp}/activity.db}}\n"}
 # issue 14's targets (issue 8's were 1.0, 1.5 and 1.2)
@@ -340,12 +337,6 @@ def report(phases: list[h.Phase], targets: list[h.Target], unavailable: dict[str
     check("stream, at most 0.9× vllm-router", "hotswap", "vllm-router", "stream", TARGET_STREAM_VS_VLLM_ROUTER)
     check("stream, within 1.25× nginx", "hotswap", "nginx", "stream", TARGET_STREAM_VS_NGINX)
     check("non-stream, at most 0.9× the bare proxy", "hotswap", "bare", "non-stream", TARGET_NONSTREAM_VS_BARE)
-    if "floor" in names and "nginx" in names:
-        for mode in modes:
-            r, per = ratio("floor", "nginx", mode)
-            if r is not None:
-                verdict.append(f"- {mode}, the Python floor (bench/floor_proxy.py) ÷ nginx = **{r:.2f}×** "
-                               f"(per rep {', '.join(f'{x:.2f}' for x in per)}).")
     if "hotswap-ab" in names:
         for mode in modes:
             r, per = ratio("hotswap-ab", "hotswap", mode)
@@ -426,7 +417,6 @@ def main(argv: list[str]) -> int:
             "direct": lambda: h.Target("direct", f"http://127.0.0.1:{sim_port}", None, 0),
             "nginx": lambda: start_nginx(procs, tmp, sim_port, not args.no_install, versions),
             "bare": lambda: h.start_bare(procs, tmp, sim_port, sim_pid),
-            "floor": lambda: h.start_script_proxy(procs, tmp, "floor", "floor_proxy.py", sim_port, sim_pid, "bench/floor_proxy.py"),
             "vllm-router": lambda: start_vllm_router(procs, tmp, sim_port, not args.no_install, versions),
             "litellm": lambda: start_litellm(procs, tmp, sim_port, not args.no_install, versions),
             "hotswap": lambda: start_hotswap(procs, tmp, sim_port, key, args.router_src),

@@ -50,7 +50,7 @@ DEFAULT_GATE_PROMPT = (
     "Write one paragraph about the history of the printing press, in plain words."
 )
 # Mean |logprob change| per token, in nats, past which a wake is refused. Chosen from measurement
-# (docs/gate.md, bench/logprob_drift.py): well above a healthy engine's spread across cold boots and
+# (docs/gate.md, "Measured: logprob drift"): well above a healthy engine's spread across cold boots and
 # batch sizes, well below what a numerically wrong target shows.
 DEFAULT_MAX_LOGPROB_DRIFT = 0.05
 

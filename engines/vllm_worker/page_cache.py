@@ -1,6 +1,6 @@
 """The page cache of a checkpoint's files: how much of them is resident, reading them in, dropping them.
 
-Standard library only (it runs inside vLLM's worker, and bench/staged_reload.py uses it from outside).
+Standard library only (it runs inside vLLM's worker).
 Residency is mincore(2) over a read-only shared mapping of the file, through ctypes: the only way to
 ask the kernel which pages of a file are cached without reading (and so caching) them.
 

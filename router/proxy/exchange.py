@@ -4,8 +4,8 @@ bytes out, the answer parsed by httptools (llhttp) in the connection's `data_rec
 aiohttp's client put a StreamReader, a future and a task wake-up between every chunk the engine
 sent and the client (and re-encoded the chunked framing on the way out); here a response's bytes
 are handed to a `Relay` from the protocol callback itself (`router.proxy.relay`), and a waiting handler
-is woken once per answer, not once per chunk. bench/parser_choice.py chose the parser: on the
-bytes of a 64-chunk stream, httptools costs 0.4x aiohttp's C HttpResponseParser and 0.04x h11.
+is woken once per answer, not once per chunk. httptools was chosen by measurement (docs/benchmarks.md,
+"Why httptools"): on the bytes of a 64-chunk stream it costs 0.4x aiohttp's C HttpResponseParser and 0.04x h11.
 """
 
 from __future__ import annotations

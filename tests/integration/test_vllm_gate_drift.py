@@ -4,7 +4,7 @@ are not refused, and their measured drift is the tier's report (docs/gate.md).
 
 One router, one engine: the tiny target as its own draft (acceptance exactly 3.0), parked at
 Level 1. Level 1 because vLLM's `reload_weights` (the Level-2 wake) rewrites the target from
-its checkpoint and so would itself undo the stand-in fault (measured: bench/logprob_drift.py).
+its checkpoint and so would itself undo the stand-in fault (measured: docs/gate.md, "Measured: logprob drift").
 The stand-in is the worker extension's test method `hotswap_perturb_target`, called straight on
 the sleeping engine's port: it scales the final norm weight, so every logit scales and no argmax
 moves (engines/vllm_worker/extension.py). On CPU sleep itself is bookkeeping; the wake's endpoints, the
@@ -30,7 +30,7 @@ from tests.integration.test_router_vllm import roster as group_roster
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 WAKES = int(os.environ.get("HOTSWAP_VLLM_DRIFT_WAKES", "50"))
-PERTURB = 1.5  # mean drift 0.46 on this model (bench/logprob_drift.py), tokens and acceptance unchanged
+PERTURB = 1.5  # mean drift 0.46 on this model (docs/gate.md), tokens and acceptance unchanged
 FULL = 3.0
 WAKE_TOKENS = Gate().wake_max_tokens  # the short canary a Level-1 wake runs (the roster leaves the default)
 
