@@ -557,10 +557,31 @@ def add_load_args(p: argparse.ArgumentParser, reps: int, reps_help: str = "inter
                    help="run hotswap from this source tree, e.g. a patched copy to A/B a fix (default: this repo)")
 
 
-def add_session_args(p: argparse.ArgumentParser) -> None:
-    """Where the report goes and how the run starts: every bench has these."""
-    p.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md", help="where to write the section (default %(default)s)")
+def add_docs_args(p: argparse.ArgumentParser, docs: Path = REPO / "docs" / "benchmarks.md") -> None:
+    """Where the report goes, and --smoke: every bench has these."""
+    p.add_argument("--docs", type=Path, default=None, help=f"where to write the section (default {docs}; with --smoke, nowhere)")
     p.add_argument("--no-docs", action="store_true", help="print only")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, a few seconds: that the script still runs end to end (tests/component/test_bench_smoke.py)")
+    p.set_defaults(default_docs=docs)
+
+
+def parse(p: argparse.ArgumentParser, argv: list[str], smoke: dict) -> argparse.Namespace:
+    """The arguments; with --smoke, `smoke` holds the defaults (a flag given still wins), so a smoke run takes
+    the script's own code path at a size tests can afford. A smoke run writes docs only to an explicit --docs:
+    a test must never rewrite the real ones."""
+    a = p.parse_args(argv)
+    if a.smoke:
+        p.set_defaults(**smoke)
+        a = p.parse_args(argv)
+    if a.docs is None:
+        a.docs, a.no_docs = a.default_docs, a.no_docs or a.smoke
+    return a
+
+
+def add_session_args(p: argparse.ArgumentParser) -> None:
+    """How a run starts and what it leaves: every bench that starts processes has these."""
+    add_docs_args(p)
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with every process's log")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="first wait up to this long for the machine to be < 15%% busy (default: do not wait)")

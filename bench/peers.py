@@ -392,7 +392,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="source tree for the opt-in target hotswap-ab (a patched copy), measured beside hotswap in the same run")
     p.add_argument("--no-install", action="store_true", help="do not pip-install missing peers or apt-get nginx")
     h.add_session_args(p)
-    a = p.parse_args(argv)
+    # The smoke: the Python peers that need nothing installed, a handful of requests each.
+    a = h.parse(p, argv, smoke=dict(peers="direct,bare,hotswap", requests=40, stream_requests=8, concurrency=4, reps=1,
+                                    max_seconds=5.0, idle_seconds=0.1, no_install=True))
     unknown = set(a.peers.split(",")) - set(ALL_TARGETS)
     if unknown:
         p.error(f"unknown peers {sorted(unknown)}; known: {', '.join(ALL_TARGETS)}")

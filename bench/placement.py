@@ -361,7 +361,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=600.0, help="cap on each policy's run, wall (default %(default)s)")
     p.add_argument("--write-docs", action="store_true", help="write the section into --docs (default: print only)")
     h.add_session_args(p)
-    a = p.parse_args(argv)
+    # The smoke: every policy and the report, on a trace of a few requests in hundredths of real time.
+    a = h.parse(p, argv, smoke=dict(requests=12, warmup=2, time_scale=0.01, max_seconds=60.0))
     a.popularity = [x.strip() for x in a.popularity.split(",")]
     if sorted(a.popularity) != sorted(MODELS):
         p.error(f"--popularity must name each of {', '.join(MODELS)} once")

@@ -1,6 +1,6 @@
 """Run the chaos matrix and the load scenarios, and write their figures into docs/reliability.md.
 
-    .venv/bin/python bench/reliability_report.py [--no-docs]
+    .venv/bin/python bench/reliability_report.py [--no-docs] [--select EXPR]
 
 The scenarios are ordinary tests (tests/component/test_chaos.py, test_load.py); this runs
 them with HOTSWAP_CHAOS_REPORT / HOTSWAP_RELIABILITY_REPORT set and renders what they recorded
@@ -26,16 +26,17 @@ DOC = ROOT / "docs" / "reliability.md"
 BEGIN, END = "<!-- generated:begin (bench/reliability_report.py) -->", "<!-- generated:end -->"
 
 
-def run_tests(env: dict[str, str]) -> int:
+def run_tests(env: dict[str, str], select: str) -> int:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               "tests/component/test_chaos.py", "tests/component/test_load.py"]
+               "tests/component/test_chaos.py", "tests/component/test_load.py", *(["-k", select] if select else [])]
     return subprocess.run(command, cwd=ROOT, env={**os.environ, **env}).returncode
 
 
 def render(chaos: list[dict], load: list[dict], seconds: float, code: int) -> str:
     out = [BEGIN, "",
            f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.node()} ({os.cpu_count()} cores), "
-           f"Python {platform.python_version()}, commit {h.git_rev()}; {seconds:.0f} s; pytest exit code {code}.", "",
+           f"Python {platform.python_version()}, commit {h.git_rev()}; {seconds:.0f} s; pytest exit code {code}. "
+           f"`{h.command_line()}`", "",
            "### Chaos matrix", "",
            "| fault (aimed at b) | sent | answered | errored (well-formed) | hung | b answered / errored | errors seen |",
            "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
@@ -57,21 +58,23 @@ def render(chaos: list[dict], load: list[dict], seconds: float, code: int) -> st
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--no-docs", action="store_true", help="print the section only; leave docs/reliability.md as it is")
-    args = p.parse_args(argv)
+    p.add_argument("--select", default="", metavar="EXPR", help="only the scenarios pytest's -k EXPR picks (default: all)")
+    h.add_docs_args(p, DOC)
+    # The smoke: one chaos scenario (a few seconds), rendered and written like the whole matrix.
+    args = h.parse(p, argv, smoke=dict(select="test_a_canary_answer_that_is_not_json_under_load"))
     with tempfile.TemporaryDirectory() as tmp:
         chaos_path, load_path = Path(tmp, "chaos.jsonl"), Path(tmp, "load.jsonl")
         started = time.monotonic()
-        code = run_tests({"HOTSWAP_CHAOS_REPORT": str(chaos_path), "HOTSWAP_RELIABILITY_REPORT": str(load_path)})
+        code = run_tests({"HOTSWAP_CHAOS_REPORT": str(chaos_path), "HOTSWAP_RELIABILITY_REPORT": str(load_path)}, args.select)
         seconds = time.monotonic() - started
         read = lambda p: [json.loads(l) for l in p.read_text().splitlines()] if p.exists() else []
         section = render(read(chaos_path), read(load_path), seconds, code)
     if args.no_docs:
         print(section)
         return code
-    text = DOC.read_text()
-    DOC.write_text(text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):])
-    print(f"wrote {DOC.relative_to(ROOT)} (pytest exit {code})")
+    text = args.docs.read_text()
+    args.docs.write_text(text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):])
+    print(f"wrote {args.docs} (pytest exit {code})")
     return code
 
 

@@ -71,7 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"override a sim step delay (defaults: {', '.join(f'{k}={v:g}' for k, v in DEFAULT_DELAYS.items())})")
     p.add_argument("--max-seconds", type=float, default=300.0, help="stop measuring after this long (default %(default)s)")
     h.add_session_args(p)
-    a = p.parse_args(argv)
+    a = h.parse(p, argv, smoke=dict(swaps=2, warmup_swaps=1, max_seconds=60.0))
     a.delays = dict(DEFAULT_DELAYS)
     for item in a.step_delay:
         step, _, value = item.partition("=")

@@ -349,7 +349,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--child-tmp", type=Path, help=argparse.SUPPRESS)
     h.add_session_args(p)
-    a = p.parse_args(argv)
+    # The smoke (tests/component/test_trace_chaos.py): the arm that takes every path (the trace, the batch
+    # client, the kills, the report) over the trace's first two minutes.
+    a = h.parse(p, argv, smoke=dict(arms="chaos", minutes=2.0, warmup_minutes=1.0, batch_at_minute=0.5, batch_requests=24,
+                                    batch_concurrency=8, chaos_every_s=30.0, max_seconds=240.0))
     a.trace = a.trace.resolve()
     a.arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     if not a.arms or not set(a.arms) <= set(ARMS):
