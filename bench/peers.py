@@ -17,9 +17,8 @@ is as cheap as it gets) that every target forwards to:
               beside `hotswap` (its default: the in-memory ring) in one run
 
 The Python peers live in their own venvs under ~/.cache/hotswap/bench-venvs/ (created on first run
-with pip, unless --no-install); nginx comes from `apt-get install -y nginx` (run once by this script
-when it is missing and we are root, unless --no-install). A peer that cannot be installed or started
-is reported with its error text and the rest still run.
+with pip, unless --no-install); nginx is Debian's package, which the operator installs. A peer that
+cannot be installed or started is reported with its error text and the rest still run.
 
 The load generator is bench/harness.py's (a separate aiohttp process, C keep-alive connections,
 a fixed count bounded by a deadline). For each target and mode (non-stream `/v1/completions`
@@ -27,9 +26,8 @@ max_tokens 16; a 64-chunk stream) CPU is utime+stime from /proc of the proxy's w
 (nginx master + worker, LiteLLM's uvicorn and anything it forks; the upstream sim is never part of
 it), summed around the measured window; RSS is the tree's VmRSS sum after each phase. A mode's phases
 run back to back, the targets in reverse order every other rep, `--reps` times, so the spread between
-repetitions shows the noise. Everything is on
-loopback, every phase is capped in time, and every process started here is stopped on exit,
-Ctrl-C or SIGTERM.
+repetitions shows the noise. Everything is on loopback, every phase is capped in time, and every
+process started here is stopped on exit, Ctrl-C or SIGTERM.
 
 This is a benchmark, not a test: it asserts nothing except that every request succeeded.
 """
@@ -67,9 +65,7 @@ TARGET_STREAM_VS_NGINX = 1.25
 TARGET_NONSTREAM_VS_BARE = 0.9
 
 
-# ---------------------------------------------------------------------------------------------
-# peers: install and start
-# ---------------------------------------------------------------------------------------------
+# -- peers: install and start ----------------------------------------------------------------------
 
 class PeerUnavailable(Exception):
     """A peer could not be installed or started; the message is what the report says."""
@@ -113,26 +109,12 @@ def peer_version(peer: str) -> str:
     return r.stdout.strip() or "?"
 
 
-def ensure_nginx(install: bool, log: Path) -> str:
+def ensure_nginx() -> str:
+    """Debian's nginx, installed by the operator: a system package is the host's, not the bench's to install
+    (the Python peers' venvs under VENVS are the bench's own)."""
     exe = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-    if exe:
-        return exe
-    if not install:
-        raise PeerUnavailable("nginx is not installed (apt-get install -y nginx)")
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise PeerUnavailable("nginx is not installed and this is not root with apt-get: run `apt-get install -y nginx`")
-    print("bench: installing Debian's nginx (apt-get install -y nginx); its system service is not used", flush=True)
-    for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "nginx"]):
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-        with open(log, "a") as f:
-            f.write(r.stdout + r.stderr)
-        if r.returncode != 0:
-            raise PeerUnavailable(f"`{' '.join(argv)}` exited {r.returncode}:\n{_short(r.stderr or r.stdout)}")
-    # Debian's postinst may start the packaged service: this bench never uses it.
-    exe = shutil.which("nginx") or "/usr/sbin/nginx"
-    if not Path(exe).exists():
-        raise PeerUnavailable("apt-get installed nginx but no nginx binary was found")
+    if not exe:
+        raise PeerUnavailable("nginx is not installed: run `apt-get install -y nginx` (its system service is not used)")
     return exe
 
 
@@ -176,8 +158,8 @@ http {{
 """
 
 
-def start_nginx(procs: h.Processes, tmp: Path, upstream: int, install: bool, versions: dict) -> h.Target:
-    exe = ensure_nginx(install, tmp / "install-nginx.log")
+def start_nginx(procs: h.Processes, tmp: Path, upstream: int, versions: dict) -> h.Target:
+    exe = ensure_nginx()
     versions["nginx"] = nginx_version(exe)
     d = tmp / "nginx"
     for sub in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
@@ -261,9 +243,7 @@ def start_hotswap(procs: h.Processes, tmp: Path, upstream: int, key: str, src: P
     return h.Target(name, f"http://127.0.0.1:{port}", proc.pid, 0, key=key, note=note if src == REPO else f"{note}; run from {src}")
 
 
-# ---------------------------------------------------------------------------------------------
-# report
-# ---------------------------------------------------------------------------------------------
+# -- report ----------------------------------------------------------------------------------------
 
 def report(phases: list[h.Phase], targets: list[h.Target], unavailable: dict[str, str], idle: dict[str, float], versions: dict[str, str],
            args: argparse.Namespace, command: str, started: str, elapsed: float, load_start: str) -> str:
@@ -381,7 +361,7 @@ def report(phases: list[h.Phase], targets: list[h.Target], unavailable: dict[str
                      + ["", "Targets:", ""] + verdict) + "\n"
 
 
-# ---------------------------------------------------------------------------------------------
+# -- the run ---------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -390,7 +370,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"comma-separated, in this order, from {','.join(ALL_TARGETS)} (default %(default)s)")
     p.add_argument("--ab-src", type=Path, default=None, metavar="DIR",
                    help="source tree for the opt-in target hotswap-ab (a patched copy), measured beside hotswap in the same run")
-    p.add_argument("--no-install", action="store_true", help="do not pip-install missing peers or apt-get nginx")
+    p.add_argument("--no-install", action="store_true", help="do not pip-install missing Python peers")
     h.add_session_args(p)
     # The smoke: the Python peers that need nothing installed, a handful of requests each.
     a = h.parse(p, argv, smoke=dict(peers="direct,bare,hotswap", requests=40, stream_requests=8, concurrency=4, reps=1,
@@ -417,7 +397,7 @@ def main(argv: list[str]) -> int:
         key = "bench-" + os.urandom(8).hex()
         starters = {
             "direct": lambda: h.Target("direct", f"http://127.0.0.1:{sim_port}", None, 0),
-            "nginx": lambda: start_nginx(procs, tmp, sim_port, not args.no_install, versions),
+            "nginx": lambda: start_nginx(procs, tmp, sim_port, versions),
             "bare": lambda: h.start_bare(procs, tmp, sim_port, sim_pid),
             "vllm-router": lambda: start_vllm_router(procs, tmp, sim_port, not args.no_install, versions),
             "litellm": lambda: start_litellm(procs, tmp, sim_port, not args.no_install, versions),
