@@ -3,12 +3,10 @@ handling, /proc readers, report helpers, the run session.
 
 The benchmarks are scripts run from the repo root (`.venv/bin/python bench/peers.py`, ...);
 Python puts a script's own folder first on sys.path, so they `import harness` as a sibling
-module. The load generator runs in its own process as
-
-    .venv/bin/python bench/harness.py loadgen --url URL --mode MODE --requests N --warmup N --concurrency C --max-seconds S
-
-started by `run_phase`: it warms up, prints WARM, waits for `go` on stdin, runs the measured
-requests and prints one JSON line (its own CPU time, counts, latencies).
+module. The load generator runs in its own process (so its CPU is not the measured proxy's), as
+`harness.py loadgen JSON` (`_loadgen`'s arguments), started by `run_phase`: it warms up, prints WARM,
+waits for `go` on stdin, runs the measured requests and prints one JSON line (its own CPU time,
+counts, latencies).
 """
 
 from __future__ import annotations
@@ -50,12 +48,10 @@ MODES = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# load generator (runs in its own process: `harness.py loadgen ...`)
-# ---------------------------------------------------------------------------------------------
+# -- load generator (runs in its own process: `harness.py loadgen ...`) ----------------------------
 
-async def _loadgen(url: str, key: str, mode: str, n: int, warmup: int, concurrency: int, max_s: float, timeout_s: float,
-                   stream_check: str = "exact") -> dict:
+async def _loadgen(url: str, mode: str, n: int, warmup: int, concurrency: int, max_s: float, stream_check: str,
+                   timeout_s: float = 30.0) -> dict:
     import aiohttp
 
     body_obj, chunks = MODES[mode]
@@ -63,7 +59,7 @@ async def _loadgen(url: str, key: str, mode: str, n: int, warmup: int, concurren
     # proxies that re-frame the stream (LiteLLM sends one more chunk carrying finish_reason).
     enough = (lambda n_data: n_data == chunks + 1) if stream_check == "exact" else (lambda n_data: n_data >= chunks + 1)
     body = json.dumps(body_obj).encode()
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {os.environ.get('BENCH_KEY', '')}"}
     errors: list[str] = []
     lat: list[float] = []
 
@@ -110,29 +106,15 @@ async def _loadgen(url: str, key: str, mode: str, n: int, warmup: int, concurren
             "first_errors": errors[:3], "wall_s": wall, "latencies": lat}
 
 
-def loadgen_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="harness.py loadgen")
-    p.add_argument("--url", required=True)
-    p.add_argument("--mode", choices=MODES, required=True)
-    p.add_argument("--requests", type=int, required=True)
-    p.add_argument("--warmup", type=int, required=True)
-    p.add_argument("--concurrency", type=int, required=True)
-    p.add_argument("--max-seconds", type=float, required=True)
-    p.add_argument("--timeout", type=float, default=30.0)
-    p.add_argument("--stream-check", choices=("exact", "min"), default="exact")
-    a = p.parse_args(argv)
+def loadgen_main(config: str) -> int:
+    """`config`: `_loadgen`'s keyword arguments as JSON (the client's key comes in BENCH_KEY, out of `ps`)."""
     import uvloop
 
-    result = uvloop.run(_loadgen(a.url, os.environ.get("BENCH_KEY", ""), a.mode, a.requests, a.warmup, a.concurrency,
-                                 a.max_seconds, a.timeout, a.stream_check))
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
+    print(json.dumps(uvloop.run(_loadgen(**json.loads(config)))), flush=True)
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# process handling
-# ---------------------------------------------------------------------------------------------
+# -- process handling ------------------------------------------------------------------------------
 
 class Processes:
     """Every child in its own session; `close()` takes each whole group down (TERM, grace, KILL)."""
@@ -191,14 +173,6 @@ def request(method: str, url: str, body: Optional[bytes] = None, timeout: float 
         return e.code, e.read()
 
 
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    """GET for polling: (0, b"") while nothing answers."""
-    try:
-        return request("GET", url, timeout=timeout)
-    except (urllib.error.URLError, OSError):
-        return 0, b""
-
-
 class NotReady(SystemExit):
     """A started process exited, or did not answer OK in time; the message ends with its log tail."""
 
@@ -208,7 +182,10 @@ def wait_until_ok(url: str, proc: subprocess.Popen, log: Path, deadline_s: float
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise NotReady(f"bench: process behind {url} exited ({proc.returncode}); log {log}:\n{tail(log)}")
-        status, body = http_get(url)
+        try:
+            status, body = request("GET", url)
+        except (urllib.error.URLError, OSError):  # nothing listens yet
+            status, body = 0, b""
         if status == 200:
             return body
         time.sleep(0.05)
@@ -240,9 +217,7 @@ def read_until(proc: subprocess.Popen, marker: bytes, timeout: float) -> None:
             buf += chunk
 
 
-# ---------------------------------------------------------------------------------------------
-# /proc readers
-# ---------------------------------------------------------------------------------------------
+# -- /proc readers ---------------------------------------------------------------------------------
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of every thread of `pid` (children excluded), from /proc/PID/stat."""
@@ -314,39 +289,29 @@ def loadavg() -> str:
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)  # Linux only, as /proc/stat
+    return found.group(1).strip() if found else platform.processor() or "unknown CPU"
 
 
 def wait_quiet(max_wait_s: float, threshold_pct: float = 15.0, window_s: float = 5.0) -> float:
     """Wait (at most max_wait_s) until two consecutive windows of the machine's CPU are below threshold_pct busy.
 
     The machine is shared with other sessions' test runs; starting while it is quiet makes the
-    numbers comparable. Returns the last window's busy share (%), whether or not it got quiet.
+    numbers comparable. Returns the last window's busy share (%), whether or not it got quiet (the report
+    prints the load average, and each phase the other processes' share).
     """
-    deadline = time.monotonic() + max_wait_s
-    quiet_windows, busy_pct = 0, 100.0
+    deadline, quiet_windows = time.monotonic() + max_wait_s, 0
     while True:
         b0, t0 = machine_busy_seconds(), time.monotonic()
         time.sleep(window_s)  # measuring a window of the machine's load, not waiting for a condition
         busy_pct = (machine_busy_seconds() - b0) / ((time.monotonic() - t0) * ncpu()) * 100
         quiet_windows = quiet_windows + 1 if busy_pct < threshold_pct else 0
-        if quiet_windows >= 2:
-            return busy_pct
-        if time.monotonic() >= deadline:
-            print(f"bench: machine still {busy_pct:.0f}% busy after {max_wait_s:g} s; starting anyway", file=sys.stderr, flush=True)
+        if quiet_windows >= 2 or time.monotonic() >= deadline:
             return busy_pct
         print(f"bench: machine {busy_pct:.0f}% busy (other sessions?); waiting for < {threshold_pct:g}%", file=sys.stderr, flush=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# targets: what a phase sends its load to
-# ---------------------------------------------------------------------------------------------
+# -- targets: what a phase sends its load to -------------------------------------------------------
 
 @dataclass
 class Target:
@@ -396,9 +361,7 @@ def start_router(procs: Processes, tmp: Path, name: str, port: int, roster: str,
     return proc, log
 
 
-# ---------------------------------------------------------------------------------------------
-# one measured phase: one target, one mode, one repetition
-# ---------------------------------------------------------------------------------------------
+# -- one measured phase: one target, one mode, one repetition --------------------------------------
 
 @dataclass
 class Phase:
@@ -435,9 +398,9 @@ def percentile(values: list[float], q: float) -> float:
 def run_phase(procs: Processes, t: Target, mode: str, rep: int, args: argparse.Namespace, tmp: Path) -> Phase:
     """Start the load generator, let it warm up, then read CPU around its measured window."""
     n = args.requests if mode == "non-stream" else args.stream_requests
-    argv = [sys.executable, str(Path(__file__).resolve()), "loadgen", "--url", t.url + "/v1/completions", "--mode", mode,
-            "--requests", str(n), "--warmup", str(max(2 * args.concurrency, n // 10)), "--concurrency", str(args.concurrency),
-            "--max-seconds", str(args.max_seconds), "--stream-check", t.stream_check]
+    config = {"url": t.url + "/v1/completions", "mode": mode, "n": n, "warmup": max(2 * args.concurrency, n // 10),
+              "concurrency": args.concurrency, "max_s": args.max_seconds, "stream_check": t.stream_check}
+    argv = [sys.executable, str(Path(__file__).resolve()), "loadgen", json.dumps(config)]
     log = tmp / f"loadgen-{rep}-{t.name}-{mode}.log"
     gen = procs.start(f"loadgen {t.name} {mode}", argv, log, env={"BENCH_KEY": t.key}, stdout=subprocess.PIPE, stdin=subprocess.PIPE)
     try:
@@ -489,9 +452,7 @@ def idle_cpu(targets: list[Target], seconds: float) -> dict[str, float]:
     return {n: (sum(tree_cpu(p).values()) - before[n]) * 1e3 / seconds for n, p in pids.items()}
 
 
-# ---------------------------------------------------------------------------------------------
-# report helpers
-# ---------------------------------------------------------------------------------------------
+# -- report helpers --------------------------------------------------------------------------------
 
 def host(started: str) -> str:
     """The start of a report's first line: when, where, on what."""
@@ -518,14 +479,11 @@ def git_rev() -> str:
 
 def command_line() -> str:
     """How this run was started, repo-relative where possible, for the report."""
-    exe = Path(sys.executable)
-    try:
-        exe_s = str(exe.relative_to(REPO)) if not exe.is_absolute() or exe.is_relative_to(REPO) else str(exe)
-    except ValueError:
-        exe_s = str(exe)
-    script = Path(sys.argv[0]).resolve()
-    script_s = str(script.relative_to(REPO)) if script.is_relative_to(REPO) else str(script)
-    return shlex.join([exe_s, script_s, *sys.argv[1:]])
+    def short(path: str) -> str:
+        path = os.path.abspath(path)  # not resolved: the venv's python is a link out of the repo
+        return os.path.relpath(path, REPO) if Path(path).is_relative_to(REPO) else path
+
+    return shlex.join([short(sys.executable), short(sys.argv[0]), *sys.argv[1:]])
 
 
 def write_docs(path: Path, section: str, heading: str) -> None:
@@ -540,9 +498,7 @@ def write_docs(path: Path, section: str, heading: str) -> None:
     path.write_text(text.rstrip("\n") + "\n")
 
 
-# ---------------------------------------------------------------------------------------------
-# arguments and the run session
-# ---------------------------------------------------------------------------------------------
+# -- arguments and the run session -----------------------------------------------------------------
 
 def add_load_args(p: argparse.ArgumentParser, reps: int, reps_help: str = "interleaved repetitions") -> None:
     """The load every phase sends, for benches that run the load generator."""
@@ -635,6 +591,6 @@ def session(args: argparse.Namespace, prefix: str) -> Iterator[Session]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["loadgen"]:
-        sys.exit("usage: harness.py loadgen ... (started by run_phase for bench/peers.py)")
-    sys.exit(loadgen_main(sys.argv[2:]))
+    if len(sys.argv) != 3 or sys.argv[1] != "loadgen":
+        sys.exit("usage: harness.py loadgen JSON (started by run_phase for bench/peers.py)")
+    sys.exit(loadgen_main(sys.argv[2]))

@@ -3,16 +3,9 @@
     .venv/bin/python bench/placement.py [--requests N] [--rate R] [--time-scale S] [--seed N] [--write-docs]
 
 Six simulated engines (`engines.sim`, real processes, the GPU memory oracle on) sized like an
-H200 mix on one 141 GB GPU: a 70B at `--gpu-memory-utilization` 0.6, a 32B at 0.35, two 8B at
-0.25, an embedder and a reranker at 0.05, with weights of 140/64/16/16/1/1 GB and a host-RAM
-budget (`--ram-budget-gb`, default 160) that holds some of them at Level 1 but not all. Every
-step the router drives takes what it takes on a real GPU (the measured floors below, scaled by
-each model's weights), times `--time-scale`, so a run takes minutes:
-
-  Level-1 wake   `POST /wake_up` (sim step `wake`): weights at 54 GB/s (27 GB in 0.5 s)
-  Level-2 wake   `wake_weights` + `reload_weights` + `wake_kv_cache`: 4.5 s per 27 GB (page cache)
-  cold boot      `--sim-boot-s`: 15 s (process, CUDA context, graphs) + the Level-2 reload
-  sleep          0.3 s
+H200 mix on one 141 GB GPU (`MODELS`), with a host-RAM budget (`--ram-budget-gb`) that holds some
+of them at Level 1 but not all. Every step the router drives takes what it takes on a real GPU
+(the measured floors below, scaled by each model's weights), times `--time-scale`.
 
 One trace (`--seed`): Poisson arrivals at `--rate` requests per second of real time, each for a
 model drawn from a zipf(`--zipf`) over `--popularity`, each decoding a known number of tokens at
@@ -25,11 +18,9 @@ same trace is replayed against a fresh router and fresh engines for each policy:
              set as the scheduler's `cost`
   cost-aware placement by memory, the default `Scheduler.expected_cost`
 
-The router runs in this process (`router.app.build_router` + `build_app` on a loopback port, as
-`router/daemon.py` does), so its scheduler's cost function can be swapped; the engines are real
-processes it launches. The roster's time constants (`min_active_s`, `max_hold_s`,
-`queue.max_wait_s`, the policy's `demand_tau_s` and `reuse_horizon_s`) are scaled by
-`--time-scale` as well, so the policy sees the trace as it would in real time.
+The router runs in this process (bench/replay.py), so its scheduler's cost function can be swapped.
+The roster's time constants are scaled by `--time-scale` as well, so the policy sees the trace as it
+would in real time.
 
 Client wait = request latency - the engine's own generation time (tokens / decode rate) - the
 floor (the median of the same for 20 requests to an already awake model before the trace: the
@@ -244,9 +235,7 @@ async def run_policy(policy: str, trace: list[Req], args: argparse.Namespace, tm
     return res
 
 
-# ---------------------------------------------------------------------------------------------
-# report
-# ---------------------------------------------------------------------------------------------
+# -- report ----------------------------------------------------------------------------------------
 
 def stats(res: Result, ids: set[int]) -> tuple[float, float, int]:
     xs = [res.waits[i] for i in ids if i in res.waits]

@@ -271,6 +271,3 @@ def report(rounds: list[dict[str, Result]], header: dict, trace: list[Req], args
         cells = [f"{sum(res.waits[i] for i in ids) / len(ids):.2f}" if ids else "-" for res in results.values()]
         lines.append(f"| {name} | {len(ids)} | " + " | ".join(cells) + " |")
     return "\n".join(lines + first_errors([res.errors for res in results.values()])) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------

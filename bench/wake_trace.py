@@ -303,8 +303,7 @@ def run_child(arm: str, args: argparse.Namespace, tmp: Path) -> Result:
     return Result(**data)
 
 
-# the run
-# ---------------------------------------------------------------------------------------------
+# -- the run ---------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
