@@ -15,7 +15,8 @@ from wake_roster import MIN_ACTIVE_S, MODELS, PAGE_CACHE_GB_S, Req
 
 SECTION = "## The production trace: the last generated run"
 BATCH_SECTION = "## The batch arm: the last generated run"
-CHAOS_SECTION = "## Engines killed at random during the production trace (issue 55)"
+# Not "Engines killed at random during the production trace": that section is written by hand, from several runs.
+CHAOS_SECTION = "## The chaos arm: the last generated run"
 STREAM_CUT = "the stream was cut"  # how bench/wake_trace.py's client reports a stream it saw cut, in Result.errors
 
 
