@@ -123,14 +123,10 @@ class Processes:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.extra_groups: list[int] = []  # groups our children started (the router's engine)
 
-    def start(self, name: str, argv: list[str], log: Optional[Path], env: Optional[dict] = None, cwd: Path = REPO, **kw) -> subprocess.Popen:
-        out = open(log, "ab") if log else subprocess.DEVNULL
-        try:
+    def start(self, name: str, argv: list[str], log: Path, env: Optional[dict] = None, cwd: Path = REPO, **kw) -> subprocess.Popen:
+        with open(log, "ab") as out:  # the child holds its own copy
             proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {})}, stdout=kw.pop("stdout", out), stderr=out,
                                     stdin=kw.pop("stdin", subprocess.DEVNULL), start_new_session=True, **kw)
-        finally:
-            if log:
-                out.close()
         self.procs.append((name, proc))
         return proc
 
