@@ -118,6 +118,8 @@ class Actions(Costs, RosterChanges, Staging):
             log.info("waking %s from %s (%d waiting; predicted %.1f s)", target.name,
                      f"level {level}" if level else target.state.value, self.queued(target), predicted)
         self.to_boot.discard(target.name)
+        if self.queued(target):  # a request waited through an operator's sleep: it asked, so that sleep is over
+            self.put_to_sleep.discard(target.name)
         woke = time.monotonic()
         # A victim a reload removed since its park has no phases left to report (and no engine to read).
         victims = [e for e in map(self._engine, moved) if e is not None]

@@ -207,8 +207,10 @@ class Checker:
                 self.breaks(4, f"{action} {engine.name} ({decision.why}) while it has interactive demand ({demand}) "
                                "and no interactive request waits for anything")
         self.check_batch_room(decision)
-        if action in ("wake", "boot") and engine.name in self.slept_by_operator and not self.s.waiting[engine.name]:
-            self.breaks(7, f"{action} {engine.name}, which an operator put to sleep, with no request for it ({decision.why})")
+        if action in ("wake", "boot") and engine.name in self.slept_by_operator:
+            if not self.s.waiting[engine.name]:
+                self.breaks(7, f"{action} {engine.name}, which an operator put to sleep, with no request for it ({decision.why})")
+            self.slept_by_operator.discard(engine.name)  # a request waiting through the sleep woke it: the sleep is over
 
     def check_preemption(self, decision: Any) -> None:
         """Promise 8 (the new one beside DESIGN.md's seven): an interactive waiter never waits behind an engine whose
@@ -681,6 +683,62 @@ def test_two_models_an_operator_puts_to_sleep_at_once_do_not_both_take_the_host_
     state.promises_hold()
     state.time_passes(seconds=200.0)
     state.promises_hold()
+    state.teardown()
+
+
+def test_a_request_that_waited_through_an_operators_sleep_ends_that_sleep_regression() -> None:
+    """As a 3,000-run simulation found it: a batch request waits for m0, an operator puts m0 to sleep, the request
+    wakes it (it asked), a user's model preempts it, a reload changes m0's entry, and m0 boots again in the background
+    with nobody waiting. The oracle kept the operator's sleep past the wake its waiter made; the scheduler kept it
+    only until the preempted request asked again (while it held, m0 was never woken ahead nor booted after a change)."""
+    def model(name: str, share: str = "0.2", pin: bool = False) -> tuple[dict[str, Any], Timing, HostModel]:
+        return ({"name": name, "model": f"/m/{name}", "args": ["--gpu-memory-utilization", share], "devices": [0],
+                 "sleep_level": "auto", **({"pin": True} if pin else {})},
+                Timing(boot_s=5.0, wake_s=(0.3, 0.5, 3.0), sleep_s=0.2, gate_s=0.5), HostModel(level1_factor=1.0, measured=False))
+    state = SchedulerRun()
+    state.boot(roster={"gpus": 1, "virtual": None, "ram_gb": 0.0,
+                       "models": [model("m0"), model("m1", pin=True), model("m2", pin=True), model("m3"), model("m4"),
+                                  model("m5", "0.5"), model("m6"), model("m7")],
+                       "swap": {"min_active_s": 0.0, "max_hold_s": 5.0, "drain_timeout_s": 0.0, "idle_sleep_s": None,
+                                "interactive_hold_s": 0.0, "reuse_horizon_s": 10.0, "wake_ahead": False, "demand_tau_s": 60.0},
+                       "queue": {"max_wait_s": 30.0, "batch_max_wait_s": 60.0, "max_waiting": 2}})
+    state.a_reload_removes_a_model(which=1)
+    state.time_passes(seconds=45.0)
+    state.added += 1
+    state.add_model(*model("new1", pin=True))
+    state.a_reload_removes_a_model(which=1)
+    state.a_client_leaves(which=0)
+    state.request(by_virtual=False, hold_s=5.0, klass=BATCH, n=1, which=0)
+    state.an_operator_puts_a_model_to_sleep(which=0)
+    state.time_passes(seconds=10.0)
+    state.promises_hold()
+    state.a_fault(fault="boot", which=0)
+    state.a_reload_changes_a_model(share=0.2, which=0)
+    state.request(by_virtual=False, hold_s=0.5, klass=INTERACTIVE, n=1, which=1)
+    state.request(by_virtual=False, hold_s=0.5, klass=INTERACTIVE, n=1, which=3)
+    state.a_client_leaves(which=0)
+    state.time_passes(seconds=10.0)
+    state.promises_hold()
+    assert "m0" not in state.s.put_to_sleep
+    state.teardown()
+
+
+def test_an_operators_sleep_of_a_model_whose_request_waits_ends_when_that_request_wakes_it() -> None:
+    """The scheduler's side of the run above: the waiting request asked for m0, so once it woke m0 the operator's
+    sleep no longer keeps m0 from being woken ahead or booted after a change (it did until a new request came)."""
+    roster = two_models()
+    for entry, _, _ in roster["models"]:
+        entry["args"] = ["--gpu-memory-utilization", "0.6"]  # one at a time
+    state = SchedulerRun()
+    state.boot(roster=roster)
+    state.time_passes(seconds=200.0)
+    assert state.world.engines["m0"].state is State.SLEEPING
+    state.request(which=0, klass=BATCH, n=1, hold_s=0.5, by_virtual=False)
+    state.an_operator_puts_a_model_to_sleep(which=0)  # m0 is still asleep: its wake waits for m1's park
+    assert "m0" in state.s.put_to_sleep
+    state.time_passes(seconds=30.0)
+    state.promises_hold()
+    assert state.world.clients[-1].outcome == "granted" and "m0" not in state.s.put_to_sleep
     state.teardown()
 
 
