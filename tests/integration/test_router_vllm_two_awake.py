@@ -1,11 +1,16 @@
-"""Roster hot reload with real `vllm serve` engines on CPU: a changed engine is restarted from its
-new entry (a new process, a new cold-boot baseline) while requests for the other one, through
-an alias the same reload added, keep being answered; a removed engine's process is stopped.
+"""Two real `vllm serve` engines on CPU that fit together, booted once for two scenarios (each boot is
+a minute of CI's time on 2 cores):
 
-config/examples/vllm-cpu.yaml's two models, each given `--gpu-memory-utilization 0.4` so both
-stay awake (the reload's restart is what is under test, not a swap), and each its own core: left
-to vLLM's automatic binding, both engines' OMP threads took core 0, and the restarted one, booting
-beside the one serving, did not come up within 7 minutes.
+- placement by memory: config/examples/vllm-cpu.yaml's two models, each given
+  `--gpu-memory-utilization 0.4`, are awake at the same time, and requests alternating between them
+  never park either (the CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE and ignores the
+  share; the router's arithmetic is what is under test: 0.4 + 0.4 fits in one device);
+- roster hot reload: a changed engine is restarted from its new entry (a new process, a new cold-boot
+  baseline) while requests for the other one, through an alias the same reload added, keep being
+  answered; a removed engine's process is stopped.
+
+Each engine gets its own core: left to vLLM's automatic binding, both engines' OMP threads took core 0,
+and the restarted one, booting beside the one serving, did not come up within 7 minutes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from tests.support import pid_alive
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config" / "examples" / "vllm-cpu.yaml"
+PROMPT = "The router wakes the model and"
 
 
 def roster() -> dict[str, Any]:
@@ -36,7 +42,7 @@ def roster() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def router(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRouter]:
-    with LiveRouter.booted(roster(), tmp_path_factory.mktemp("reload"), timeout=3 * BOOT_TIMEOUT_S) as live:
+    with LiveRouter.booted(roster(), tmp_path_factory.mktemp("two-awake"), timeout=3 * BOOT_TIMEOUT_S) as live:
         yield live
 
 
@@ -45,6 +51,29 @@ def reload(router: LiveRouter, data: dict[str, Any]) -> dict[str, Any]:
     code, body = http("POST", router.url + "/admin/reload", timeout=120)
     assert code == 200, (code, body)
     return body
+
+
+def test_two_real_engines_that_fit_together_are_both_awake_and_alternating_requests_never_park_either(router: LiveRouter):
+    names = [m["name"] for m in roster()["models"]]
+    assert sorted(router.awake()) == sorted(names), "both booted and both stayed awake: 0.4 + 0.4 fits"
+    client = router.client()
+    answers: dict[str, set[str]] = {name: set() for name in names}
+    for name in names * 5:
+        answer = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0)
+        assert answer.model == name and answer.usage.completion_tokens == 8
+        answers[name].add(answer.choices[0].text)
+    assert all(len(texts) == 1 for texts in answers.values()), f"temperature 0 answers the same each time: {answers}"
+    status = router.status()
+    assert status["swaps"] == [] and sorted(router.awake()) == sorted(names)
+    values = router.metrics()
+    sleeps = sum(router.metric(values, "hotswap_swap_phase_duration_seconds_count", model=n, group="", phase="sleep")
+                 for n in names)
+    evictions = sum(v for (metric, _), v in values.items() if metric == "hotswap_evictions_total")
+    assert sleeps == 0 and evictions == 0, (sleeps, evictions)
+    for name in names:  # and vLLM itself was never asked to sleep
+        assert not any("POST /sleep" in line for line in router.log_since(name, 0)), name
+    REPORT["placement_two_awake"] = {"requests": 10, "sleeps": 0,
+                                     "gpu0_planned": status["placement"]["devices"][0]["planned"]}
 
 
 def test_a_changed_real_engine_restarts_with_a_new_baseline_while_the_other_serves_on(router: LiveRouter):
