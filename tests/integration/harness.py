@@ -53,12 +53,14 @@ def progress(message: str) -> None:
     now = time.monotonic()
     _started = now if _started is None else _started
     line = f"[vllm tier {_clock(now - _started)}] {message}"
-    reporter = _pytest_config.pluginmanager.get_plugin("terminalreporter") if _pytest_config is not None else None
-    if reporter is None:  # outside pytest, or with its terminal plugin off
-        print(line, file=sys.stderr, flush=True)
-        return
-    capture = _pytest_config.pluginmanager.get_plugin("capturemanager")
+    plugins = _pytest_config.pluginmanager if _pytest_config is not None else None
+    reporter = plugins.get_plugin("terminalreporter") if plugins is not None else None
+    capture = plugins.get_plugin("capturemanager") if plugins is not None else None
     with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        # On an xdist worker the terminal is the controller's: a worker's stderr reaches it, its reporter does not.
+        if reporter is None or hasattr(_pytest_config, "workerinput"):
+            print(line, file=sys.stderr, flush=True)
+            return
         reporter.ensure_newline()
         reporter.write_line(line)
         reporter.flush()
