@@ -1,43 +1,55 @@
-"""The whole suite runs in parallel (pytest-xdist: `-n` and `--dist loadgroup` in pyproject's addopts),
-since most tests wait on timers and processes rather than compute. This decides which tests share a worker:
+"""The whole suite runs in parallel (pytest-xdist, `-n` in pyproject's addopts), since most tests wait on
+timers and processes rather than compute. `Scheduling` decides which tests share a worker:
 
-- the real-vLLM tier is one group: its engines share the session's venv, tiny models and the `spec_engine`,
-  and two CPU engines booting side by side on a 2-core machine each take as long as both one after the other;
-- a test using a module- or class-scoped fixture (a router, a sim engine booted once for its module) runs on
-  the worker that set it up, so the fixture is set up once, not once per worker;
-- every other test goes wherever a worker is free.
+- the real-vLLM tier is one unit, first: its engines share the session's venv, tiny models and the
+  `spec_engine`, and CPU engines booting side by side on a 2-core machine starve each other (tried: with
+  the tier spread over four workers the load reached 16 and the run slowed to a crawl); it is the longest
+  unit, so it starts first and the others fill in beside it;
+- every other module is a unit of its own, so a module-scoped router or sim engine is set up once.
 
-The tier's measurements and progress lines are made on the worker that runs it; they reach the terminal from
-here (xdist's controller collects nothing, so tests/integration/conftest.py is not loaded on it).
+xdist's own `--dist loadgroup` cannot say this under pytest 9.2: it tags node ids, which pytest no longer
+lets a plugin rewrite. The tier's measurements and progress lines are made on the worker that runs it; they
+reach the terminal from here (xdist's controller collects nothing, so tests/integration/conftest.py is
+not loaded on it).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 from typing import Any
 
 import pytest
 
-SHARED_SCOPES = ("module", "class", "package")
+VLLM_TIER = "tests/integration/"
 
 
-def xdist_group(item: pytest.Item) -> str | None:
-    path = item.nodeid.split("::", 1)[0]
-    if path.startswith("tests/integration/"):
-        return "vllm"
-    fixtures = getattr(item, "_fixtureinfo", None)
-    for defs in (fixtures.name2fixturedefs.values() if fixtures else ()):
-        if any(d.scope in SHARED_SCOPES for d in defs):
-            return path
-    return None
+def unit_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return "the real-vLLM tier" if path.startswith(VLLM_TIER) else path
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marks into scheduling groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        group = xdist_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # an xdist hook, absent when run without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        """xdist's by-module scheduling, with the real-vLLM tier as one unit, in the workers' order."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    config.option.loadscopereorder = False  # the order is the one below, not xdist's (most tests first)
+    return Scheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker (whose collection the controller schedules from, in order): the vLLM tier first,
+    as it takes longest, then the other units with the most tests first."""
+    if not hasattr(config, "workerinput"):
+        return  # a run in one process keeps pytest's order: the fast tiers first
+    sizes = collections.Counter(unit_of(item.nodeid) for item in items)
+    items.sort(key=lambda item: (not item.nodeid.startswith(VLLM_TIER), -sizes[unit_of(item.nodeid)]))
 
 
 # -- the real-vLLM tier's report, from the worker that ran it ---------------------------------------------
@@ -52,7 +64,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         workeroutput["vllm_report"] = json.dumps(REPORT)
 
 
-@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent when run without it
+@pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
     REPORTS.update(json.loads(getattr(node, "workeroutput", {}).get("vllm_report", "{}")))
 
