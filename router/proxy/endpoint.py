@@ -180,8 +180,8 @@ class Walk:
         except Cut as exc:
             await self.cut_for_good(exc, paused.response, route)
         self.first_byte_at = self.first_byte_at or request.get("first_byte_at")
-        log.info("paused an answer of %s to %s (%s): %s; it resumes once the model serves again", engine.name,
-                 request.remote, paused.reason, paused.why)
+        log.info("paused an answer of %s to %s (%s): %s; the rest is asked for as a continuation once the model serves again",
+                 engine.name, request.remote, paused.reason, paused.why)
         await self.migrate(route, paused, pauses)
         if paused.reason == ENGINE_FAILED and engine.probe is not None:  # a lease before the probe's verdict would be for a dead engine
             await asyncio.wait({engine.probe}, timeout=PROBE_WAIT_S)
