@@ -105,15 +105,16 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=10)  # a probe of a router that hangs fails, and is polled again
+
+
 class RouterProcess:
     """A real `hotswap serve` process on a free loopback port."""
 
     def __init__(self, roster: dict[str, Any], tmp_path, env: Optional[dict[str, str]] = None, admin_key: Optional[str] = None,
                  port: Optional[int] = None, args: tuple[str, ...] = ()):
-        import subprocess
-        import sys
-
-        self.port = port or free_port()  # given: a router whose URL others were told before it started (peers)
+        self.own_port = port is None  # given: a router whose URL others were told before it started (peers)
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.env = dict(env or {})
@@ -121,23 +122,42 @@ class RouterProcess:
         self.roster_path.write_text(yaml.safe_dump(roster))
         self.log_path = tmp_path / "router.log"
         self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--config", str(self.roster_path), "--port", str(self.port),
-             "--log-dir", str(tmp_path / "engines"), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-        )
+        self._argv = ["--config", str(self.roster_path), "--log-dir", str(tmp_path / "engines"), *args]
+        self.port_retries = 0
+        self._spawn()
+
+    def _spawn(self) -> None:
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--port", str(self.port), *self._argv],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+
+    def _lost_its_port(self) -> bool:
+        """free_port's port was taken by another process (a test beside this one) before the router bound it:
+        start again on another port. Only at start, and only for a port this object chose."""
+        taken = f"cannot listen on 127.0.0.1:{self.port}: error while attempting to bind"
+        if not self.own_port or self.port_retries >= 3 or taken not in self.log():
+            return False
+        self.port_retries += 1
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log.write(f"--- tests.support: port taken before the router bound it; starting again on {self.port}\n")
+        self._log.flush()
+        self._spawn()
+        return True
 
     def log(self) -> str:
         return self.log_path.read_text()
 
     def check_alive(self) -> None:
-        if self.proc.poll() is not None:
+        if self.proc.poll() is not None and not self._lost_its_port():
             raise Hopeless(f"the router exited with {self.proc.returncode}:\n{self.log()}")
 
     async def wait_listening(self, timeout: float = 30) -> None:
         async def health() -> bool:
             self.check_alive()
-            async with aiohttp.ClientSession() as s, s.get(self.url + "/health") as r:
+            async with aiohttp.ClientSession(timeout=PROBE_TIMEOUT) as s, s.get(self.url + "/health") as r:
                 return r.status == 200
 
         await eventually(health, timeout, interval=0.05, what=f"router listening at {self.url}")
@@ -145,7 +165,7 @@ class RouterProcess:
     async def wait_ready(self, timeout: float = 30, session=None) -> None:
         async def ready() -> bool:
             self.check_alive()
-            async with aiohttp.ClientSession() as s, s.get(self.url + "/ready") as r:
+            async with aiohttp.ClientSession(timeout=PROBE_TIMEOUT) as s, s.get(self.url + "/ready") as r:
                 return r.status == 200
 
         async def booted() -> bool:
@@ -157,7 +177,7 @@ class RouterProcess:
 
     async def status(self) -> dict[str, Any]:
         self.check_alive()
-        async with aiohttp.ClientSession() as s, s.get(self.url + "/admin/status", headers=self.admin_headers) as r:
+        async with aiohttp.ClientSession(timeout=PROBE_TIMEOUT) as s, s.get(self.url + "/admin/status", headers=self.admin_headers) as r:
             return await r.json()
 
     async def engine(self, name: str) -> dict[str, Any]:

@@ -47,3 +47,22 @@ async def test_engines_on_different_gpus_boot_at_once_and_on_one_gpu_one_after_t
     events = [m.group(0) for m in re.finditer(r"booting \w+ \(|\w+ booted in", router.log())]
     assert events.index("booting a1 (") < events.index("a0 booted in"), f"GPU 1 boots beside GPU 0: {events}"
     assert events.index("a0 booted in") < events.index("booting b0 ("), f"GPU 0 boots one at a time: {events}"
+
+
+async def test_a_router_whose_port_was_taken_before_it_bound_it_starts_again_on_another(start_router, monkeypatch):
+    """The tests' own harness (tests.support.RouterProcess): parallel workers pick free ports at once, and one
+    may take the port another just picked for its router. That router starts again, once, on another port."""
+    import socket
+
+    import tests.support
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))  # bound, not listening: the router cannot bind it, and a probe of it is refused
+    port = taken.getsockname()[1]
+    picks = iter([port])
+    real = tests.support.free_port
+    monkeypatch.setattr(tests.support, "free_port", lambda: next(picks, None) or real())
+    with taken:
+        router = await start_router(roster_dict(booting("alpha", 0)))
+    assert router.port_retries == 1 and router.port != port
+    assert "address already in use" in router.log() and await ask(client(router), "alpha")
