@@ -36,9 +36,12 @@ class LiveRouter:
     def __init__(self, roster: dict[str, Any], workdir: Path):
         self.workdir = workdir
         self.proc = RouterProcess(roster, workdir)
-        self.url = self.proc.url
         self.log_dir = workdir / "engines"
         self.engine_pids: set[int] = set()  # every engine process group leader seen in /admin/status
+
+    @property
+    def url(self) -> str:
+        return self.proc.url  # it may start again on another port (tests.support.RouterProcess)
 
     # -- lifecycle -------------------------------------------------------------------------
 
