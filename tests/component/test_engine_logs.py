@@ -129,6 +129,9 @@ def stalled_follower(router, model: str) -> socket.socket:
     s.connect(("127.0.0.1", router.port))
     s.sendall(f"GET /admin/logs/{model}?follow=1&lines=0 HTTP/1.1\r\nHost: router\r\n"
               "Authorization: Bearer ops-key\r\n\r\n".encode())
+    # Following from the end (lines=0): a flood written before the router began following would never be sent.
+    # Its answer's head, peeked at (not taken), says it has begun.
+    until(lambda: s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT), 10, "the router following the log")
     return s
 
 

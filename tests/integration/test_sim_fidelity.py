@@ -122,7 +122,9 @@ async def _collect(url: str) -> list[dict]:
 
 
 def test_every_simulated_route_has_vllms_shape(vllm_venv, tmp_path):
-    sim = launch_sim_engine(tmp_path, "--sim-token-rate", "100000", env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+    # 10 tokens/s: the background response runs >= 6.4 s (no EOS before 64 words), so its cancel finds it running
+    # on a loaded machine too (at 100,000/s it had ended first, and the cancel was a 400, as vLLM's would be).
+    sim = launch_sim_engine(tmp_path, "--sim-token-rate", "10", env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
     try:
         cases = asyncio.run(_collect(sim.url))
     finally:
