@@ -309,7 +309,8 @@ def report(phases: list[h.Phase], targets: list[h.Target], unavailable: dict[str
     def check(label: str, a: str, b: str, mode: str, limit: float) -> None:
         r, per = ratio(a, b, mode)
         if r is None:
-            verdict.append(f"- {label}: not measured ({b} {'unavailable' if b in unavailable else 'missing'}).")
+            why = "unavailable" if b in unavailable else "not run" if b not in names else "no CPU per request measured: too short a run"
+            verdict.append(f"- {label}: not measured ({b}: {why}).")
             return
         verdict.append(f"- {label}: hotswap ÷ {b} = **{r:.2f}×** (per rep {', '.join(f'{x:.2f}' for x in per)}), "
                        f"target ≤ {limit:g}×: **{'met' if r <= limit else 'missed'}**.")
