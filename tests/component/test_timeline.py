@@ -76,7 +76,9 @@ async def test_minutes_narrows_the_window_and_bad_input_gets_a_400_in_openais_sh
     assert states(narrow["engines"]["a"]) == ["awake"], "only the interval still open reaches into the window"
     assert narrow["engines"]["a"][0]["from"] == awake_since, "it keeps its real start"
     assert narrow["swaps"] == [] and narrow["marks"] == []
-    assert len(narrow["samples"]) == 1 and narrow["samples"][0]["at"] < narrow["since"], "the sample in force at the window's start"
+    first, *within = narrow["samples"]  # a sample a second: one may land inside the 60 ms too
+    assert first["at"] < narrow["since"], "the sample in force at the window's start comes first"
+    assert len(within) <= 1 and all(s["at"] >= narrow["since"] for s in within), narrow["samples"]
 
     for bad in ("0", "-5", "61", "soon", "nan", "inf", "1_0", " 5", "1e1"):
         status, _, body = await http(router, "GET", f"/admin/timeline?minutes={bad}")
