@@ -13,6 +13,7 @@ import sys
 
 from aiohttp import web
 
+from router.errors import for_clients
 from tests.support import ask, client, eventually, free_port, http, roster_dict
 
 PASSWORD = "s3cret-Pa55word"
@@ -91,7 +92,9 @@ async def test_a_client_told_an_engine_failed_hears_why_but_not_where_it_listens
     status, _, body = await http(router, "POST", "/v1/completions", json={"model": "ext", "prompt": "x"})
     assert status == 503 and body["error"]["code"] == "engine_failed", body
     message = body["error"]["message"]
-    assert "ext" in message and "not healthy" in message and "<engine address>" in message, message
+    assert "ext" in message and "not healthy" in message, message
     assert str(port) not in message and "127.0.0.1" not in message, message
+    # The last probe was refused (its error names the address), or, on a loaded machine, timed out (no address).
     failure = (await router.engine("ext"))["failure"]
-    assert str(port) in failure, "the operator's view keeps the address"
+    assert str(port) in failure or "no answer within" in failure, failure
+    assert for_clients(failure) in message, "the client reads the operator's failure, its address masked"
