@@ -89,6 +89,15 @@ class APIError(Exception):
         self.param = param
         self.retry_after = retry_after
         self.close_connection = close_connection  # the client's connection is closed once this is written
+        # A request refused after it waited: its wait's parts (router.scheduling.state.Lease), for its activity record.
+        self.wait: Any = None
+
+    def after_waiting(self, wait: Any) -> APIError:
+        """This error for one waiter, with its wait's parts: an engine's failure is one error for all its waiters."""
+        error = APIError(self.status, self.message, self.code, param=self.param, retry_after=self.retry_after,
+                         close_connection=self.close_connection)
+        error.wait = wait
+        return error
 
     def response(self, anthropic: bool = False) -> web.Response:
         return error_response(self.status, self.message, self.code, param=self.param, retry_after=self.retry_after,

@@ -314,11 +314,16 @@ class Walk:
         limit = max_wait(self.request)
         self.klass = klass = request_class(self.request, grant_of(self.request))  # recorded even when the wait fails
         prepared = None
-        if keepalive_s:
-            prepared, self.lease = await keepalive.acquire(self.request, self.router.placement, self.engine, keepalive_s,
-                                                           anthropic, max_wait_s=limit, klass=klass)
-        else:
-            self.lease = await self.router.placement.acquire(self.engine, max_wait_s=limit, klass=klass)
+        try:
+            if keepalive_s:
+                prepared, self.lease = await keepalive.acquire(self.request, self.router.placement, self.engine, keepalive_s,
+                                                               anthropic, max_wait_s=limit, klass=klass)
+            else:
+                self.lease = await self.router.placement.acquire(self.engine, max_wait_s=limit, klass=klass)
+        except (APIError, keepalive.AnsweredInStream) as exc:
+            if exc.wait is not None:  # refused after waiting: the record says how long and why
+                self.lease, self.queued_s = exc.wait, time.monotonic() - self.started
+            raise
         self.queued_s = time.monotonic() - self.started
         return prepared
 
@@ -393,9 +398,11 @@ class Walk:
         if request.get(CUT) and self.cut is None:
             self.cut = self.unresumable or "mid_event"
             self.router.metrics.stream_cut(label, self.cut)
-        self.router.metrics.request_done(label, group, self.endpoint, "true" if self.stream else "false", self.status,
-                                         self.queued_s, first_byte_s, done - self.started, key=key)
         lease, numbers = self.lease, request.get(ANSWER_NUMBERS, NONE)
+        # The queue-wait histogram is the wait for an awake engine: a refused wait's is in its activity record only.
+        self.router.metrics.request_done(label, group, self.endpoint, "true" if self.stream else "false", self.status,
+                                         None if lease is not None and lease.refused else self.queued_s, first_byte_s,
+                                         done - self.started, key=key)
         self.router.activity.request_done(
             key_name=key, model=self.asked, engine=None if engine is None else engine.name, peer=self.peer, endpoint=self.endpoint,
             status=self.status, found_awake=None if lease is None else lease.found_awake,

@@ -31,10 +31,11 @@ ENGINE_FAILED_CODE = "engine_failed"
 class AnsweredInStream(Exception):
     """The request failed after its stream's headers were sent; the error is in the stream."""
 
-    def __init__(self, response: web.StreamResponse, status: int):
+    def __init__(self, response: web.StreamResponse, status: int, wait: Optional[Lease] = None):
         super().__init__(status)
         self.response = response
         self.status = status
+        self.wait = wait  # a refused wait's parts (APIError.wait)
 
 
 def doing(engine: Engine) -> str:
@@ -90,7 +91,7 @@ async def acquire(request: web.Request, scheduler, engine: Engine, interval: flo
             raise
         await response.write(sse_error(exc.message, exc.code, status=exc.status, anthropic=anthropic))
         await response.write_eof()
-        raise AnsweredInStream(response, exc.status) from None
+        raise AnsweredInStream(response, exc.status, exc.wait) from None
     return response, lease
 
 

@@ -49,13 +49,15 @@ class Waiter:
 @dataclass(frozen=True)
 class Lease:
     """How a request came by its lease: at once (its engine was awake), or after waiting, for
-    swap `swap_id` (SwapRecord.id) when a wake granted it."""
+    swap `swap_id` (SwapRecord.id) when a wake granted it; or, `refused`, how it waited for none
+    (a timeout, its engine's failure: APIError.wait)."""
 
     found_awake: bool
     swap_id: Optional[int] = None
     swap_s: Optional[float] = None  # a wait's parts (history.WaitParts): its swap, what held it (`reason=s,...`), their sum
     held: Optional[str] = None
     held_s: Optional[float] = None
+    refused: bool = False
 
 
 AT_ONCE = Lease(found_awake=True)
@@ -178,16 +180,22 @@ class SchedulerState:
                 self.release(engine, counted)
             self._forget(waiter)
             raise
+        # Its parts are cut before the waiter is forgotten: the next arrival at an empty queue starts them afresh.
+        parts = self.wait_parts.parts(engine.name, waiter.since, self.clock())
+        refused = Lease(False, None, *parts, refused=True)
         if not waiter.future.done():
             self._forget(waiter)
             held, last = self.held_by.get(engine.name) if klass == BATCH else None, self.wait_parts.now(engine.name)
-            raise APIError(503, f"model '{engine.name}' did not become ready within {limit_name}={limit:g} s "
-                           f"(engine state: {engine.state.value})" + (f"; a batch request takes no room from interactive "
-                           f"users, and {held}" if held else f"; held ({last['reason']}): {last['why']}" if last and last["why"]
-                           else ""), "model_not_ready",
-                           retry_after=self.predicted_wait(engine, self.clock()))
-        # raises the APIError a failed engine left for its waiters
-        return Lease(False, waiter.future.result(), *self.wait_parts.parts(engine.name, waiter.since, self.clock()))
+            error = APIError(503, f"model '{engine.name}' did not become ready within {limit_name}={limit:g} s "
+                             f"(engine state: {engine.state.value})" + (f"; a batch request takes no room from interactive "
+                             f"users, and {held}" if held else f"; held ({last['reason']}): {last['why']}" if last and last["why"]
+                             else ""), "model_not_ready", retry_after=self.predicted_wait(engine, self.clock()))
+            error.wait = refused
+            raise error
+        try:
+            return Lease(False, waiter.future.result(), *parts)
+        except APIError as exc:  # the error a failed engine left for its waiters
+            raise exc.after_waiting(refused) from None
 
     def lease_at_once(self, engine: Engine, klass: str = INTERACTIVE) -> Optional[Lease]:
         """A client request's lease when its engine is awake and free now (None: `acquire` it), taken

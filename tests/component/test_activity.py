@@ -227,7 +227,8 @@ async def test_a_request_whose_wake_the_gate_refused_for_good_is_recorded_as_the
     assert status == 503 and body["error"]["code"] == "engine_failed", body
     [record] = await newest(router, 1)
     assert record["engine"] == "b" and record["status"] == 503
-    assert record["found_awake"] is None and record["swap_id"] is None, "no lease was taken"
+    assert record["found_awake"] is False and record["swap_id"] is None, "it waited, for no lease"
+    assert record["swap_s"] > 0 and record["queue_wait_s"] >= record["swap_s"], "the wake the gate refused is its wait"
     assert record["duration_s"] > 0 and record["completion_tokens"] is None
     no_text(record, PROMPT)
 

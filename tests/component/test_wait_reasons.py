@@ -10,7 +10,7 @@ import sys
 import aiohttp
 import openai
 
-from tests.support import ask, client, eventually, roster_dict, sim_model
+from tests.support import ask, client, eventually, http, metric_lines, roster_dict, sim_model
 from tests.component.test_activity import newest
 
 
@@ -85,3 +85,20 @@ async def test_a_wait_that_runs_out_while_held_says_what_held_it_in_its_503(star
         raise AssertionError("b was served inside a's min_active_s")
     assert "did not become ready within queue.max_wait_s=1 s" in message
     assert "held (min_active): 'a' has been awake" in message and "swap.min_active_s=30" in message, message
+    record = (await newest(router, 2))[0]
+    assert record["model"] == "b" and record["status"] == 503 and record["found_awake"] is False, record
+    assert record["held"] and record["held"]["min_active"] > 0.9, "a refused wait's record says what held it"
+    assert 0.9 < record["queue_wait_s"] < 5 and abs(record["queue_wait_s"] - record["held_s"] - record["swap_s"]) < 0.3, record
+    assert "min_active" in next(line for line in activity_cli(router).splitlines() if " b " in line)
+    # The queue-wait histogram stays the wait for an awake engine: b never had one.
+    assert 'model="b"} 0.0' in await metric_lines(router, "hotswap_queue_wait_seconds_count"), "a refused wait is no queue wait"
+
+
+async def test_a_request_whose_engine_fails_its_boot_while_it_waits_says_how_long_the_boot_took(start_router):
+    broken = sim_model("b", args=("--sim-fail-boot",))
+    router = await start_router(roster_dict(sim_model("a"), broken, swap={"boot_timeout_s": 30}), booted=False)
+    status, _, body = await http(router, "POST", "/v1/completions", json={"model": "b", "prompt": "x", "max_tokens": 2})
+    assert status == 503 and body["error"]["code"] == "engine_failed", body
+    record = (await newest(router, 1, "?model=b"))[0]
+    assert record["status"] == 503 and record["found_awake"] is False, record
+    assert record["swap_s"] is not None and record["swap_s"] > 0, "the boot it waited for is its swap"
