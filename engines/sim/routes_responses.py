@@ -112,7 +112,7 @@ class ResponsesRoutes:
         if prev is not None and prev not in self.store:
             raise not_found(prev)
         sampling = {"max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature", 1.0),
-                    "seed": body.get("seed"), "stream": body.get("stream", False)}
+                    "seed": body.get("seed"), "stream": body.get("stream", False), "ignore_eos": body.get("ignore_eos")}
         prompt, ptoks = s._chat_prompt({"messages": msgs})
         gen = s._sampling({k: v for k, v in sampling.items() if v is not None}, prompt, ptoks, chat=True, model=model)
         store = body.get("store", True) is not False and self.store_enabled

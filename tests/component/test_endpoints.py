@@ -29,7 +29,9 @@ STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 
 def roster(**sections) -> dict:
     return roster_dict(
-        sim_model("chat", default=True, group="g", env=STORE, args=("--enable-lora", "--lora-modules", "terse=/adapters/terse")),
+        # A context long enough for a background response still running when a test cancels it on a loaded machine.
+        sim_model("chat", default=True, group="g", env=STORE, args=("--enable-lora", "--lora-modules", "terse=/adapters/terse",
+                                                                    "--max-model-len", "32768")),
         sim_model("other", group="g", env=STORE),
         auth={"api_keys": ["${EP_CLIENT}"], "admin_key": "${EP_ADMIN}",
               "keys": [{"key": "${EP_TERSE}", "name": "terse-only", "models": ["terse"]}]},
@@ -118,8 +120,9 @@ async def test_retrieve_and_cancel_go_to_the_creating_engine_and_wake_it(router)
 
 async def test_a_background_response_can_be_cancelled_through_the_router(router):
     c = client(router, KEY)
-    created = await c.responses.create(model="chat", input="slow", max_output_tokens=4000, temperature=0, background=True,
-                                       extra_body={"max_output_tokens": 4000})
+    # Its EOS ignored (vLLM's ResponsesRequest.ignore_eos), it runs 15 s at the sim's 2,000 tokens/s: the cancel finds it running.
+    created = await c.responses.create(model="chat", input="slow", max_output_tokens=30000, temperature=0, background=True,
+                                       extra_body={"ignore_eos": True})
     assert created.status in ("queued", "in_progress")
     cancelled = await c.responses.cancel(created.id)
     assert cancelled.status == "cancelled"
