@@ -120,7 +120,8 @@ async def test_retrieve_and_cancel_go_to_the_creating_engine_and_wake_it(router)
 
 async def test_a_background_response_can_be_cancelled_through_the_router(router):
     c = client(router, KEY)
-    # Its EOS ignored (vLLM's ResponsesRequest.ignore_eos), it runs 15 s at the sim's 2,000 tokens/s: the cancel finds it running.
+    # Its EOS ignored (vLLM's ResponsesRequest.ignore_eos), it runs 15 s at the sim's 2,000 tokens/s: the cancel finds it
+    # running on a loaded machine (an answer that ends at its EOS, ~160 tokens, is over in 80 ms).
     created = await c.responses.create(model="chat", input="slow", max_output_tokens=30000, temperature=0, background=True,
                                        extra_body={"ignore_eos": True})
     assert created.status in ("queued", "in_progress")
@@ -140,8 +141,8 @@ async def test_a_key_scoped_to_an_adapter_retrieves_cancels_and_continues_its_ow
     c = client(router, TERSE_KEY)
     created = await c.responses.create(model="terse", input="tell me about presses", max_output_tokens=8, temperature=0)
     assert (await c.responses.retrieve(created.id)).output_text == created.output_text
-    background = await c.responses.create(model="terse", input="slow", background=True, temperature=0,
-                                          extra_body={"max_output_tokens": 4000})
+    background = await c.responses.create(model="terse", input="slow", background=True, temperature=0, max_output_tokens=30000,
+                                          extra_body={"ignore_eos": True})  # still running when cancelled (see above)
     assert (await c.responses.cancel(background.id)).status == "cancelled"
     # a follow-up naming no model continues under the adapter, not the base model the key may not use
     status, body = await post(router, "/v1/responses", {"input": "and then?", "previous_response_id": created.id,
