@@ -41,7 +41,7 @@ from config.argv import (
     no_router_owned_flags,
     split_argv,
 )
-from config.secrets import split_userinfo, mask_argv, mask_env, mask_url
+from config.secrets import split_userinfo, mask_argv, mask_env, mask_tree, mask_url
 from config.sections import Activity, ApiKey, Auth, Gpu, Host, Listen, Node, NonEmptyStr, Queue, Section, StepTimeouts, Swap
 
 __all__ = ["Activity", "ApiKey", "Auth", "Gate", "Gpu", "Host", "Listen", "ModelSpec", "Node", "Queue", "Roster", "RosterFile", "Section", "StepTimeouts", "Swap"]
@@ -407,5 +407,7 @@ class Roster(Section):
                     m[key] = spec.masked(m[key])
             if m["model"] is not None:  # it is in the argv too
                 m["model"] = spec.masked([m["model"]])[0]
+            if m["speculative"] is not None:  # so is this, as --speculative-config
+                m["speculative"] = mask_tree(m["speculative"], spec._from_env)
             m["url"] = spec.shown_url
         return data

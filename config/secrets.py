@@ -10,7 +10,7 @@ attached engine's `url` (`http://user:pw@host`), written in the file or not.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 MASK = "***"
@@ -49,6 +49,17 @@ def mask_argv(argv: Iterable[str], from_env: Iterable[str] = ()) -> list[str]:
 def mask_env(env: Mapping[str, str], from_env: Iterable[str] = ()) -> dict[str, str]:
     """`env` safe to print: a secret-named variable, or one whose value came from ${ENV}, as `***`."""
     return {k: MASK if SECRET_NAME.search(k) else mask_argv([v], from_env)[0] for k, v in env.items()}
+
+
+def mask_tree(value: Any, from_env: Iterable[str] = ()) -> Any:
+    """Plain data (a JSON-shaped `speculative` config) safe to print: each string masked as an argument is."""
+    if isinstance(value, str):
+        return mask_argv([value], from_env)[0]
+    if isinstance(value, dict):
+        return {k: mask_tree(v, from_env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mask_tree(v, from_env) for v in value]
+    return value
 
 
 def mask_url(url: str) -> str:

@@ -44,7 +44,13 @@ class _Unknown(Exception):
 
 
 def weights_gb(spec: ModelSpec) -> tuple[Optional[float], str]:
-    """The engine's weights in GB and where that number comes from, or None and why it is unknown."""
+    """The engine's weights in GB and where that number comes from, or None and why it is unknown: its
+    paths as the log and status may show them (a path the roster gave as ${ENV} masked, as in its argv)."""
+    size, reason = _weights_gb(spec)
+    return size, spec.masked([reason])[0]
+
+
+def _weights_gb(spec: ModelSpec) -> tuple[Optional[float], str]:
     if spec.weights_gb is not None:
         return spec.weights_gb, f"weights_gb: {spec.weights_gb:g} in the roster"
     if spec.model is None:

@@ -48,7 +48,6 @@ def level1_weights(specs: Iterable[ModelSpec], warn: Optional[Callable[[ModelSpe
     out: dict[str, Optional[float]] = {}
     for spec in specs:
         out[spec.name], why = weights_gb(spec)
-        why = spec.masked([why])[0]  # a path the roster took from ${ENV} is shown as *** (config.secrets)
         if spec.sleep_level != "auto" or spec.pin:  # a pinned model is never parked: its size decides nothing
             continue
         if out[spec.name] is None:

@@ -22,6 +22,7 @@ ROSTER = """
     models:
       - name: a
         model: ${MODELS}/a
+        speculative: {model: "${MODELS}/a-draft", num_speculative_tokens: 2}
         launcher: [python, -c, "import time; time.sleep(30)"]
         args: [--api-key, "${ENGINE_KEY}", "--hf-token=hf_literal_in_file", --load-format, runai_streamer,
                "--model-loader-extra-config={\\"url\\": \\"${S3_URL}\\"}", --max-model-len, "4096"]
@@ -51,6 +52,7 @@ def test_check_prints_no_engine_secret_from_args_command_or_env(tmp_path):
                          '--model-loader-extra-config={"url": "***"}', "--max-model-len", "4096"]
     assert a["env"] == {"VLLM_API_KEY": "***", "HF_HOME": "/cache", "SOME_URL": "***", "OMP_NUM_THREADS": "4"}
     assert a["model"] == "***/a"
+    assert a["speculative"] == {"model": "***/a-draft", "num_speculative_tokens": 2}, "it is argv too (--speculative-config)"
     assert b["command"] == ["python", "-c", "pass", "--port", "{port}", "--api-key=***", "***"]
     assert c["url"] == "http://***@10.0.0.5:8001/v1-proxy", "a url's userinfo is a secret, however it was written"
 
@@ -104,3 +106,15 @@ async def test_any_password_an_engine_url_can_carry_becomes_its_basic_auth_and_a
         parse_roster("models: [{name: a, url: 'http://o%3Ap:hunter2@127.0.0.1:1'}]\n", "r.yaml", {})
     [issue] = [str(i) for i in refused.value.issues]
     assert "models[0].url" in issue and "may not contain ':'" in issue and "hunter2" not in issue, issue
+
+
+def test_a_dry_run_tells_the_sizes_it_read_without_the_paths_the_roster_took_from_env(tmp_path):
+    from router.scheduling.sizing import simulated_roster  # router → engines → config: this test reaches the top
+    checkpoint = tmp_path / "secret-mount-91" / "a"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "model.safetensors").write_bytes(b"\0" * 1000)
+    path = tmp_path / "roster.yaml"
+    path.write_text("models:\n  - name: a\n    model: ${MODELS}/a\n")
+    _, notes = simulated_roster(load_roster(path, environ={"MODELS": str(checkpoint.parent)}))
+    said = "\n".join(notes)
+    assert "a: weights" in said and "***/a" in said and str(checkpoint.parent) not in said, said
