@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+from config.sections import BATCH
 from engines.engine import Engine
 from router.admin.reload import Reloads
 from router.live import Router
@@ -77,7 +78,9 @@ def engine_status(router: Router, e: Engine) -> dict[str, Any]:
         "queued": scheduler.queued(e),
         "queued_by_class": scheduler.queued_by_class(e),  # {interactive: N, batch: M}: batch is served after interactive
         "interactive_demand": scheduler.interactive_demand(e, scheduler.clock())[0],  # why batch may not take its room
-        "batch_held_by": scheduler.held_by.get(e.name),  # why its queued batch requests wait for room (null: they don't)
+        # Why its queued batch requests wait for room (null: none waits). The scheduler's note outlives its waiters
+        # (it is made anew only while some wait), so it is read only while one does.
+        "batch_held_by": scheduler.held_by.get(e.name) if scheduler.queued_by_class(e)[BATCH] else None,
         # What its queued requests wait for at the scheduler's last look: {reason: swap | min_active | max_hold | ..., why}
         "waiting_for": scheduler.wait_parts.now(e.name) if scheduler.queued(e) else None,
         "port": e.port,

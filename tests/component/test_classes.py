@@ -99,6 +99,9 @@ async def test_a_batch_request_that_finds_no_room_gets_a_503_naming_the_engine_t
     assert (await router.status())["swaps"] == []
     [refused, served] = await activity(router, 2)
     assert (refused["class"], refused["status"], served["class"]) == ("batch", 503, "interactive")
+    assert refused["held"] and refused["held"]["interactive"] > 0.4, refused  # its record says what held it, too
+    nightly = await router.engine("nightly")
+    assert nightly["queued"] == 0 and nightly["batch_held_by"] is None, "no batch request waits now: nothing is held"
 
 
 async def test_a_batch_flood_that_fills_the_queue_leaves_room_in_it_for_an_interactive_request(start_router):
